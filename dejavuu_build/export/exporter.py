@@ -1,0 +1,173 @@
+"""torch -> ONNX with the dynamo exporter (opset 23: fused Attention, RotaryEmbedding, RMSNormalization),
+then deterministic naming so later passes pick the lm-head and embeddings by name."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import schema as S
+from ..errors import ExportError
+from ..log import logger
+
+OPSET = 23
+LM_HEAD_NODE = "/lm_head/MatMul"
+EMBED_NODE = "/model/embed_tokens/Gather"
+
+
+@dataclass
+class ExportInfo:
+    seconds: float
+    nodes: int
+    opset: int
+    op_counts: dict[str, int] = field(default_factory=dict)
+    tied_embeddings: bool = False
+
+
+def text_dims(recipe, config) -> dict[str, Any]:
+    tc = recipe.text_config(config)
+    heads = tc.num_attention_heads
+    return {
+        "num_layers": tc.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "max_positions": int(getattr(tc, "max_position_embeddings", 0) or 0),
+    }
+
+
+def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1,
+                   primary: str = S.INPUT_IDS) -> ExportInfo:
+    """Export ``model`` (a full HF model of ``recipe``'s family) as a tree-capable decoder."""
+    import onnx
+    import torch
+
+    from .wrapper import DecoderWrapper
+
+    dims = text_dims(recipe, model.config)
+    L, kv, D, H = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], dims["hidden_size"]
+    lm = recipe.text_causal_lm(model).eval()
+    wrapper = DecoderWrapper(lm, L, recipe.sliding_windows(model.config), recipe.mask_argument,
+                             hidden_layer=hidden_layer, primary=primary).eval()
+    n, p = 3, 5  # sample sizes: > 1 so torch.export keeps them symbolic
+    if primary == S.INPUTS_EMBEDS:
+        first = torch.randn(1, n, H)
+    else:
+        first = torch.randint(0, min(dims["vocab_size"], 100), (1, n))
+    pos = torch.arange(p, p + n)[None]
+    bias = torch.zeros(1, 1, n, p + n)
+    past = [torch.zeros(1, kv, p, D) for _ in range(2 * L)]
+    Nd = torch.export.Dim("N", min=1, max=8192)
+    Pd = torch.export.Dim("P", min=0, max=131072)
+    Td = torch.export.Dim("T", min=1, max=131072)
+    first_dims = {1: Nd}
+    dynamic = (first_dims, {1: Nd}, {2: Nd, 3: Td}, tuple({2: Pd} for _ in past))
+    in_names = [primary, S.POSITION_IDS, S.ATTENTION_BIAS] + [
+        S.PAST_KEY.format(i=i) if k == 0 else S.PAST_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
+    out_names = [S.LOGITS, S.HIDDEN_STATES] + [
+        S.PRESENT_KEY.format(i=i) if k == 0 else S.PRESENT_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
+    tmp = out_path.with_name(out_path.name + ".raw")
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(wrapper, (first, pos, bias, *past), str(tmp), dynamo=True, opset_version=OPSET,
+                              input_names=in_names, output_names=out_names, dynamic_shapes=dynamic,
+                              external_data=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - surface the exporter's reason in one line
+        raise ExportError(f"torch.onnx export failed for recipe {recipe.name}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    seconds = time.perf_counter() - t0
+    proto = onnx.load(str(tmp))
+    os.remove(tmp)
+    tied = finalize_graph(proto)
+    save_model(proto, out_path)
+    ops = collections.Counter(nd.op_type for nd in proto.graph.node)
+    logger.info("  exported %d nodes (%s)", len(proto.graph.node),
+                ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
+    return ExportInfo(seconds=seconds, nodes=len(proto.graph.node), opset=OPSET,
+                      op_counts=dict(ops.most_common()), tied_embeddings=tied)
+
+
+def save_model(proto, path: Path) -> None:
+    """Save one file, or a file plus ``<name>.data`` when over the 2 GB protobuf limit."""
+    import onnx
+
+    path = Path(path)
+    if proto.ByteSize() > 1_800_000_000:
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save(proto, str(path))
+
+
+def _scope_of(node) -> list[str]:
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            try:
+                return ast.literal_eval(p.value)
+            except (ValueError, SyntaxError):
+                return []
+    return []
+
+
+def finalize_graph(proto) -> bool:
+    """Name nodes after their module (``/model/layers.0/self_attn/q_proj/MatMul``), name linear
+    weights after their module, drop exporter metadata (paths, stack traces) so builds are
+    reproducible. Returns whether the lm-head shares its weight with the embedding (tied)."""
+    g = proto.graph
+    used: collections.Counter[str] = collections.Counter()
+    inits = {i.name: i for i in g.initializer}
+    renamed_inits: dict[str, str] = {}
+    producers = {o: nd for nd in g.node for o in nd.output}
+    for nd in g.node:
+        scope = [s for s in _scope_of(nd)[:-1] if s]  # last entry is the fx node itself
+        module = scope[-1] if scope else ""
+        if module.startswith("lm."):
+            module = module[3:]
+        elif module == "lm":
+            module = ""
+        base = "/" + "/".join(module.split(".")).replace("/layers/", "/layers.") if module else ""
+        # "model.layers.0.self_attn" -> "/model/layers.0/self_attn"
+        name = f"{base}/{nd.op_type}"
+        used[name] += 1
+        nd.name = name if used[name] == 1 else f"{name}_{used[name] - 1}"
+        if nd.op_type == "MatMul" and module and len(nd.input) == 2 and nd.input[1] in inits \
+                and nd.input[1] not in renamed_inits and not nd.input[1].startswith(("model.", "lm")):
+            renamed_inits[nd.input[1]] = f"{module}.weight_T"
+        del nd.metadata_props[:]
+    # The lm-head: the MatMul producing logits.
+    lm_node = producers.get(S.LOGITS)
+    if lm_node is None or lm_node.op_type != "MatMul":
+        raise ExportError("could not find the lm-head MatMul producing `logits`")
+    lm_node.name = LM_HEAD_NODE
+    embed = next((nd for nd in g.node if nd.op_type == "Gather" and len(nd.input) == 2
+                  and nd.input[1] in (S.INPUT_IDS,)), None)
+    if embed is not None:
+        embed.name = EMBED_NODE
+    w = lm_node.input[1]
+    tied = False
+    if w not in inits and w in producers and producers[w].op_type == "Transpose":
+        src = producers[w].input[0]
+        tied = embed is not None and embed.input[0] == src
+    for init in g.initializer:  # "lm.model.norm.weight" -> "model.norm.weight"
+        if init.name.startswith("lm.") and init.name not in renamed_inits:
+            renamed_inits[init.name] = init.name[3:]
+    if renamed_inits:
+        for init in g.initializer:
+            if init.name in renamed_inits:
+                init.name = renamed_inits[init.name]
+        for nd in g.node:
+            for i, x in enumerate(nd.input):
+                if x in renamed_inits:
+                    nd.input[i] = renamed_inits[x]
+    del proto.metadata_props[:]
+    return tied

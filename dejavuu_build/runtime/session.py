@@ -1,0 +1,116 @@
+"""The ORT session around one decoder graph, and the I/O contract derived from that graph.
+
+Torch-free: onnxruntime and numpy only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ContractError
+from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, LOGITS, POSITION_IDS,
+                      Contract, TensorSpec)
+
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32",
+              "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16", "tensor(bool)": "bool"}
+_KV_PATTERNS = [  # (input regex, output pattern) for ours and common third-party exports
+    (re.compile(r"^past_key_values\.(\d+)\.(key|value)$"), "present.{i}.{kv}"),
+    (re.compile(r"^past_key_values_(\d+)_(key|value)$"), "present_{i}_{kv}"),
+    (re.compile(r"^past\.(\d+)\.(key|value)$"), "present.{i}.{kv}"),
+]
+
+
+def make_session(path: str | os.PathLike, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001
+        raise ContractError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0][:300]}; "
+                            f"the file may be corrupted: rebuild it") from None
+
+
+def _spec(arg) -> TensorSpec:
+    shape = [d if isinstance(d, int) else (str(d) if d is not None else "?") for d in (arg.shape or [])]
+    return TensorSpec(arg.name, _ORT_TYPES.get(arg.type, arg.type), shape)
+
+
+def derive_contract(session) -> Contract:
+    """Read the contract off the graph's inputs and outputs (what a decoder really takes)."""
+    ins = {a.name: _spec(a) for a in session.get_inputs()}
+    outs = {a.name: _spec(a) for a in session.get_outputs()}
+    if INPUT_IDS in ins:
+        primary = INPUT_IDS
+    elif INPUTS_EMBEDS in ins:
+        primary = INPUTS_EMBEDS
+    else:
+        raise ContractError(f"decoder has neither {INPUT_IDS} nor {INPUTS_EMBEDS} among its inputs {list(ins)}")
+    if LOGITS not in outs:
+        raise ContractError(f"decoder has no `{LOGITS}` output (outputs: {list(outs)})")
+    kv_in, kv_out, layers = None, None, set()
+    for rx, out_pat in _KV_PATTERNS:
+        m = [rx.match(n) for n in ins]
+        hits = [x for x in m if x]
+        if hits:
+            kv_in = rx.pattern
+            kv_out = out_pat
+            layers = {int(x.group(1)) for x in hits}
+            in_pat = {r"^past_key_values\.(\d+)\.(key|value)$": "past_key_values.{i}.{kv}",
+                      r"^past_key_values_(\d+)_(key|value)$": "past_key_values_{i}_{kv}",
+                      r"^past\.(\d+)\.(key|value)$": "past.{i}.{kv}"}[rx.pattern]
+            break
+    if kv_in is None:
+        raise ContractError("decoder has no past key/value inputs: a KV cache is required")
+    num_layers = max(layers) + 1
+    k0 = ins[in_pat.format(i=0, kv="key")]
+    mask_input, mask_kind = None, "none"
+    if ATTENTION_BIAS in ins and len(ins[ATTENTION_BIAS].shape) == 4:
+        mask_input, mask_kind = ATTENTION_BIAS, "additive_4d"
+    elif "attention_mask" in ins:
+        mask_input = "attention_mask"
+        mask_kind = "additive_4d" if len(ins["attention_mask"].shape) == 4 and ins["attention_mask"].dtype.startswith("float") \
+            else "padding_2d"
+    logits = outs[LOGITS]
+    hidden = outs.get(HIDDEN_STATES)
+    return Contract(
+        primary_input=primary,
+        inputs=list(ins.values()), outputs=list(outs.values()),
+        mask_input=mask_input, mask_kind=mask_kind,
+        position_input=POSITION_IDS if POSITION_IDS in ins else None,
+        hidden_output=HIDDEN_STATES if hidden is not None else None,
+        kv_input_pattern=in_pat, kv_output_pattern=kv_out,
+        num_layers=num_layers,
+        num_kv_heads=k0.shape[1] if isinstance(k0.shape[1], int) else 0,
+        head_dim=k0.shape[3] if isinstance(k0.shape[3], int) else 0,
+        hidden_size=(hidden.shape[-1] if hidden is not None and isinstance(hidden.shape[-1], int) else
+                     ins[primary].shape[-1] if primary == INPUTS_EMBEDS else 0),
+        vocab_size=logits.shape[-1] if isinstance(logits.shape[-1], int) else 0,
+        kv_dtype=k0.dtype,
+    )
+
+
+def cross_check(derived: Contract, declared: Contract, where: str) -> None:
+    """The graph must agree with contract.json on everything the graph can tell."""
+    problems = []
+    for f in ("primary_input", "mask_input", "mask_kind", "position_input", "hidden_output",
+              "kv_input_pattern", "kv_output_pattern", "num_layers", "num_kv_heads", "head_dim", "vocab_size"):
+        a, b = getattr(derived, f), getattr(declared, f)
+        if a != b:
+            problems.append(f"{f}: graph {a!r} vs contract {b!r}")
+    if problems:
+        raise ContractError(f"{where}: graph and contract.json disagree ({'; '.join(problems)}); rebuild it")
+
+
+def empty_past(contract: Contract) -> dict[str, np.ndarray]:
+    z = np.zeros((1, contract.num_kv_heads, 0, contract.head_dim), dtype=np.float32)
+    return {contract.kv_input_pattern.format(i=i, kv=kv): z
+            for i in range(contract.num_layers) for kv in ("key", "value")}

@@ -1,0 +1,150 @@
+"""The one manifest / contract schema. The build writes it, the runtime reads it: both import this.
+
+Pure Python (no torch, no onnx) so the runtime can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+CONTRACT_FILE = "contract.json"
+MANIFEST_FILE = "manifest.json"
+
+# I/O names, fixed in one place.
+INPUT_IDS = "input_ids"
+INPUTS_EMBEDS = "inputs_embeds"
+POSITION_IDS = "position_ids"
+ATTENTION_BIAS = "attention_bias"
+LOGITS = "logits"
+HIDDEN_STATES = "hidden_states"
+PAST_KEY = "past_key_values.{i}.key"
+PAST_VALUE = "past_key_values.{i}.value"
+PRESENT_KEY = "present.{i}.key"
+PRESENT_VALUE = "present.{i}.value"
+
+VARIANTS = ("fp32", "int8", "int4")
+
+
+def variant_file(variant: str) -> str:
+    return f"decoder_{variant}.onnx"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str                    # numpy dtype name: "int64", "float32"
+    shape: list[Any]              # ints for static dims, strings for dynamic ones
+
+
+@dataclass
+class Contract:
+    """What a decoder graph takes and gives; derived from the graph and cross-checked at load."""
+
+    schema_version: int = SCHEMA_VERSION
+    primary_input: str = INPUT_IDS          # input_ids | inputs_embeds
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    mask_input: str | None = ATTENTION_BIAS
+    mask_kind: str = "additive_4d"          # additive_4d (tree-capable) | padding_2d | none
+    position_input: str | None = POSITION_IDS
+    hidden_output: str | None = HIDDEN_STATES
+    hidden_layer: int = -1
+    kv_input_pattern: str = "past_key_values.{i}.{kv}"
+    kv_output_pattern: str = "present.{i}.{kv}"
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    hidden_size: int = 0
+    vocab_size: int = 0
+    max_positions: int = 0
+    sliding_window: list[int | None] = field(default_factory=list)   # per layer; None = full attention
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    kv_dtype: str = "float32"
+
+    @property
+    def tree_capable(self) -> bool:
+        return self.mask_kind == "additive_4d" and self.position_input is not None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Contract":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["inputs"] = [TensorSpec(**t) for t in d.get("inputs", [])]
+        d["outputs"] = [TensorSpec(**t) for t in d.get("outputs", [])]
+        return cls(**d)
+
+
+@dataclass
+class VariantRecord:
+    file: str
+    bytes: int = 0
+    sha256: str = ""
+    quant: dict = field(default_factory=dict)        # the quantization plan applied
+    gates: dict = field(default_factory=dict)        # gate name -> figures and pass/fail
+    passed: bool = False
+    timings_ms: dict = field(default_factory=dict)   # "n1_p256" -> ms
+    verify_cost_ratio: float | None = None           # N8 / N1 at past 256
+
+
+@dataclass
+class Manifest:
+    schema_version: int = SCHEMA_VERSION
+    name: str = ""
+    kind: str = "decoder"                            # decoder | datastore | vlm
+    created: str = ""
+    cache_key: str = ""
+    build_config: dict = field(default_factory=dict)
+    source: dict = field(default_factory=dict)       # kind, id, revision, sha256, path
+    recipe: str = ""
+    tools: dict = field(default_factory=dict)
+    export: dict = field(default_factory=dict)       # seconds, nodes, opset, op counts
+    quantize: dict = field(default_factory=dict)     # seconds
+    variants: dict[str, VariantRecord] = field(default_factory=dict)
+    default_variant: str | None = None
+    files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Manifest":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["variants"] = {k: VariantRecord(**v) for k, v in d.get("variants", {}).items()}
+        return cls(**d)
+
+
+def write_json(path: str | os.PathLike, obj: dict) -> None:
+    """Write JSON via a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: str | os.PathLike) -> Manifest:
+    return Manifest.from_json(json.loads((Path(folder) / MANIFEST_FILE).read_text()))
+
+
+def read_contract(folder: str | os.PathLike) -> Contract:
+    return Contract.from_json(json.loads((Path(folder) / CONTRACT_FILE).read_text()))
