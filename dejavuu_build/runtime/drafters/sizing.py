@@ -157,9 +157,11 @@ class CostAwareSizer(CalibratedSizer):
     calibrated cap until a few timings have been seen.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, explore_every: int = 16, **kwargs):
         super().__init__(**kwargs)
         self.cost = VerifyCostModel()
+        self.explore_every = explore_every
+        self._idle = 0
 
     def size(self, budget: DraftBudget, match_len: int) -> tuple[int, int]:
         nodes, depth = super().size(budget, match_len)
@@ -171,7 +173,10 @@ class CostAwareSizer(CalibratedSizer):
         best_n = max(range(budget.max_nodes + 1),
                      key=lambda n: (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * n))
         if best_n == 0:
-            return 0, 0
+            self._idle += 1
+            if self._idle % self.explore_every:
+                return 0, 0
+            best_n = 1  # an occasional probe keeps alpha current, or drafting could never resume
         return best_n, min(best_n, budget.max_depth)
 
     def learn(self, fb: Feedback, verified: Draft) -> None:

@@ -156,9 +156,6 @@ class SuffixIndex:
         lo = bisect_left(arr, pattern, lo, hi, key=key)
         return lo, bisect_right(arr, pattern, lo, hi, key=key)
 
-    def _tail(self) -> range:
-        return range(self._settled(), len(self._t))
-
     def _check(self, pattern: Sequence[int]) -> list[int]:
         pat = [int(x) for x in pattern]
         if not 1 <= len(pat) <= self.max_len:
@@ -172,8 +169,7 @@ class SuffixIndex:
         for arr in (self._main, self._dyn):
             lo, hi = self._span(arr, pat)
             out.extend(arr[lo:hi])
-        t, n = self._t, len(pat)
-        out.extend(p for p in self._tail() if t[p : p + n] == pat)
+        out.extend(self._tail_hits(pat, continued=False))
         return sorted(out)
 
     def count(self, pattern: Sequence[int]) -> int:
@@ -189,14 +185,25 @@ class SuffixIndex:
                 lo = bisect_left(arr, nxt, lo, hi, key=lambda p: t[p : p + n])
             yield arr, lo, hi
 
-    def _continued_tail(self, pat: list[int]) -> list[int]:
-        t, n, end = self._t, len(pat), len(self._t)
-        return [p for p in self._tail() if p + n < end and t[p + n] >= 0 and t[p : p + n] == pat]
+    def _tail_hits(self, pat: list[int], continued: bool) -> list[int]:
+        """Occurrences among the unsettled positions (``list.index`` scans in C)."""
+        t, n = self._t, len(pat)
+        stop = len(t) - n + (0 if continued else 1)
+        p, first, out = self._settled(), pat[0], []
+        while p < stop:
+            try:
+                p = t.index(first, p, stop)
+            except ValueError:
+                break
+            if t[p : p + n] == pat and (not continued or t[p + n] >= 0):
+                out.append(p)
+            p += 1
+        return out
 
     def has_continuation(self, pattern: Sequence[int]) -> bool:
         """Whether ``pattern`` occurs somewhere that is followed by at least one token."""
         pat = self._check(pattern)
-        return any(lo < hi for _, lo, hi in self._continued_spans(pat)) or bool(self._continued_tail(pat))
+        return any(lo < hi for _, lo, hi in self._continued_spans(pat)) or bool(self._tail_hits(pat, continued=True))
 
     def longest_match(self, query: Sequence[int], min_len: int = 1, max_len: int | None = None) -> int:
         """Largest ``L`` in ``[min_len, max_len]`` such that ``query[-L:]`` occurs with a continuation; 0 if none.
@@ -233,7 +240,7 @@ class SuffixIndex:
         starts: list[int] = []
         for arr, lo, hi in spans:
             starts.extend(arr[lo:hi:step])
-        starts.extend(self._continued_tail(pat))
+        starts.extend(self._tail_hits(pat, continued=True))
         starts.sort(reverse=True)
         n = len(pat)
         return [p + n for p in starts[:limit]]

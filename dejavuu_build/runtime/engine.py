@@ -1,0 +1,238 @@
+"""The speculative decoding loop: prefill, then per step draft -> one forward -> accept -> keep KV.
+
+Lossless by construction: at every position the committed token is the target's own choice
+(argmax, or a draw seeded by the absolute position); drafts only decide how many of those
+choices one forward pass can confirm. Drafters with real probabilities use min(1, p/q).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import GenerationError
+from ..log import logger
+from ..schema import Contract
+from .drafters.base import Draft, DraftBudget, Drafter, Feedback
+from .kv import KVCache
+from .sampling import Sampler, accept_ratio, residual
+from .tree import causal_inputs, step_inputs, with_root
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    kv_s: float = 0.0
+    overhead_s: float = 0.0
+    total_s: float = 0.0
+    accept_hist: list[int] = field(default_factory=list)   # accepted draft tokens per step
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per verify step."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per verify step (accepted + the bonus token): the speedup's upper bound."""
+        return (self.tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.tokens - 1) / self.decode_s if self.decode_s > 0 and self.tokens > 1 else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("accept_hist")
+        d.update(mean_accepted=round(self.mean_accepted, 3), tokens_per_step=round(self.tokens_per_step, 3),
+                 acceptance_rate=round(self.acceptance_rate, 3), decode_tok_s=round(self.decode_tok_s, 2))
+        for k, v in list(d.items()):
+            if isinstance(v, float):
+                d[k] = round(v, 5)
+        return d
+
+
+class Decoder:
+    """One ORT decoder session driven through its (derived) contract."""
+
+    def __init__(self, session, contract: Contract, embed: Callable[[np.ndarray], np.ndarray] | None = None):
+        self.s = session
+        self.c = contract
+        self.embed = embed
+        self.out_names = [o.name for o in session.get_outputs()]
+        self.kv_in = [contract.kv_input_pattern.format(i=i, kv=kv)
+                      for i in range(contract.num_layers) for kv in ("key", "value")]
+        self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
+                       for i in range(contract.num_layers) for kv in ("key", "value")]
+        self.has_hidden = contract.hidden_output is not None
+        self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
+
+    def new_cache(self) -> KVCache:
+        dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
+        return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
+
+    def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
+                embeds: np.ndarray | None = None):
+        """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past."""
+        n = len(tokens)
+        past = kv.length
+        feeds = dict(kv.feeds())
+        if self.c.primary_input == "inputs_embeds":
+            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(np.asarray(tokens, dtype=np.int64)[None])
+        else:
+            feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
+        if self.c.mask_kind == "additive_4d":
+            pos, bias = causal_inputs(n, past) if parents is None else step_inputs(parents, past)
+            feeds[self.c.mask_input] = bias
+        else:
+            if parents is not None and parents != list(range(-1, n - 1)):
+                raise GenerationError("this decoder has no 4D mask input: it can verify chains only")
+            pos = np.arange(past, past + n, dtype=np.int64)[None]
+            if self.c.mask_input:
+                feeds[self.c.mask_input] = np.ones((1, past + n), dtype=np.int64)
+        if self.c.position_input:
+            feeds[self.c.position_input] = pos
+        out = self.s.run(self.outputs, feeds)
+        logits = out[0][0]
+        hidden = out[1][0] if self.has_hidden else None
+        present = out[2:] if self.has_hidden else out[1:]
+        return logits, hidden, present
+
+
+def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
+    idx = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    order = np.take_along_axis(logits, idx, axis=-1).argsort(axis=-1)[:, ::-1]
+    return np.take_along_axis(idx, order, axis=-1)
+
+
+class Engine:
+    def __init__(self, decoder: Decoder, *, tree_capable: bool):
+        self.dec = decoder
+        self.tree_capable = tree_capable
+
+    def generate(self, prompt_ids: Sequence[int], *, drafter: Drafter, sampler: Sampler,
+                 max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
+                 eos_ids: Sequence[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
+                 residual_fn=residual, validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
+        """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason)."""
+        st = GenerationStats(prompt_tokens=len(prompt_ids))
+        t_all = time.perf_counter()
+        budget = budget or DraftBudget()
+        if budget.tree and not (tree and self.tree_capable):
+            budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
+        eos = set(int(e) for e in eos_ids)
+        tokens = [int(t) for t in prompt_ids]
+        kv = self.dec.new_cache()
+        drafter.begin(tokens)
+        t0 = time.perf_counter()
+        logits, hidden, present = self.dec.forward(tokens, None, kv, embeds=prefill_embeds)
+        kv.commit(present, len(tokens), list(range(len(tokens))))
+        first = sampler.pick(logits[-1], len(tokens))
+        st.prefill_s = time.perf_counter() - t0
+        new = [first]
+        tokens.append(first)
+        drafter.feedback(Feedback(committed=[first], drafted=0, accepted=0,
+                                  topk_ids=_topk_rows(logits[-1:], 8) if drafter.wants_topk else None,
+                                  hidden=hidden[-1:] if drafter.wants_hidden and hidden is not None else None))
+        if on_tokens:
+            on_tokens([first])
+        _, reason = self._truncate([], [first], eos, max_new_tokens, should_stop)
+        while reason is None:
+            remaining = max_new_tokens - len(new)
+            b = DraftBudget(min(budget.max_nodes, 8 * remaining), min(budget.max_depth, remaining - 1),
+                            budget.width, budget.tree)
+            t1 = time.perf_counter()
+            draft = drafter.propose(tokens, b) if b.max_depth > 0 else Draft()
+            st.draft_s += time.perf_counter() - t1
+            if validate_drafts or len(draft) > b.max_nodes:
+                draft.validate(b)
+            step_tokens = [tokens[-1]] + draft.tokens
+            parents = with_root(draft.parents)
+            t2 = time.perf_counter()
+            logits, hidden, present = self.dec.forward(step_tokens, None if draft.is_chain() else parents, kv)
+            t3 = time.perf_counter()
+            st.verify_s += t3 - t2
+            committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn)
+            kv.commit(present, len(step_tokens), path)
+            st.kv_s += time.perf_counter() - t3
+            st.steps += 1
+            st.drafted += len(draft)
+            st.accepted += len(path) - 1
+            st.accept_hist.append(len(path) - 1)
+            committed, reason = self._truncate(new, committed, eos, max_new_tokens, should_stop)
+            tokens += committed
+            new += committed
+            if on_tokens and committed:
+                on_tokens(committed)
+            drafter.feedback(Feedback(
+                committed=committed, drafted=len(draft), accepted=len(path) - 1,
+                accepted_path=[i - 1 for i in path[1:]],
+                topk_ids=_topk_rows(logits, 8) if drafter.wants_topk else None,
+                hidden=hidden[path] if drafter.wants_hidden and hidden is not None else None,
+                draft_seconds=t2 - t1, verify_seconds=t3 - t2))
+        drafter.end()
+        st.tokens = len(new)
+        st.total_s = time.perf_counter() - t_all
+        st.overhead_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s)
+        return new, st, reason
+
+    @staticmethod
+    def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn):
+        """Walk the tree from the root, committing the target's token at each position."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents[1:], start=1):
+            children.setdefault(p, []).append(i)
+        node, path, committed = 0, [0], []
+        ratio = draft.probs is not None and not sampler.greedy
+        while True:
+            kids = children.get(node, [])
+            if ratio and len(kids) == 1:
+                p = sampler.probs(logits[node])
+                c = kids[0]
+                ok, tok = accept_ratio(p, draft.probs[c - 1], step_tokens[c], sampler, pos, residual_fn)
+            else:
+                tok = sampler.pick(logits[node], pos)
+                c = next((k for k in kids if step_tokens[k] == tok), None)
+                ok = c is not None
+            committed.append(tok)
+            if not ok:
+                return committed, path
+            node = c
+            path.append(c)
+            pos += 1
+
+    @staticmethod
+    def _truncate(new, committed, eos, max_new, should_stop) -> tuple[list[int], str | None]:
+        """Cut this step's tokens at EOS, the token budget or a stop string; say why we stop."""
+        reason = None
+        committed = committed[:max(0, max_new - len(new))]
+        for i, t in enumerate(committed):
+            if t in eos:
+                committed, reason = committed[:i + 1], "eos"
+                break
+        if should_stop is not None:
+            cut = should_stop(new + committed)
+            if cut is not None:
+                committed, reason = (new + committed)[len(new):max(cut, len(new))], "stop_string"
+        if reason is None and len(new) + len(committed) >= max_new:
+            reason = "max_new_tokens"
+        return committed, reason

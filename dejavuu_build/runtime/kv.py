@@ -1,0 +1,43 @@
+"""The KV cache of committed tokens.
+
+The decoder graph returns ``present = concat(past, new)`` for every layer. After a verify step
+we keep the committed tokens only:
+- every new token accepted (plain decoding, a fully accepted chain): ``present`` is adopted as
+  is, no copy;
+- a chain accepted up to k < n: a prefix of ``present`` (one contiguous copy per layer);
+- a tree: the past plus the accepted nodes gathered in path order (one copy per layer).
+Each step therefore costs one O(length) copy at most, the same order as the concat the graph
+itself does; nothing is re-copied twice and nothing grows quadratically per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    def __init__(self, names: list[str], empty: np.ndarray):
+        self.names = names
+        self.arrays = {n: empty for n in names}
+        self.length = 0
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return self.arrays
+
+    def commit(self, present: list[np.ndarray], n_new: int, keep: list[int]) -> None:
+        """Keep the past plus new positions ``keep`` (indices into this step's nodes)."""
+        L = self.length
+        if keep == list(range(n_new)):
+            new = present
+        elif keep == list(range(len(keep))):
+            new = [np.ascontiguousarray(a[:, :, :L + len(keep)]) for a in present]
+        else:
+            idx = np.concatenate([np.arange(L), L + np.asarray(keep, dtype=np.int64)])
+            new = [np.take(a, idx, axis=2) for a in present]
+        self.arrays = dict(zip(self.names, new))
+        self.length = L + len(keep)
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.arrays = {n: np.ascontiguousarray(a[:, :, :length]) for n, a in self.arrays.items()}
+            self.length = length

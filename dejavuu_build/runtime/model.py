@@ -1,0 +1,255 @@
+"""A loaded decoder: the Python API (`load`, `Model.generate`, `Model.stream`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .. import schema as S
+from ..cache import cache_root, check_name, verify_entry
+from ..errors import CacheError, GenerationError
+from ..log import logger
+from .drafters.base import DraftBudget, Drafter
+from .engine import Decoder, Engine, GenerationStats
+from .sampling import Sampler
+from .session import cross_check, derive_contract, make_session
+from .tokenizer import TextTokenizer
+
+DEFAULT_THREADS = int(os.environ.get("DEJAVUU_THREADS", "2"))
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stats: GenerationStats
+    stop_reason: str
+    method: str = "baseline"
+    tree: bool = False
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "stop_reason": self.stop_reason, "method": self.method, "tree": self.tree,
+                "stats": self.stats.to_json()}
+
+
+@dataclass
+class Model:
+    folder: Path
+    variant: str
+    decoder: Decoder
+    contract: S.Contract
+    tokenizer: TextTokenizer | None
+    eos_ids: list[int] = field(default_factory=list)
+    manifest: S.Manifest | None = None
+    _warned_tree: bool = False
+
+    @property
+    def tree_capable(self) -> bool:
+        return self.contract.tree_capable
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None:
+                raise GenerationError("this model has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode_chat(list(prompt))
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GenerationError("this model has no tokenizer: pass token ids")
+            if not prompt.strip():
+                raise GenerationError("the prompt is empty: give some text")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt]
+        else:
+            raise GenerationError("prompt must be a string, a list of chat messages or a list of token ids")
+        if not ids:
+            raise GenerationError("the prompt is empty: give some text")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt, *, method: str | Drafter = "baseline", tree: bool = False,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
+                 max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, **drafter_params) -> GenerationResult:
+        ids = self.encode(prompt)
+        if max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1")
+        limit = self.contract.max_positions
+        if limit and len(ids) + max_new_tokens > limit:
+            raise GenerationError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                                  f"{limit} positions: shorten the prompt or lower max_new_tokens")
+        drafter = self._drafter(method, datastore, drafter_params)
+        if tree and not self.tree_capable and not self._warned_tree:
+            logger.warning("this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
+                           self.contract.mask_kind)
+            self._warned_tree = True
+        use_tree = tree and self.tree_capable
+        budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
+                             width=width if use_tree else 1, tree=use_tree)
+        sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        should_stop = self._stop_fn(stop) if stop else None
+        engine = Engine(self.decoder, tree_capable=self.tree_capable)
+        new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
+                                             tree=use_tree, budget=budget, eos_ids=self.eos_ids,
+                                             should_stop=should_stop, on_tokens=on_tokens,
+                                             validate_drafts=validate_drafts)
+        text = self.tokenizer.decode(new) if self.tokenizer else ""
+        if stop and reason == "stop_string":
+            for s_ in stop:
+                if s_ in text:
+                    text = text[:text.index(s_)]
+        name = method if isinstance(method, str) else getattr(method, "name", "custom")
+        return GenerationResult(text, new, len(ids), stats, reason, name, use_tree)
+
+    def stream(self, prompt, **kw) -> Iterator[str]:
+        """Yield text pieces as tokens are committed (a chunk per verify step)."""
+        q: queue.Queue = queue.Queue()
+        done = object()
+        err: list[BaseException] = []
+        toks: list[int] = []
+        sent = [0]
+
+        def on_tokens(new):
+            toks.extend(new)
+            text = self.tokenizer.decode(toks)
+            if not text.endswith("\ufffd") and len(text) > sent[0]:
+                q.put(text[sent[0]:])
+                sent[0] = len(text)
+
+        def run():
+            try:
+                self.generate(prompt, on_tokens=on_tokens, **kw)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                err.append(e)
+            finally:
+                q.put(done)
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        while (item := q.get()) is not done:
+            yield item
+        th.join()
+        if err:
+            raise err[0]
+
+    def _stop_fn(self, stop: Sequence[str]):
+        def should_stop(new: list[int]) -> int | None:
+            text = self.tokenizer.decode(new)
+            if not any(s in text for s in stop):
+                return None
+            for i in range(1, len(new) + 1):   # the first prefix whose text holds a stop string
+                if any(s in self.tokenizer.decode(new[:i]) for s in stop):
+                    return i
+            return len(new)
+        return should_stop
+
+    def _drafter(self, method, datastore, params) -> Drafter:
+        if isinstance(method, Drafter):
+            return method
+        from .drafters import METHODS, make_drafter
+
+        if method not in METHODS:
+            raise GenerationError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        if isinstance(datastore, str):
+            from .drafters.datastore import Datastore
+
+            datastore = load_datastore(datastore)
+        try:
+            return make_drafter(method, datastore=datastore, **params)
+        except (TypeError, ValueError) as e:
+            raise GenerationError(f"method {method}: {e}") from None
+
+
+def load_datastore(name_or_path: str):
+    from .drafters.datastore import Datastore
+
+    p = Path(name_or_path)
+    folder = p if p.is_dir() else cache_root() / check_name(name_or_path)
+    if not folder.is_dir():
+        raise CacheError(f"no datastore {name_or_path!r}; build it with `dejavuu-build datastore --from FILE --tokenizer MODEL --name {name_or_path}`")
+    verify_entry(folder)
+    return Datastore.load(folder)
+
+
+def resolve_folder(name_or_path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(folder, explicit .onnx file or None) for a cache name, a folder or an .onnx path."""
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".onnx":
+        if not p.is_file():
+            raise CacheError(f"{p} not found")
+        return p.parent, p
+    if p.is_dir():
+        return p, None
+    folder = cache_root() / check_name(str(name_or_path))
+    if not folder.is_dir():
+        raise CacheError(f"no build named {name_or_path!r} in {cache_root()}; build it with "
+                         f"`dejavuu-build tree-decoder --name {name_or_path}` (and --model ...)")
+    return folder, None
+
+
+def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads: int | None = None,
+         verify: bool = True) -> Model:
+    """Load a decoder by cache name, folder or .onnx path (the manifest's default variant unless named)."""
+    folder, onnx_file = resolve_folder(name_or_path)
+    manifest = None
+    if (folder / S.MANIFEST_FILE).is_file():
+        try:
+            manifest = S.read_manifest(folder)
+        except Exception as e:  # noqa: BLE001 - any parse failure is corruption
+            raise CacheError(f"{folder / S.MANIFEST_FILE} is corrupted ({e}); rebuild with --force") from None
+        if onnx_file is not None:
+            variant = next((v for v, r in manifest.variants.items() if r.file == onnx_file.name), None)
+        variant = variant or manifest.default_variant
+        if variant is None or variant not in manifest.variants:
+            raise CacheError(f"{folder.name} has no {variant or 'passing default'} variant "
+                             f"(has: {', '.join(manifest.variants) or 'none'}); build it with "
+                             f"`dejavuu-build quant-only --name {folder.name}`")
+        if verify:
+            verify_entry(folder, files=[manifest.variants[variant].file, S.CONTRACT_FILE] +
+                         [f for f in manifest.files if f.startswith(("tokenizer", "chat_template", "embed_tokens"))])
+        onnx_path = folder / manifest.variants[variant].file
+        sess = make_session(onnx_path, threads or DEFAULT_THREADS)
+        contract = S.read_contract(folder)
+        cross_check(derive_contract(sess), contract, str(onnx_path))
+        eos = list(contract.eos_token_ids)
+    else:  # a third-party export: the graph is the only contract
+        onnx_path = onnx_file or next(iter(sorted(folder.glob("*.onnx"))), None)
+        if onnx_path is None:
+            raise CacheError(f"{folder} holds no .onnx decoder")
+        sess = make_session(onnx_path, threads or DEFAULT_THREADS)
+        contract = derive_contract(sess)
+        variant = onnx_path.stem
+        eos = _eos_from_configs(folder)
+        contract.eos_token_ids = eos
+    embed = None
+    if contract.primary_input == "inputs_embeds":
+        table_path = folder / "embed_tokens.npy"
+        if not table_path.is_file():
+            raise CacheError(f"{folder} has no embed_tokens.npy for its inputs_embeds decoder; rebuild it")
+        table = np.load(table_path, mmap_mode="r")
+        embed = lambda ids: np.asarray(table[ids], dtype=np.float32)  # noqa: E731
+    tok = TextTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    if tok is not None and tok.eos_token and not eos:
+        t = tok.token_id(tok.eos_token)
+        eos = [t] if t is not None else []
+    return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest)
+
+
+def _eos_from_configs(folder: Path) -> list[int]:
+    for name in ("generation_config.json", "config.json"):
+        f = folder / name
+        if f.is_file():
+            e = json.loads(f.read_text()).get("eos_token_id")
+            if e is not None:
+                return [int(x) for x in (e if isinstance(e, list) else [e])]
+    return []
