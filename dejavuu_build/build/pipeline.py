@@ -53,7 +53,7 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
         with staging(name) as tmp:
             manifest = _export(cfg, src, tmp, name, key, tools)
             _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
-                                   cfg.timing, validate_fp32=True)
+                                   cfg.timing)
             _finish(tmp, manifest)
             out = commit(tmp, name)
     return BuildResult(out, manifest)
@@ -74,7 +74,7 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
                     link_or_copy(final / rel, tmp / rel)
             manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
                                                        key=S.VARIANTS.index)
-            _quantize_and_validate(tmp, manifest, list(variants), threads, timing, validate_fp32=False)
+            _quantize_and_validate(tmp, manifest, list(variants), threads, timing)
             _finish(tmp, manifest)
             out = commit(tmp, name)
     return BuildResult(out, manifest)
@@ -150,8 +150,9 @@ def _save_tokenizer(tok, gen, folder: Path) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool,
-                           *, validate_fp32: bool) -> None:
+def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool) -> None:
+    """Quantize ``variants`` from the fp32 export, then validate every variant (fp32 included)
+    against the saved torch references: torch-free, so quant-only runs it too."""
     from ..quantize import PLANS, quantize_model
     from ..runtime.session import cross_check, derive_contract, make_session
     from .gates import Reference, run_gates
@@ -171,7 +172,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
     if variants:
         manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
-    todo = (["fp32"] if validate_fp32 else []) + variants
+    todo = ["fp32"] + [v for v in manifest.variants if v != "fp32"]
     for v in todo:
         with step(f"validate {v}"):
             sess = make_session(folder / variant_file(v), threads=threads)
@@ -181,7 +182,9 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         rec.gates, rec.passed = res["gates"], res["passed"]
         rec.timings_ms = res.get("timings_ms", {})
         if rec.timings_ms:
-            rec.verify_cost_ratio = round(rec.timings_ms["n8_p256"] / rec.timings_ms["n1_p256"], 2)
+            t = rec.timings_ms
+            rec.verify_cost_ratio = round(t["n8_p256"] / t["n1_p256"], 2)
+            t["pad_cost_ratio"] = round(t["n2_p256"] / t["n1_p256"], 2)
         rec.bytes = (folder / rec.file).stat().st_size
         manifest.variants[v] = rec
         if v == "fp32" and not rec.passed:
@@ -203,7 +206,10 @@ def _pick_default(manifest: Manifest) -> str | None:
     for name, rec in manifest.variants.items():
         if not rec.passed:
             continue
-        cost = float(np.mean(list(rec.timings_ms.values()))) if rec.timings_ms else S.VARIANTS.index(name)
+        t = rec.timings_ms
+        # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8).
+        cost = float(np.mean([t[k] for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")])) if t \
+            else S.VARIANTS.index(name)
         if cost < best_cost:
             best, best_cost = name, cost
     return best
@@ -235,6 +241,6 @@ def _summary(manifest: Manifest) -> None:
             else:
                 parts.append(f"{m} batched=incremental {r['total'] - r['mismatches']}/{r['total']}")
         t = rec.timings_ms
-        tim = f"  N1/N8@256 {t['n1_p256']:.1f}/{t['n8_p256']:.1f} ms" if t else ""
+        tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
         logger.info(" %s %-5s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)

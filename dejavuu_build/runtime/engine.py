@@ -91,29 +91,46 @@ class Decoder:
 
     def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
                 embeds: np.ndarray | None = None):
-        """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past."""
+        """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
+
+        A single token is padded to two graph rows: ORT's kernels take another path for one
+        row (GEMV) than for several, and int8-activation kernels amplify that last-bit
+        difference into different argmaxes. With every forward on the multi-row path, a token's
+        logits are bit-identical whether it is verified alone or in a batch of drafts — which is
+        what makes speculative decoding exactly equal to plain decoding. The pad sits after the
+        real row, which never attends to it, and its output and KV are dropped.
+        """
         n = len(tokens)
         past = kv.length
+        pad = n == 1
+        toks = np.asarray(list(tokens) * 2 if pad else tokens, dtype=np.int64)
+        if pad:
+            parents = [-1, -1]
+            if embeds is not None:
+                embeds = np.concatenate([embeds, embeds], axis=1)
         feeds = dict(kv.feeds())
         if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(np.asarray(tokens, dtype=np.int64)[None])
+            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(toks[None])
         else:
-            feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
+            feeds["input_ids"] = toks[None]
+        m = len(toks)
         if self.c.mask_kind == "additive_4d":
-            pos, bias = causal_inputs(n, past) if parents is None else step_inputs(parents, past)
+            pos, bias = causal_inputs(m, past) if parents is None else step_inputs(parents, past)
             feeds[self.c.mask_input] = bias
         else:
-            if parents is not None and parents != list(range(-1, n - 1)):
+            if parents is not None and parents != list(range(-1, m - 1)) and not pad:
                 raise GenerationError("this decoder has no 4D mask input: it can verify chains only")
-            pos = np.arange(past, past + n, dtype=np.int64)[None]
+            pos = np.arange(past, past + m, dtype=np.int64)[None]
             if self.c.mask_input:
-                feeds[self.c.mask_input] = np.ones((1, past + n), dtype=np.int64)
+                feeds[self.c.mask_input] = np.ones((1, past + m), dtype=np.int64)
         if self.c.position_input:
             feeds[self.c.position_input] = pos
         out = self.s.run(self.outputs, feeds)
-        logits = out[0][0]
-        hidden = out[1][0] if self.has_hidden else None
+        logits = out[0][0][:n]
+        hidden = out[1][0][:n] if self.has_hidden else None
         present = out[2:] if self.has_hidden else out[1:]
+        if pad:
+            present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
 
 

@@ -28,7 +28,7 @@ class KVCache:
         """Keep the past plus new positions ``keep`` (indices into this step's nodes)."""
         L = self.length
         if keep == list(range(n_new)):
-            new = present
+            new = [np.ascontiguousarray(a) for a in present]   # a no-op unless a pad row was cut
         elif keep == list(range(len(keep))):
             new = [np.ascontiguousarray(a[:, :, :L + len(keep)]) for a in present]
         else:
@@ -36,6 +36,13 @@ class KVCache:
             new = [np.take(a, idx, axis=2) for a in present]
         self.arrays = dict(zip(self.names, new))
         self.length = L + len(keep)
+
+    def child(self, present: list[np.ndarray], n_new: int, keep: list[int]) -> "KVCache":
+        """A new cache with ``keep`` committed; this one is left as it was."""
+        c = KVCache(self.names, next(iter(self.arrays.values())))
+        c.arrays, c.length = dict(self.arrays), self.length
+        c.commit(present, n_new, keep)
+        return c
 
     def truncate(self, length: int) -> None:
         if length < self.length:

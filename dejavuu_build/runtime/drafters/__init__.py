@@ -32,7 +32,7 @@ def make_drafter(name: str, *, datastore: Datastore | str | Path | None = None, 
     cls = REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown drafter {name!r}; valid names: {', '.join(METHODS)}")
-    if getattr(cls, "uses_datastore", False) or cls is auto.Auto:
+    if getattr(cls, "uses_datastore", False):
         params["datastore"] = datastore
     return cls(**params)
 

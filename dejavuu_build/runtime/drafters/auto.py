@@ -23,10 +23,11 @@ class Auto(Drafter):
     member's draft is scored against the committed tokens -- the accepted length it *would*
     have had (a lower bound for non-chosen members, censored at the committed length) -- so
     all arms learn every step, not just the one played. The next draft comes from the member
-    maximising ``(1 + acceptance) / (verify_time(n) + own draft time)``, with ``verify_time``
-    fitted to ``Feedback.verify_seconds`` over drafted node counts, and an ``explore``
-    chance of a random non-empty member. Acceptance estimates decay across requests rather
-    than reset, so a new request starts from what worked before.
+    maximising ``(1 + acceptance) / (verify_time(n) + own draft time)``: acceptance is
+    estimated per member and draft depth (adaptive members signal confidence by depth),
+    ``verify_time`` is fitted to ``Feedback.verify_seconds`` over drafted node counts, and
+    with chance ``explore`` a random non-empty member is played. Estimates decay across
+    requests rather than reset, so a new request starts from what worked before.
 
     All members see every ``begin``/``feedback``/``end``; non-chosen members get the chosen
     draft as "the draft that was verified" (token recycling needs it to map top-k rows) and
@@ -34,6 +35,8 @@ class Auto(Drafter):
     Wins when the workload mixes copy-heavy and free-form requests; costs the sum of the
     members' draft times.
     """
+
+    uses_datastore = True  # handed on to the members that retrieve from one
 
     def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, *, datastore=None,
                  explore: float = 0.05, forget: float = 0.9, request_forget: float = 0.5,
@@ -51,8 +54,9 @@ class Auto(Drafter):
         self.explore, self.forget, self.request_forget = explore, forget, request_forget
         self._rng = random.Random(seed)
         k = len(self.members)
-        self._acc = [1.0] * k        # forgetful mean of (counterfactual) accepted tokens
-        self._weight = [0.0] * k     # its effective sample size
+        # per member: depth -> [forgetful mean of (counterfactual) accepted tokens, weight];
+        # depth 0 pools all depths and is the prior for depths seen rarely.
+        self._acc: list[dict[int, list[float]]] = [{0: [1.0, 0.0]} for _ in range(k)]
         self._draft_s = [0.0] * k    # forgetful mean of each member's draft time
         self._cost = VerifyCostModel()
         self._drafts: list[Draft] = [Draft()] * k
@@ -63,15 +67,23 @@ class Auto(Drafter):
         return self.member_names[self.chosen] if self.chosen >= 0 else None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        self._weight = [w * self.request_forget for w in self._weight]
+        for stats in self._acc:
+            for entry in stats.values():
+                entry[1] *= self.request_forget
         self.chosen = -1
         for m in self.members:
             m.begin(prompt_ids)
 
+    def expected_accepted(self, i: int, depth: int) -> float:
+        """Member ``i``'s accepted length for a draft this deep, shrunk toward its overall mean."""
+        pooled, _ = self._acc[i][0]
+        mean, weight = self._acc[i].get(depth, (pooled, 0.0))
+        return (mean * weight + pooled * 2.0) / (weight + 2.0)
+
     def _value(self, i: int) -> float:
-        n = len(self._drafts[i])
+        draft = self._drafts[i]
         a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
-        return (1.0 + self._acc[i]) / (a + b * n + self._draft_s[i])
+        return (1.0 + self.expected_accepted(i, draft.depth())) / (a + b * len(draft) + self._draft_s[i])
 
     def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
         for i, m in enumerate(self.members):
@@ -96,9 +108,11 @@ class Auto(Drafter):
                 if not len(d):
                     continue  # estimates are conditional on the member having a draft
                 score = fb.accepted if i == self.chosen else accepted_length(d, truth)
-                w = self._weight[i] * self.forget
-                self._acc[i] = (self._acc[i] * w + score) / (w + 1)
-                self._weight[i] = w + 1
+                for key in (0, d.depth()):
+                    entry = self._acc[i].setdefault(key, [0.0, 0.0])
+                    w = entry[1] * self.forget
+                    entry[0] = (entry[0] * w + score) / (w + 1)
+                    entry[1] = w + 1
         self._cost.observe(fb.drafted, fb.verify_seconds)
         chosen = self._drafts[self.chosen] if self.chosen >= 0 else Draft()
         quiet = replace(fb, drafted=0, accepted=0, accepted_path=[], draft_seconds=0.0, verify_seconds=0.0)

@@ -1,4 +1,5 @@
-"""Plumbing shared by the drafters: the request's token history, hidden-state memory, registry."""
+"""Plumbing shared by the drafters: the method registry, the request's token history, and a
+hidden-state memory."""
 
 from __future__ import annotations
 

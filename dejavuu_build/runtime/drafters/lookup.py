@@ -59,11 +59,11 @@ class PromptLookup(HistoryDrafter):
 class PromptLookupPlus(PromptLookup):
     """PLD+: prompt lookup whose candidate matches are re-ranked by hidden-state similarity.
 
-    The engine passes hidden states of committed tokens (``Feedback.hidden``, rows aligned so
-    the last row is the state that produced the last committed token; extra leading rows, e.g.
-    prompt states, are accepted). A candidate's score is ``match_len + cosine`` between the
-    latest state and the state at the same offset before the candidate, so similarity
-    decides among matches of (nearly) equal length. Without hidden states it is ``pld``.
+    The engine passes hidden states of committed tokens (``Feedback.hidden``: row ``i`` is the
+    state at the input that produced ``committed[i]``, i.e. the root and the accepted nodes).
+    A candidate's score is ``match_len + cosine`` between the latest state and the state at
+    the same offset before the candidate, so similarity decides among matches of (nearly)
+    equal length. Without hidden states it is ``pld``.
 
     Wins over ``pld`` when a short n-gram recurs in several contexts (boilerplate, lists,
     code with repeated identifiers) and only the semantically closest one continues right.
@@ -81,7 +81,8 @@ class PromptLookupPlus(PromptLookup):
 
     def _learn(self, fb: Feedback, start: int, verified: Draft) -> None:
         if fb.hidden is not None and len(fb.committed):
-            self._hidden.put(start + len(fb.committed) - 2, np.asarray(fb.hidden))
+            rows = np.asarray(fb.hidden)[: len(fb.committed)]  # extra rows: committed was truncated
+            self._hidden.put(start - 2 + len(rows), rows)
 
     def _offset(self) -> int:
         """Distance from the end of the history back to the latest stored state."""

@@ -227,16 +227,19 @@ class SuffixIndex:
                 hi = mid - 1
         return lo
 
-    def match_ends(self, pattern: Sequence[int], limit: int | None = None, max_scan: int = 4096) -> list[int]:
-        """Continuation starts (``p + len(pattern)``) of occurrences with a continuation, latest first.
+    def match_ends(self, pattern: Sequence[int], limit: int | None = None, max_scan: int = 1024) -> list[int]:
+        """Continuation starts (``p + len(pattern)``) of occurrences with a continuation.
 
-        Very common patterns are stride-sampled down to ``max_scan`` occurrences first, which
-        keeps the cost bounded and the continuation frequencies representative.
+        Latest first, up to ``limit``. When more than ``max_scan`` occurrences exist (a common
+        pattern in a big datastore), ``limit`` of them are instead stride-sampled across the
+        sorted range, which keeps the cost bounded and the continuation frequencies
+        representative; the unsettled newest positions are always included.
         """
         pat = self._check(pattern)
         spans = list(self._continued_spans(pat))
         total = sum(hi - lo for _, lo, hi in spans)
-        step = -(-total // max_scan) if total > max_scan else 1
+        want = limit if limit is not None and total > max_scan else total
+        step = max(1, -(-total // max(want, 1)))
         starts: list[int] = []
         for arr, lo, hi in spans:
             starts.extend(arr[lo:hi:step])

@@ -1,0 +1,77 @@
+"""`dejavuu-build bench`: a thin Click shell over :func:`dejavuu_build.bench.runner.run_bench`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ..build.cli import _friendly
+from .runner import DEFAULT_CATEGORIES, BenchConfig, BenchError, ExactnessError, run_bench
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _out_dir(model: str, out: str | None, resume: str | None) -> tuple[Path, bool]:
+    """(out folder, resuming?) from --out and --resume [DIR]."""
+    from ..cache import cache_root
+
+    if resume is not None:
+        if resume and out and Path(resume).expanduser().resolve() != Path(out).expanduser().resolve():
+            raise BenchError(f"--resume {resume} and --out {out} name different folders: give one")
+        if not (resume or out):
+            raise BenchError("--resume needs the run's folder: --resume DIR, or --resume with --out DIR")
+        return Path(resume or out).expanduser(), True
+    if out:
+        return Path(out).expanduser(), False
+    stem = Path(model).name if Path(model).expanduser().exists() else model
+    return cache_root() / "bench" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}", False
+
+
+@click.command("bench")
+@click.option("--model", required=True, help="Cache name or folder of a built decoder.")
+@click.option("--methods", default="baseline,pld,suffix_decoding", show_default=True,
+              help="Comma-separated methods; baseline (plain decoding) is always run.")
+@click.option("--per-category", default=10, show_default=True, type=int, help="Prompts per category.")
+@click.option("--categories", default=",".join(DEFAULT_CATEGORIES), show_default=True,
+              help="Comma-separated categories; mt_bench = Spec-Bench's 80 multi-turn MT-Bench prompts.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--threads", default=2, show_default=True, type=int, help="ORT intra-op threads.")
+@click.option("--tree", is_flag=True, help="Verify trees of drafts instead of chains.")
+@click.option("--width", default=2, show_default=True, type=int, help="Tree width (children per node).")
+@click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
+@click.option("--data", default=None, type=click.Path(dir_okay=False),
+              help="Spec-Bench question.jsonl [default: ../shared/data/spec_bench/question.jsonl when present].")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="Results folder [default: <cache>/bench/<model>-<timestamp>].")
+@click.option("--resume", default=None, is_flag=False, flag_value="", metavar="[DIR]",
+              help="Continue an interrupted run in DIR (or in --out), skipping finished prompts.")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="0 = greedy, where every method must match baseline exactly.")
+@click.option("--datastore", default=None,
+              help="Datastore (cache name or folder) for rest / sam_decoding / asam / auto "
+                   "[default: built in memory from the other categories' prompts].")
+@click.option("--seed", default=0, show_default=True, type=int)
+@_friendly
+def bench(model, methods, per_category, categories, max_new_tokens, threads, tree, width, variant, data, out,
+          resume, temperature, datastore, seed):
+    """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
+    folder, resuming = _out_dir(model, out, resume)
+    cfg = BenchConfig(model=model, methods=_csv(methods), categories=_csv(categories), per_category=per_category,
+                      max_new_tokens=max_new_tokens, threads=threads, tree=tree, width=width, variant=variant,
+                      temperature=temperature, seed=seed, datastore=datastore, data=data)
+    try:
+        report = run_bench(cfg, folder, resume=resuming)
+    except ExactnessError as e:
+        if e.report is not None:
+            click.echo(e.report.table())
+        raise
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: finished prompts are kept; continue with --resume {folder}", err=True)
+        sys.exit(130)
+    click.echo(report.table())
+    click.echo("results: " + ", ".join(str(p) for p in report.files.values()))

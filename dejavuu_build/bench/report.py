@@ -1,0 +1,170 @@
+"""Per category × method aggregates of the bench records, and their outputs (table, CSV, JSON, PNG).
+
+Speedup compares decode time per decoded token of the same prompts in the same run, so
+prefill (identical work for every method) neither dilutes nor inflates it; in greedy mode the
+tokens are identical and it is exactly the ratio of decode times. The overall row takes the
+geometric mean of the category speedups, so no category dominates by its length.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Sequence
+
+from ..log import logger
+
+OVERALL = "overall"
+
+
+@dataclass
+class Row:
+    category: str
+    method: str
+    prompts: int
+    generations: int
+    tokens: int
+    decode_tok_s_mean: float
+    decode_tok_s_std: float
+    speedup: float | None
+    prefill_ms: float
+    acceptance_rate: float | None    # None: nothing was drafted (baseline)
+    tokens_per_step: float
+    draft_ms_per_step: float
+    verify_ms_per_step: float
+    overhead_ms_per_step: float
+    match_pct: float
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    methods: tuple[str, ...]
+    categories: tuple[str, ...]
+    files: dict[str, Path] = field(default_factory=dict)   # what write_outputs wrote
+
+    def row(self, category: str, method: str) -> Row | None:
+        return next((r for r in self.rows if r.category == category and r.method == method), None)
+
+    def table(self) -> str:
+        head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} {'prefill ms':>10} "
+                f"{'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            split = f"{r.draft_ms_per_step:.2f}/{r.verify_ms_per_step:.2f}/{r.overhead_ms_per_step:.2f}"
+            speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+            accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
+            lines.append(f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
+                         f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
+                         f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
+                         f"{r.match_pct:>6.1f}%")
+        return "\n".join(lines)
+
+
+def _decode_tokens(r: dict) -> int:
+    """Tokens made by decode steps: the first new token comes out of prefill."""
+    return max(r["tokens"] - 1, 0)
+
+
+def _time_per_token(recs: Sequence[dict]) -> float | None:
+    n = sum(_decode_tokens(r) for r in recs)
+    return sum(r["decode_s"] for r in recs) / n if n else None
+
+
+def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict]) -> Row:
+    per_prompt: dict[str, list[dict]] = defaultdict(list)
+    for r in recs:
+        per_prompt[r["qid"]].append(r)
+    rates = [sum(map(_decode_tokens, g)) / s for g in per_prompt.values() if (s := sum(r["decode_s"] for r in g)) > 0]
+    t_m, t_b = _time_per_token(recs), _time_per_token(base)
+    steps = sum(r["steps"] for r in recs)
+    drafted = sum(r["drafted"] for r in recs)
+    compared = sum(r["compared"] for r in recs)
+
+    def per_step(key: str) -> float:
+        return 1e3 * sum(r[key] for r in recs) / steps if steps else 0.0
+
+    return Row(category=category, method=method, prompts=len(per_prompt), generations=len(recs),
+               tokens=sum(r["tokens"] for r in recs),
+               decode_tok_s_mean=statistics.fmean(rates) if rates else 0.0,
+               decode_tok_s_std=statistics.stdev(rates) if len(rates) > 1 else 0.0,
+               speedup=t_b / t_m if t_m and t_b else None,
+               prefill_ms=1e3 * statistics.fmean(r["prefill_s"] for r in recs) if recs else 0.0,
+               acceptance_rate=sum(r["accepted"] for r in recs) / drafted if drafted else None,
+               tokens_per_step=sum(map(_decode_tokens, recs)) / steps if steps else 0.0,
+               draft_ms_per_step=per_step("draft_s"), verify_ms_per_step=per_step("verify_s"),
+               overhead_ms_per_step=per_step("overhead_s"),
+               match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0)
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(statistics.fmean(math.log(v) for v in vals)) if vals else None
+
+
+def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Sequence[str]) -> Report:
+    """Rows per category (in the asked order) × method, then the overall rows."""
+    by: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        by[r["category"], r["method"]].append(r)
+    cats = [c for c in categories if by.get((c, "baseline"))]
+    rows = [_row(c, m, by[c, m], by[c, "baseline"]) for c in cats for m in methods if by.get((c, m))]
+    for m in methods:
+        mine = [r for r in records if r["method"] == m]
+        if not mine:
+            continue
+        row = _row(OVERALL, m, mine, [r for r in records if r["method"] == "baseline"])
+        row.speedup = geomean([r.speedup for r in rows if r.method == m and r.speedup])
+        rows.append(row)
+    return Report(rows, tuple(methods), tuple(cats))
+
+
+# ---------------------------------------------------------------------------------- outputs
+def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
+    """``results.csv``, ``results.json`` (rows + run metadata + gate) and ``speedup.png``."""
+    paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "speedup.png"}
+    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
+        w.writeheader()
+        w.writerows(asdict(r) for r in report.rows)
+    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in report.rows]}, indent=2) + "\n")
+    try:
+        plot_speedups(report, paths["png"],
+                      title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): decode speedup over baseline")
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
+        del paths["png"]
+    report.files = paths
+    return paths
+
+
+def plot_speedups(report: Report, path: Path, title: str = "speedup over baseline") -> None:
+    """Grouped bars: one group per category (and overall), one bar per method, a line at 1.0x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [*report.categories, OVERALL]
+    methods = [m for m in report.methods if m != "baseline"]
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.5 + 0.3 * len(groups) * max(1, len(methods))), 4.0))
+    for i, m in enumerate(methods):
+        vals = [(r.speedup or 0.0) if (r := report.row(g, m)) else 0.0 for g in groups]
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
+        bars = ax.bar(xs, vals, width, label=m)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="baseline")
+    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
+    ax.set_ylabel("decode speedup (×)")
+    ax.set_title(title)
+    ax.set_ylim(0, 1.15 * max([1.0, *(r.speedup or 0.0 for r in report.rows)]))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,408 @@
+"""The benchmark loop: Spec-Bench prompts, interleaved method runs, resumable records, the exactness gate.
+
+Why it is shaped this way:
+
+* every method of one prompt runs back to back (baseline first), so machine noise (other
+  processes, thermal drift) hits all methods of that prompt alike and speedups stay fair;
+* each finished prompt is appended to ``records.jsonl`` and fsynced at once, so an interrupted
+  run loses at most the prompt in flight and ``resume`` redoes only what is missing;
+* in greedy mode a speculative method must reproduce plain decoding token for token (that is
+  what "lossless" means); any difference is a bug, so the run fails after writing its results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from ..errors import DejavuuError
+from ..log import logger, progress
+from .report import Report, aggregate, write_outputs
+
+if TYPE_CHECKING:
+    from ..runtime.model import GenerationResult, Model
+
+TASK_CATEGORIES: tuple[str, ...] = ("translation", "summarization", "qa", "math_reasoning", "rag")
+DEFAULT_CATEGORIES: tuple[str, ...] = (*TASK_CATEGORIES, "mt_bench")
+# Spec-Bench files its 80 MT-Bench prompts under MT-Bench's own 8 categories.
+MT_BENCH_SOURCES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                              "humanities"})
+SPEC_BENCH_HINT = ("pass --data PATH to Spec-Bench's question.jsonl (https://github.com/hemingkx/Spec-Bench, "
+                   "file data/spec_bench/question.jsonl)")
+RECORDS_FILE = "records.jsonl"
+CONFIG_FILE = "config.json"
+WARMUP_TOKENS = 8
+
+
+class BenchError(DejavuuError):
+    """The benchmark cannot run as asked (no data, unknown category or method, resume mismatch)."""
+
+
+class ExactnessError(BenchError):
+    """A method's greedy output differs from plain decoding: the lossless guarantee is broken."""
+
+    def __init__(self, message: str, failures: list[dict], report: Report | None = None):
+        super().__init__(message)
+        self.failures = failures
+        self.report = report
+
+
+@dataclass(frozen=True)
+class Prompt:
+    qid: str
+    category: str      # the bench category (mt_bench for all 8 MT-Bench categories)
+    source: str        # the category as written in the data file
+    turns: tuple[str, ...]
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: tuple[str, ...] = ("baseline", "pld")
+    categories: tuple[str, ...] = DEFAULT_CATEGORIES
+    per_category: int = 10
+    max_new_tokens: int = 128
+    threads: int = 2
+    tree: bool = False
+    width: int = 2
+    variant: str | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    datastore: str | None = None
+    data: str | None = None
+
+    # What a resumed run must share with the run it continues: anything that changes the
+    # generated tokens or the timings. Categories, prompt counts and the data path may grow.
+    RESUME_KEYS = ("model", "variant", "methods", "max_new_tokens", "threads", "tree", "width", "temperature",
+                   "seed", "datastore")
+
+    def __post_init__(self) -> None:
+        from ..runtime.drafters import METHODS
+
+        methods = ["baseline"] + [m for m in self.methods if m != "baseline"]
+        self.methods = tuple(dict.fromkeys(methods))
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from: {', '.join(METHODS)}")
+        self.categories = tuple(dict.fromkeys(self.categories))
+        if not self.categories:
+            raise BenchError("no categories to run")
+        if self.per_category < 1 or self.max_new_tokens < 1:
+            raise BenchError("--per-category and --max-new-tokens must be at least 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["methods"], d["categories"] = list(self.methods), list(self.categories)
+        return d
+
+
+# ---------------------------------------------------------------------------------- prompts
+def bench_category(raw: str) -> str:
+    return "mt_bench" if raw in MT_BENCH_SOURCES else raw
+
+
+def default_data_path() -> Path | None:
+    """Spec-Bench next to the project checkout, else next to the current directory."""
+    import dejavuu_build
+
+    rel = Path("shared", "data", "spec_bench", "question.jsonl")
+    for base in (Path(dejavuu_build.__file__).resolve().parents[1].parent, Path.cwd().parent):
+        if (base / rel).is_file():
+            return base / rel
+    return None
+
+
+def resolve_data(path: str | os.PathLike | None) -> Path:
+    if path is None:
+        found = default_data_path()
+        if found is None:
+            raise BenchError(f"no Spec-Bench data found: {SPEC_BENCH_HINT}")
+        return found
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise BenchError(f"{p} is not a file: {SPEC_BENCH_HINT}")
+    return p
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Rows ``{"question_id", "category", "turns": [...]}``, in file order."""
+    out: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                turns = tuple(str(t) for t in row["turns"])
+                qid, raw = str(row["question_id"]), str(row["category"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise BenchError(f"{path}:{n}: not a Spec-Bench row {{question_id, category, turns}} ({e})") from None
+            if turns:
+                out.append(Prompt(qid, bench_category(raw), raw, turns))
+    return out
+
+
+def select(prompts: Sequence[Prompt], categories: Sequence[str], n: int,
+           fits: Callable[[Prompt], bool] = lambda p: True) -> list[Prompt]:
+    """The first ``n`` prompts of each category that fit the model, deterministically.
+
+    Within a category the source categories take turns (MT-Bench: writing, roleplay, ...), so a
+    small ``n`` still samples all of mt_bench rather than its first 10 writing prompts.
+    """
+    by_cat: dict[str, dict[str, list[Prompt]]] = defaultdict(lambda: defaultdict(list))
+    for p in prompts:
+        by_cat[p.category][p.source].append(p)
+    missing = [c for c in categories if c not in by_cat]
+    if missing:
+        raise BenchError(f"no prompts for categor{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} in the "
+                         f"data; it has: {', '.join(by_cat)}")
+    chosen: list[Prompt] = []
+    for cat in categories:
+        queues = list(by_cat[cat].values())
+        ordered = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+        picked = list(islice(filter(fits, ordered), n))
+        if len(picked) < n:
+            logger.warning("%s: only %d of the %d prompts asked for (of %d in the data) fit the model", cat,
+                           len(picked), n, len(ordered))
+        chosen += picked
+    return chosen
+
+
+# ---------------------------------------------------------------------------------- records
+class RecordStore:
+    """``records.jsonl`` in the out folder: one line per (prompt, turn, method), a prompt at a time."""
+
+    def __init__(self, out: Path, cfg: BenchConfig, resume: bool):
+        self.out = out
+        self.path = out / RECORDS_FILE
+        cfg_path = out / CONFIG_FILE
+        if resume:
+            if not cfg_path.is_file():
+                raise BenchError(f"{out} holds no bench run to resume ({CONFIG_FILE} missing)")
+            old = json.loads(cfg_path.read_text())
+            new = cfg.to_json()
+            diff = [k for k in cfg.RESUME_KEYS if old.get(k) != new.get(k)]
+            if diff:
+                raise BenchError(f"cannot resume {out}: " + ", ".join(f"{k} was {old.get(k)!r}, now {new.get(k)!r}"
+                                                                       for k in diff))
+        elif self.path.is_file() and self.path.stat().st_size:
+            raise BenchError(f"{out} already holds a bench run: pass --resume {out} to continue it, or another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+        self.records: list[dict] = self._load() if resume else []
+
+    def _load(self) -> list[dict]:
+        """Parsed lines; a torn last line (a crash mid-write) is cut off so appends stay valid."""
+        if not self.path.is_file():
+            return []
+        recs: list[dict] = []
+        good = 0
+        with self.path.open("rb") as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+                good += len(line)
+        if good < self.path.stat().st_size:
+            logger.warning("%s: dropping a torn record at byte %d", self.path, good)
+            with self.path.open("r+b") as f:
+                f.truncate(good)
+        return recs
+
+    def done(self, p: Prompt, methods: Sequence[str]) -> bool:
+        """A prompt counts only when every (method, turn) of it was recorded."""
+        want = {(m, t) for m in methods for t in range(1, len(p.turns) + 1)}
+        return want <= {(r["method"], r["turn"]) for r in self.records if r["qid"] == p.qid}
+
+    def append(self, recs: Iterable[dict]) -> None:
+        recs = list(recs)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+            f.flush()
+            os.fsync(f.fileno())
+        self.records += recs
+
+    def for_prompts(self, prompts: Sequence[Prompt], methods: Sequence[str]) -> list[dict]:
+        """The latest record of each (prompt, turn, method) of this selection (a redone prompt wins)."""
+        keep = {p.qid for p in prompts}
+        latest = {(r["qid"], r["turn"], r["method"]): r for r in self.records
+                  if r["qid"] in keep and r["method"] in methods}
+        return list(latest.values())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_record(p: Prompt, turn: int, method: str, res: GenerationResult, baseline_ids: Sequence[int]) -> dict:
+    """Everything the report needs about one generation, plus its agreement with baseline."""
+    s = res.stats
+    common = _common_prefix(res.tokens, baseline_ids)
+    same = list(res.tokens) == list(baseline_ids)
+    return {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": method,
+            "prompt_tokens": s.prompt_tokens, "tokens": s.tokens, "steps": s.steps, "drafted": s.drafted,
+            "accepted": s.accepted, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "draft_s": s.draft_s,
+            "verify_s": s.verify_s, "kv_s": s.kv_s, "overhead_s": s.overhead_s, "total_s": s.total_s,
+            "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
+            "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
+            "ids": list(res.tokens)}
+
+
+# ---------------------------------------------------------------------------------- drafters
+class DrafterPool:
+    """One fresh drafter per method for the whole run, reused across its prompts, as a server would.
+
+    Retrieval methods (``uses_datastore``: rest, sam_decoding, asam, auto) without ``--datastore``
+    get one drafter per category whose in-memory datastore holds the turns of every *other*
+    category's prompts, so they retrieve real text without ever seeing the prompt under test.
+    """
+
+    def __init__(self, cfg: BenchConfig, encode: Callable[[str], list[int]], corpus: Sequence[Prompt]):
+        self.cfg = cfg
+        self.encode = encode
+        self.corpus = corpus
+        self._drafters: dict[tuple[str, str | None], object] = {}
+        self._stores: dict[str | None, object] = {}
+        self._scoped: dict[str, bool] = {}
+
+    def _store(self, category: str | None):
+        if category not in self._stores:
+            if self.cfg.datastore:
+                from ..runtime.model import load_datastore
+
+                self._stores[category] = load_datastore(self.cfg.datastore)
+            else:
+                from ..runtime.drafters import Datastore
+
+                docs = (self.encode(t) for p in self.corpus if p.category != category for t in p.turns)
+                self._stores[category] = Datastore.build(docs)
+                logger.debug("datastore for %s: %r", category, self._stores[category])
+        return self._stores[category]
+
+    def get(self, method: str, category: str):
+        """The run's drafter for ``method`` (per category for retrieval methods without --datastore)."""
+        from ..runtime.drafters import make_drafter
+
+        def make(store=None):
+            try:
+                return make_drafter(method, datastore=store)
+            except (TypeError, ValueError) as e:
+                raise BenchError(f"method {method}: {e}") from None
+
+        if method not in self._scoped:   # the drafter class says whether it retrieves from a datastore
+            probe = make()
+            self._scoped[method] = bool(getattr(probe, "uses_datastore", False))
+            if not self._scoped[method]:
+                self._drafters[method, None] = probe
+        scope = (None if self.cfg.datastore else category) if self._scoped[method] else None
+        if (method, scope) not in self._drafters:
+            self._drafters[method, scope] = make(self._store(scope))
+        return self._drafters[method, scope]
+
+
+# ---------------------------------------------------------------------------------- the run
+def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
+    """Whether the whole conversation (answers at their longest) fits the model's positions."""
+    limit = model.contract.max_positions
+    if not limit:
+        return True
+    msgs: list[dict] = []
+    for t in p.turns:
+        msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": ""}]
+    return len(model.tokenizer.encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
+
+
+def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig) -> list[dict]:
+    """Baseline then each method on ``p``; multi-turn prompts replay each method's own answers."""
+    recs: list[dict] = []
+    baseline: list[list[int]] = []
+    for method in cfg.methods:
+        drafter = pool.get(method, p.category)
+        messages: list[dict] = []
+        for turn, text in enumerate(p.turns, 1):
+            messages.append({"role": "user", "content": text})
+            res = model.generate(list(messages), method=drafter, tree=cfg.tree, width=cfg.width,
+                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+            messages.append({"role": "assistant", "content": res.text})
+            if method == "baseline":
+                baseline.append(list(res.tokens))
+            rec = make_record(p, turn, method, res, baseline[turn - 1])
+            if cfg.greedy and not rec["match"]:
+                logger.error("✗ %s differs from baseline on prompt %s turn %d at token %d", method, p.qid, turn,
+                             rec["first_mismatch"])
+            recs.append(rec)
+    return recs
+
+
+def gate_failures(records: Sequence[dict]) -> list[dict]:
+    return sorted((r for r in records if not r["match"]), key=lambda r: (r["method"], r["category"], r["turn"]))
+
+
+def _gate_message(failures: Sequence[dict], total: int, out: Path) -> str:
+    first: dict[str, dict] = {}
+    for r in failures:
+        first.setdefault(r["method"], r)
+    detail = "; ".join(f"{m}: prompt {r['qid']} ({r['category']}) turn {r['turn']}, first mismatch at token "
+                       f"{r['first_mismatch']}" for m, r in first.items())
+    return (f"exactness gate failed: {len(failures)} of {total} greedy generations differ from baseline ({detail}); "
+            f"results in {out}")
+
+
+def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False) -> Report:
+    """Run (or continue) the benchmark into ``out``; returns the Report.
+
+    Raises ExactnessError (carrying the report) after writing every output if a greedy
+    generation differs from baseline.
+    """
+    from ..runtime import load
+
+    out = Path(out).expanduser()
+    data = resolve_data(cfg.data)
+    corpus = read_prompts(data)
+    model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
+    if model.tokenizer is None:
+        raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
+    prompts = select(corpus, cfg.categories, cfg.per_category, lambda p: _fits(model, p, cfg.max_new_tokens))
+    if not prompts:
+        raise BenchError("no prompt fits the model: lower --max-new-tokens")
+    store = RecordStore(out, cfg, resume)
+    todo = [p for p in prompts if not store.done(p, cfg.methods)]
+    logger.info("bench %s (%s): %d prompts × %d methods into %s%s", cfg.model, model.variant, len(prompts),
+                len(cfg.methods), out, f" ({len(prompts) - len(todo)} already done)" if resume else "")
+    if not cfg.greedy:
+        logger.info("temperature %.2f: outputs may differ from baseline; match %% is reported, not gated",
+                    cfg.temperature)
+    if todo:
+        pool = DrafterPool(cfg, lambda t: model.tokenizer.encode(t, add_special_tokens=False), corpus)
+        model.generate([{"role": "user", "content": todo[0].turns[0]}], method="baseline",
+                       max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))   # warm-up: ORT's first-run costs
+        for p in progress(todo, "bench", total=len(todo)):
+            store.append(run_prompt(model, p, pool, cfg))
+    records = store.for_prompts(prompts, cfg.methods)
+    failures = gate_failures(records) if cfg.greedy else []
+    report = aggregate(records, cfg.methods, cfg.categories)
+    meta = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
+            "data": str(data), "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
+            "gate": {"mode": "greedy" if cfg.greedy else "sampling (not gated)", "passed": not failures,
+                     "generations": len(records),
+                     "mismatches": [{k: r[k] for k in ("method", "qid", "category", "turn", "first_mismatch")}
+                                    for r in failures]}}
+    write_outputs(report, out, meta)
+    if failures:
+        raise ExactnessError(_gate_message(failures, len(records), out), failures, report)
+    return report

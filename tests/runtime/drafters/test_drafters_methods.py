@@ -1,0 +1,277 @@
+"""Every registered drafter: well-formed drafts, branching trees, lossless and useful in a loop."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from drafter_sim import MarkovModel, OracleModel, run, verify
+
+from dejavuu_build.runtime.drafters import (
+    METHODS,
+    Datastore,
+    Draft,
+    DraftBudget,
+    Drafter,
+    Feedback,
+    make_drafter,
+)
+
+NEEDS_DATASTORE = {"rest", "sam_decoding", "asam", "asam_verify"}
+# Methods whose tree mode must branch when the context offers two continuations.
+BRANCHING = set(METHODS) - {"baseline", "token_recycling", "auto"}
+
+BUDGETS = [
+    DraftBudget(max_nodes=1, max_depth=1),
+    DraftBudget(max_nodes=8, max_depth=8),
+    DraftBudget(max_nodes=5, max_depth=3),
+    DraftBudget(max_nodes=16, max_depth=4, width=4, tree=True),
+    DraftBudget(max_nodes=32, max_depth=8, width=2, tree=True),
+    DraftBudget(max_nodes=6, max_depth=2, width=8, tree=True),
+    DraftBudget(max_nodes=0, max_depth=4, width=2, tree=True),
+]
+
+
+def repetitive(n: int, seed: int = 0) -> list[int]:
+    return MarkovModel(vocab=8, seed=seed).generate([1, 2, 3], n)
+
+
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50, n).tolist()
+
+
+def make(name: str, datastore: Datastore | None = None, **params):
+    return make_drafter(name, datastore=datastore, **params)
+
+
+@pytest.fixture(scope="module")
+def markov_datastore() -> Datastore:
+    model = MarkovModel(seed=1)
+    return Datastore.build([model.generate([5, 6, 7], 400), model.generate([9, 9, 9], 200)])
+
+
+def test_methods_are_registered_and_construct():
+    assert METHODS[0] == "baseline" and len(set(METHODS)) == len(METHODS)
+    expected = {"baseline", "pld", "pld_plus", "adapld", "anpd", "lookahead", "token_recycling", "rest",
+                "suffix_decoding", "sam_decoding", "asam", "asam_verify", "asd", "asd_verify", "auto"}
+    assert set(METHODS) == expected
+    for name in METHODS:
+        d = make_drafter(name)
+        assert isinstance(d, Drafter) and d.name == name
+        assert d.__doc__ and d.__doc__.strip()
+
+
+def test_unknown_method_is_one_line_listing_valid_names():
+    with pytest.raises(ValueError) as err:
+        make_drafter("medusa")
+    msg = str(err.value)
+    assert "\n" not in msg and "medusa" in msg
+    assert all(name in msg for name in METHODS)
+
+
+def test_signals_are_requested_by_the_methods_that_use_them():
+    assert make_drafter("token_recycling").wants_topk and make_drafter("auto").wants_topk
+    assert make_drafter("pld_plus").wants_hidden and make_drafter("adapld").wants_hidden
+    assert not make_drafter("pld").wants_topk and not make_drafter("pld").wants_hidden
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("text", ["repetitive", "random"])
+def test_drafts_validate_for_every_budget(name, text, markov_datastore):
+    seq = repetitive(260) if text == "repetitive" else random_tokens(260)
+    model = OracleModel(seq)
+    for budget in BUDGETS:
+        stats = run(make(name, markov_datastore), model, seq[:60], 120, budget)  # run() validates each draft
+        assert stats.generated == seq[60:180]
+
+
+TWO_WAY = [1, 2, 3, 4, 9, 8, 1, 2, 3, 5, 9, 8, 7, 6, 1, 2, 3]  # "1 2 3" was followed by 4 and by 5
+
+
+@pytest.mark.parametrize("name", sorted(BRANCHING))
+def test_tree_mode_branches_over_two_continuations(name):
+    datastore = Datastore.build([TWO_WAY]) if name in NEEDS_DATASTORE else None
+    d = make(name, datastore)
+    d.begin(TWO_WAY)
+    tree = d.propose(TWO_WAY, DraftBudget(max_nodes=8, max_depth=3, width=2, tree=True))
+    tree.validate(DraftBudget(max_nodes=8, max_depth=3, width=2, tree=True))
+    roots = {t for t, p in zip(tree.tokens, tree.parents) if p == -1}
+    assert roots == {4, 5}, (name, tree)
+    chain = d.propose(TWO_WAY, DraftBudget(max_nodes=3, max_depth=3))
+    assert chain.is_chain() and chain.tokens[0] in (4, 5)
+
+
+def test_pld_chain_copies_the_latest_match():
+    d = make("pld")
+    d.begin(TWO_WAY)
+    assert d.propose(TWO_WAY, DraftBudget(max_nodes=3, max_depth=3)).tokens == [5, 9, 8]
+
+
+def test_token_recycling_branches_over_recycled_topk():
+    d = make("token_recycling")
+    ctx = [1, 2, 3]
+    d.begin(ctx)
+    assert len(d.propose(ctx, DraftBudget(tree=True, width=2))) == 0  # nothing recycled yet
+    # verifier saw root 3 -> top-k [4, 5]; node 4 -> [7, 8]
+    d.observe_verified(Draft.chain([4]))
+    d.feedback(Feedback(committed=[4, 7], drafted=1, accepted=1, accepted_path=[0],
+                        topk_ids=np.array([[4, 5], [7, 8]])))
+    d.feedback(Feedback(committed=[3], drafted=0, accepted=0, topk_ids=np.array([[4, 5]])))
+    budget = DraftBudget(max_nodes=6, max_depth=2, width=2, tree=True)
+    tree = d.propose(ctx + [4, 7, 3], budget)
+    tree.validate(budget)
+    assert {t for t, p in zip(tree.tokens, tree.parents) if p == -1} == {4, 5}
+    assert d.propose(ctx + [4, 7, 3], DraftBudget(max_nodes=2, max_depth=2)).tokens == [4, 7]
+
+
+def test_auto_tree_branches_when_its_choice_can():
+    d = make("auto", members=("pld", "lookahead"))
+    d.begin(TWO_WAY)
+    tree = d.propose(TWO_WAY, DraftBudget(max_nodes=8, max_depth=3, width=2, tree=True))
+    assert not tree.is_chain()
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_generation_loop_is_lossless_and_accepts(name, tree, markov_datastore):
+    model = MarkovModel(seed=1)
+    budget = DraftBudget(max_nodes=16, max_depth=6, width=3, tree=True) if tree else DraftBudget(6, 6)
+    d = make(name, markov_datastore)
+    total_accepted, total_steps = 0, 0
+    for prompt in ([1, 2, 3], [4, 4, 2], [1, 2, 3]):  # a repeated request exercises global state
+        stats = run(d, model, prompt, 200, budget)
+        assert stats.generated == model.generate(prompt, 200)  # (a) lossless
+        total_accepted += stats.accepted
+        total_steps += stats.steps
+    mean = total_accepted / total_steps
+    if name == "baseline":
+        assert mean == 0
+    else:
+        assert mean > 0.05, f"{name}: mean accepted {mean:.3f}"  # (b) useful on repetitive text
+
+
+def test_retrieval_methods_copy_whole_drafts_from_a_matching_datastore(markov_datastore):
+    model = MarkovModel(seed=1)
+    for name in ("rest", "sam_decoding", "asam"):
+        stats = run(make(name, markov_datastore), model, [5, 6, 7], 200, DraftBudget(6, 6))
+        assert stats.mean_accepted > 3, name
+
+
+def test_engine_rewind_restarts_the_request():
+    d = make("pld")
+    d.begin([1, 2, 3, 1, 2])
+    assert d.propose([1, 2, 3, 1, 2], DraftBudget(2, 2)).tokens == [3, 1]
+    assert d.propose([7, 8, 7], DraftBudget(2, 2)).tokens == [8, 7]  # context replaced: re-synced
+
+
+def test_adaptive_sizers_shrink_after_rejections():
+    for name in ("anpd", "asam", "asd"):
+        d = make(name)
+        ctx = repetitive(200)
+        d.begin(ctx)
+        budget = DraftBudget(8, 8)
+        first = len(d.propose(ctx, budget))
+        for _ in range(40):  # reject everything: only a bonus token is committed
+            draft = d.propose(ctx, budget)
+            bonus = 1 + max(ctx)
+            ctx = ctx + [bonus]
+            d.feedback(Feedback(committed=[bonus], drafted=len(draft), accepted=0))
+            ctx = ctx + repetitive(12, seed=len(ctx))[-3:]
+            d.feedback(Feedback(committed=ctx[-3:], drafted=0, accepted=0))
+        d.begin(repetitive(200))
+        assert len(d.propose(repetitive(200), budget)) < first, name
+
+
+def test_verify_cost_sizing_drafts_less_when_tokens_are_expensive():
+    def mean_drafted(b):
+        d = make("asd_verify")
+        model = MarkovModel(seed=3)
+        ctx, drafted = model.generate([1, 2, 3], 300), []
+        d.begin(ctx)
+        for _ in range(60):
+            draft = d.propose(ctx, DraftBudget(16, 16))
+            fb = verify(model, ctx, draft, verify_a=1e-3, verify_b=b)
+            fb.accepted = min(fb.accepted, 1)  # make long drafts look unprofitable
+            fb.committed = fb.committed[: fb.accepted + 1]
+            ctx = ctx + fb.committed
+            d.feedback(fb)
+            drafted.append(len(draft))
+        return np.mean(drafted[-20:])
+
+    assert mean_drafted(1e-2) < mean_drafted(0.0)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_propose_is_fast_on_a_long_context(name, markov_datastore):
+    text = np.random.default_rng(2).integers(0, 2000, 4000).tolist()
+    text[2000:2400] = text[500:900]
+    model = OracleModel(text)
+    d = make(name, markov_datastore)
+    ctx = text[:3000]
+    d.begin(ctx)
+    times = []
+    for budget in (DraftBudget(8, 8), DraftBudget(32, 8, 4, True)):
+        for _ in range(30):
+            t0 = time.perf_counter()
+            draft = d.propose(ctx, budget)
+            times.append(time.perf_counter() - t0)
+            fb = verify(model, ctx, draft)
+            ctx = ctx + fb.committed
+            d.feedback(fb)
+    assert np.median(times) < 3e-3, f"{name}: median propose {np.median(times) * 1e3:.2f} ms"
+
+
+def feed_with_hidden(d: Drafter, seq: list[int], states: dict[int, np.ndarray], dim: int = 16) -> None:
+    """Commit ``seq`` one token per step; the hidden row for token ``p`` is the state at ``p - 1``."""
+    rng = np.random.default_rng(0)
+    d.begin(seq[:1])
+    for p in range(1, len(seq)):
+        state = states.get(p - 1, rng.standard_normal(dim))
+        d.feedback(Feedback(committed=[seq[p]], drafted=0, accepted=0, hidden=np.asarray([state], np.float32)))
+
+
+#            0  1  2  3  4  5  6  7  8  9 10 11 12   "1 2" continues with 3 (older) and 4 (latest)
+SEMANTIC = [7, 1, 2, 3, 8, 6, 1, 2, 4, 8, 5, 1, 2]
+
+
+def test_pld_plus_prefers_the_match_with_the_most_similar_hidden_state():
+    u = np.random.default_rng(1).standard_normal(16)
+    # latest stored state is at position 11; the older match's aligned state (position 1) equals it
+    states = {1: u, 6: -u, 11: u}
+    budget = DraftBudget(max_nodes=2, max_depth=2)
+    plain, plus = make("pld"), make("pld_plus")
+    feed_with_hidden(plus, SEMANTIC, states)
+    plain.begin(SEMANTIC)
+    assert plain.propose(SEMANTIC, budget).tokens == [4, 8]
+    assert plus.propose(SEMANTIC, budget).tokens == [3, 8]
+    # without hidden states pld_plus is pld
+    blind = make("pld_plus")
+    blind.begin(SEMANTIC)
+    assert blind.propose(SEMANTIC, budget).tokens == [4, 8]
+
+
+def test_adapld_falls_back_to_the_nearest_hidden_state():
+    seq = list(range(20, 32))  # no repeated n-gram at all
+    u = np.random.default_rng(2).standard_normal(16)
+    states = {3: u, len(seq) - 2: u}
+    budget = DraftBudget(max_nodes=3, max_depth=3)
+    ada, plus = make("adapld"), make("pld_plus", min_ngram=2)
+    feed_with_hidden(ada, seq, states)
+    feed_with_hidden(plus, seq, states)
+    assert len(plus.propose(seq, budget)) == 0
+    # state 3 ~ latest state (position n-2), so copy what followed position 3 + 1
+    assert ada.propose(seq, budget).tokens == seq[5:8]
+
+
+def test_auto_keeps_members_in_sync_and_feeds_token_recycling():
+    model = MarkovModel(vocab=8, seed=2)
+    d = make("auto")
+    run(d, model, [1, 2, 3], 100, DraftBudget(8, 8, 2, True))
+    d.begin([1, 2, 3])
+    ctx = [1, 2, 3] + model.generate([1, 2, 3], 5)
+    d.propose(ctx, DraftBudget(4, 4))
+    for member in d.members:
+        assert member._hist == ctx, member.name
+    recycler = d.members[d.member_names.index("token_recycling")]
+    assert len(recycler._table) > 3
