@@ -80,7 +80,8 @@ class Model:
     def generate(self, prompt, *, method: str | Drafter = "baseline", tree: bool = False,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
-                 max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, **drafter_params) -> GenerationResult:
+                 max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, residual_fn=None,
+                 **drafter_params) -> GenerationResult:
         ids = self.encode(prompt)
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1")
@@ -88,7 +89,8 @@ class Model:
         if limit and len(ids) + max_new_tokens > limit:
             raise GenerationError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                                   f"{limit} positions: shorten the prompt or lower max_new_tokens")
-        drafter = self._drafter(method, datastore, drafter_params)
+        sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        drafter = self._drafter(method, datastore, drafter_params, sampler)
         if tree and not self.tree_capable and not self._warned_tree:
             logger.warning("this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
                            self.contract.mask_kind)
@@ -96,13 +98,13 @@ class Model:
         use_tree = tree and self.tree_capable
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)
-        sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         should_stop = self._stop_fn(stop) if stop else None
         engine = Engine(self.decoder, tree_capable=self.tree_capable)
         new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
                                              tree=use_tree, budget=budget, eos_ids=self.eos_ids,
                                              should_stop=should_stop, on_tokens=on_tokens,
-                                             validate_drafts=validate_drafts)
+                                             validate_drafts=validate_drafts,
+                                             **({"residual_fn": residual_fn} if residual_fn else {}))
         text = self.tokenizer.decode(new) if self.tokenizer else ""
         if stop and reason == "stop_string":
             for s_ in stop:
@@ -153,13 +155,26 @@ class Model:
             return len(new)
         return should_stop
 
-    def _drafter(self, method, datastore, params) -> Drafter:
+    def _drafter(self, method, datastore, params, sampler: Sampler) -> Drafter:
         if isinstance(method, Drafter):
             return method
+        if method == "draft_model":
+            from .model_drafter import ModelDrafter
+
+            dm = params.pop("draft_model", None)
+            if dm is None:
+                raise GenerationError("method draft_model needs draft_model=NAME[:VARIANT] (a build in the cache)")
+            if isinstance(dm, str):
+                name, _, variant = dm.partition(":")
+                dm = load(name, variant=variant or None)
+            if dm.contract.vocab_size != self.contract.vocab_size:
+                raise GenerationError("the draft model's vocabulary differs from the target's")
+            return ModelDrafter(dm, temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
+                                seed=sampler.seed, **params)
         from .drafters import METHODS, make_drafter
 
         if method not in METHODS:
-            raise GenerationError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+            raise GenerationError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}, draft_model")
         if isinstance(datastore, str):
             from .drafters.datastore import Datastore
 
