@@ -134,8 +134,8 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
         w.writerows(asdict(r) for r in report.rows)
     paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in report.rows]}, indent=2) + "\n")
     try:
-        plot_speedups(report, paths["png"],
-                      title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): decode speedup over baseline")
+        model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"
+        plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline")
     except ImportError:
         logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
         del paths["png"]

@@ -1,0 +1,138 @@
+"""The engine on tiny random exports: every drafter, chain and tree, greedy and seeded sampling,
+reproduces plain decoding token for token; KV handling; tree acceptance; stop conditions."""
+
+import numpy as np
+import pytest
+
+from dejavuu_build.errors import GenerationError
+from dejavuu_build.runtime import load
+from dejavuu_build.runtime.drafters import METHODS
+from dejavuu_build.runtime.drafters.base import Draft, Drafter
+from dejavuu_build.runtime.engine import Engine
+
+from conftest import build_tiny
+
+PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return load(tiny_llama, variant="int4")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_lossless(tiny, method):
+    for prompt in PROMPTS:
+        for temp in (0.0, 0.9):
+            base = tiny.generate(prompt, max_new_tokens=40, temperature=temp, seed=11)
+            for tree in (False, True):
+                r = tiny.generate(prompt, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=11,
+                                  validate_drafts=True)
+                assert r.tokens == base.tokens, (method, tree, temp, prompt)
+                assert r.stats.tokens == len(r.tokens)
+
+
+def test_drafting_actually_accepts(tiny):
+    r = tiny.generate(PROMPTS[0], method="pld", max_new_tokens=40)
+    base = tiny.generate(PROMPTS[0], max_new_tokens=40)
+    assert r.tokens == base.tokens
+    assert r.stats.steps < base.stats.steps and r.stats.accepted > 0
+
+
+class OracleTree(Drafter):
+    """Drafts a tree whose correct path is NOT the first child, plus wrong siblings at depth 2."""
+
+    name = "oracle"
+
+    def __init__(self, truth):
+        self.truth = truth
+
+    def propose(self, context, budget):
+        n = len(context) - self.start
+        nxt = self.truth[n:n + 3]
+        if len(nxt) < 3:
+            return Draft()
+        w0, w1 = (nxt[0] + 1) % 256, (nxt[1] + 7) % 256
+        # node0 wrong, node1 right(depth1) -> node2 wrong, node3 right(depth2) -> node4 right(depth3)
+        return Draft([w0, nxt[0], w1, nxt[1], nxt[2]], [-1, -1, 1, 1, 3])
+
+    def begin(self, prompt_ids):
+        self.start = len(prompt_ids)
+
+
+def test_tree_best_path_not_first_child(tiny):
+    base = tiny.generate(PROMPTS[1], max_new_tokens=30)
+    d = OracleTree(base.tokens)
+    r = tiny.generate(PROMPTS[1], method=d, tree=True, max_new_tokens=30, max_nodes=8, max_depth=4)
+    assert r.tokens == base.tokens
+    # Every full step accepts 3 drafts (+1 bonus): the engine followed the second child.
+    assert max(r.stats.accept_hist) == 3 and r.stats.steps <= 10
+
+
+def test_kv_cache_stays_the_committed_length(tiny):
+    seen = []
+    orig = Engine._accept
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        return out
+
+    eng = Engine(tiny.decoder, tree_capable=True)
+    from dejavuu_build.runtime.drafters import make_drafter
+    from dejavuu_build.runtime.kv import KVCache
+    from dejavuu_build.runtime.sampling import Sampler
+
+    commits = []
+    real_commit = KVCache.commit
+
+    def commit(self, present, n_new, keep):
+        real_commit(self, present, n_new, keep)
+        commits.append((self.length, [a.shape[2] for a in self.arrays.values()][0]))
+
+    KVCache.commit = commit
+    try:
+        ids = tiny.encode(PROMPTS[2])
+        new, st, _ = eng.generate(ids, drafter=make_drafter("pld"), sampler=Sampler(), max_new_tokens=30, tree=True,
+                                  eos_ids=[])
+    finally:
+        KVCache.commit = real_commit
+    assert all(length == shape for length, shape in commits)
+    assert commits[-1][0] == len(ids) + len(new) - 1 or len(new) == 30
+
+
+def test_stop_conditions(tiny):
+    base = tiny.generate(PROMPTS[0], max_new_tokens=20)
+    assert base.stop_reason == "max_new_tokens" and len(base.tokens) == 20
+    text = base.text
+    stop = text[3:6] if len(text) > 6 else None
+    if stop:
+        r = tiny.generate(PROMPTS[0], max_new_tokens=20, stop=[stop], method="pld")
+        assert r.stop_reason == "stop_string" and stop not in r.text and base.text.startswith(r.text)
+    eos = base.tokens[5]
+    tiny.eos_ids = [eos]
+    try:
+        r = tiny.generate(PROMPTS[0], max_new_tokens=20, method="pld", tree=True)
+        assert r.stop_reason == "eos" and r.tokens[-1] == eos and r.tokens == base.tokens[:base.tokens.index(eos) + 1]
+    finally:
+        tiny.eos_ids = [2]
+
+
+def test_bad_input(tiny):
+    with pytest.raises(GenerationError, match="empty"):
+        tiny.generate("   ")
+    with pytest.raises(GenerationError, match="positions"):
+        tiny.generate("abc", max_new_tokens=10_000)
+    with pytest.raises(GenerationError, match="unknown method"):
+        tiny.generate("abc", method="nope")
+
+
+def test_streaming_equals_generate(tiny):
+    base = tiny.generate(PROMPTS[1], max_new_tokens=25, method="pld")
+    pieces = list(tiny.stream(PROMPTS[1], max_new_tokens=25, method="pld"))
+    assert "".join(pieces) == base.text and len(pieces) >= 1
+
+
+def test_chat_template(tiny):
+    ids = tiny.encode([{"role": "user", "content": "hi"}])
+    text = tiny.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
