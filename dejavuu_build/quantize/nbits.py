@@ -91,8 +91,8 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     by_name = {nd.name: nd for nd in g.node}
     lm = by_name.get(LM_HEAD_NODE)
     emb = by_name.get(EMBED_NODE)
-    if lm is None or emb is None:
-        raise ExportError(f"{src.name}: no {LM_HEAD_NODE} / {EMBED_NODE} node; re-export with this version of dejavuu-build")
+    if lm is None:
+        raise ExportError(f"{src.name}: no {LM_HEAD_NODE} node; re-export with this version of dejavuu-build")
     new_inits: list = []
     replaced: dict[int, list] = {}     # id(node) -> replacement nodes
     drop_nodes: set[int] = set()
@@ -124,39 +124,51 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                               accuracy_level=plan.accuracy_level)
         return extra + [mm]
 
-    # Embedding (and the tied lm-head through the same table).
-    table_name = emb.input[0]
-    if table_name not in inits:
-        raise ExportError(f"{EMBED_NODE} does not read a constant table")
-    table = numpy_helper.to_array(inits[table_name])
     lm_w = lm.input[1]
-    lm_tied = lm_w not in inits and lm_w in producers and producers[lm_w].op_type == "Transpose" \
-        and producers[lm_w].input[0] == table_name
-    if tied is not None and tied != lm_tied:
+    lm_tied = False
+    if emb is not None:  # an inputs_embeds decoder has no embedding inside the graph
+        table_name = emb.input[0]
+        if table_name not in inits:
+            raise ExportError(f"{EMBED_NODE} does not read a constant table")
+        table = numpy_helper.to_array(inits[table_name])
+        lm_tied = lm_w not in inits and lm_w in producers and producers[lm_w].op_type == "Transpose" \
+            and producers[lm_w].input[0] == table_name
+        eb = plan.lm_head_bits if lm_tied else plan.embed_bits
+        eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
+        if eb != 8 or eblock is None:
+            raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
+        q, s = _quantize_rows(table, 8, eblock)
+        data_name = add_init(q.reshape(table.shape), "model.embed_tokens.q8")
+        s_name = add_init(s, "model.embed_tokens.q8_scales")
+        fp_bytes += table.nbytes
+        replaced[id(emb)] = [helper.make_node("GatherBlockQuantized", [data_name, emb.input[1], s_name],
+                                              list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
+                                              bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
+        report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> q8 bs{eblock}"
+        if lm_tied:
+            replaced[id(lm)] = matmul_nbits(lm, table.T, 8, eblock, "lm_head", shared=(data_name, s_name))
+            drop_nodes.add(id(producers[lm_w]))
+            report["nodes"][LM_HEAD_NODE] = f"tied to the embedding table --> q8 bs{eblock} (one shared table)"
+    if tied is not None and tied != lm_tied and emb is not None:
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
-    eb = plan.lm_head_bits if lm_tied else plan.embed_bits
-    eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
-    if eb != 8 or eblock is None:
-        raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
-    q, s = _quantize_rows(table, 8, eblock)
-    data_name = add_init(q.reshape(table.shape), "model.embed_tokens.q8")
-    s_name = add_init(s, "model.embed_tokens.q8_scales")
-    fp_bytes += table.nbytes
-    replaced[id(emb)] = [helper.make_node("GatherBlockQuantized", [data_name, emb.input[1], s_name],
-                                          list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
-                                          bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
-    report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> q8 bs{eblock}"
-    if lm_tied:
-        replaced[id(lm)] = matmul_nbits(lm, table.T, 8, eblock, "lm_head", shared=(data_name, s_name))
-        drop_nodes.add(id(producers[lm_w]))
-        report["nodes"][LM_HEAD_NODE] = f"tied to the embedding table --> q8 bs{eblock} (one shared table)"
     report["tied_embeddings"] = bool(lm_tied)
 
+    def const_weight(nd) -> np.ndarray | None:
+        """The [K, N] constant weight of a MatMul, seen through a Transpose of an initializer
+        (a tied lm-head whose embedding lives outside the graph, in inputs_embeds decoders)."""
+        x = nd.input[1]
+        if x in inits and len(inits[x].dims) == 2:
+            return numpy_helper.to_array(inits[x])
+        t = producers.get(x)
+        if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
+            drop_nodes.add(id(t))
+            return numpy_helper.to_array(inits[t.input[0]]).T
+        return None
+
     # Every other MatMul with a constant weight (lm-head untied included).
-    todo = [nd for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
-            and len(nd.input) == 2 and nd.input[1] in inits and len(inits[nd.input[1]].dims) == 2]
-    for nd in progress(todo, desc="quantize"):
-        w = numpy_helper.to_array(inits[nd.input[1]])
+    todo = [(nd, w) for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
+            and len(nd.input) == 2 and (w := const_weight(nd)) is not None]
+    for nd, w in progress(todo, desc="quantize"):
         is_head = nd.name == LM_HEAD_NODE
         bits = plan.lm_head_bits if is_head else plan.body_bits
         block = fit_block(w.shape[0], plan.lm_head_block if is_head else plan.body_block)

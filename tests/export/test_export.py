@@ -61,7 +61,7 @@ def test_sibling_leak_would_be_detected(tiny_llama):
     pos, bias = step_inputs(parents, 10)
     good, _, _ = r.forward(toks, pos, bias, past)
     bias_leak = bias.copy()
-    bias_leak[..., 11, 10] = 0.0                   # node 1 sees its sibling
+    bias_leak[0, 0, 1, 10] = 0.0                   # node 1 sees its sibling (node 0 at past+0)
     bad, _, _ = r.forward(toks, pos, bias_leak, past)
     assert np.abs(good[1] - bad[1]).max() > 1e-3
 
