@@ -28,7 +28,7 @@ def spec_prompts():
     rows = [json.loads(l) for l in open(default_data_path())]
     out = []
     for cat in CATEGORIES:
-        row = next(r for r in rows if r["category"] == cat and len(r["turns"][0]) < 2500)
+        row = next(r for r in rows if r["category"] == cat and len(r["turns"][0]) < 4000)
         out.append(row["turns"][0])
     return out
 
@@ -39,7 +39,7 @@ def test_build_passes_every_gate(smollm2):
     assert m.export["opset"] == 23 and m.export["tied_embeddings"] is True
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
-    assert "Expand" not in ops and m.export["nodes"] < 1200
+    assert "Expand" not in ops and m.export["nodes"] < 1200     # no repeat_kv expansion
     for v in ("fp32", "int8", "int4"):
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)

@@ -26,6 +26,14 @@ def _friendly(fn):
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was written to the cache", err=True)
             sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - never a bare traceback; -v shows it
+            if logger.isEnabledFor(10):
+                raise
+            first = str(e).splitlines()[0] if str(e) else ""
+            click.echo(f"error: unexpected {type(e).__name__}: {first[:300]} (run with -v for details)", err=True)
+            sys.exit(1)
     return inner
 
 

@@ -81,3 +81,27 @@ def test_real_subprocess(cache_dir):
                           "--max-new-tokens", "5", "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["stats"]["tokens"] == 5
+
+
+def test_datastore_and_generate_with_it(cache_dir, tmp_path):
+    from conftest import SPEC_BENCH
+
+    build_tiny("llama", cache_dir)
+    src = SPEC_BENCH if SPEC_BENCH.is_file() else None
+    if src is None:
+        src = tmp_path / "docs.jsonl"
+        src.write_text('{"turns": ["abc abc abc abc"]}\n')
+    r = run("datastore", "--from", str(src), "--tokenizer", "tiny-llama", "--name", "ds-test")
+    assert r.exit_code == 0, r.output
+    assert run("verify", "ds-test").exit_code == 0
+    base = json.loads(run("generate", "tiny-llama", "abcabc abc", "--max-new-tokens", "16", "--json").output)
+    for m in ("rest", "sam_decoding", "asam"):
+        out = json.loads(run("generate", "tiny-llama", "abcabc abc", "--method", m, "--datastore", "ds-test",
+                             "--max-new-tokens", "16", "--json", "--tree").output)
+        assert out["tokens"] == base["tokens"]
+    r = CliRunner().invoke(main, ["generate", "tiny-llama", "abc", "--method", "rest", "--datastore", "nope"])
+    assert r.exit_code == 2 and "dejavuu-build datastore" in r.output
+    r = CliRunner().invoke(main, ["generate", "tiny-llama", "abc", "--method", "bogus"])
+    assert r.exit_code == 2 and "unknown method" in r.output
+    r = CliRunner().invoke(main, ["generate", "tiny-llama", ""])
+    assert r.exit_code == 2 and "empty" in r.output
