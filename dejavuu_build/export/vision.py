@@ -24,8 +24,9 @@ Two rewrites make it exportable with a dynamic number of images, both exact:
 
 Position ids, two modes (``export_vision(..., position_ids=)``):
  * ``"transformers"`` (default): the installed transformers (4.55 .. 4.57.x) computes
-   ``bucketize(idx / nb * (1 - 1e-6))``; in float32 that puts patch row/column k >= 1 in bucket k - 1
-   (a full 32x32 grid uses ids up to 990, not 1023): huggingface/transformers#41190, fixed in #41374.
+   ``bucketize(idx / nb * (1 - 1e-6))``; in float32, on a full grid (nb == nps) that puts patch
+   row/column k >= 1 in bucket k - 1 (a full 32x32 grid uses ids up to 990, not 1023):
+   huggingface/transformers#41190 (a regression since 4.55), fixed upstream by #41374.
  * ``"trained"``: ``bucketize(idx * (1 / nb))``, bit-identical to transformers <= 4.54
    (``arange(0, 1 - 1e-6, 1 / nb)``), i.e. what SmolVLM / Idefics3 were trained with and what fixed
    transformers computes; for a full grid the ids are simply 0 .. nps^2 - 1.

@@ -83,6 +83,7 @@ class Decoder:
         self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
                        for i in range(contract.num_layers) for kv in ("key", "value")]
         self.has_hidden = contract.hidden_output is not None
+        self.pad_single = True   # see forward(); False only to time true one-row decoding
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
 
     def new_cache(self) -> KVCache:
@@ -102,7 +103,7 @@ class Decoder:
         """
         n = len(tokens)
         past = kv.length
-        pad = n == 1
+        pad = n == 1 and self.pad_single
         toks = np.asarray(list(tokens) * 2 if pad else tokens, dtype=np.int64)
         if pad:
             parents = [-1, -1]

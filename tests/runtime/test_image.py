@@ -181,3 +181,14 @@ def test_module_is_torch_free():
             "bad = [k for k in ('torch', 'transformers', 'onnx') if k in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_modes_transformers_cannot_take_are_converted_first():
+    """LA -> RGBA and CMYK -> RGB before processing (transformers raises on LA, reads CMYK as RGBA)."""
+    p = SmolVLMImagePreprocessor.from_dict(CONFIGS["split"])
+    rng = np.random.default_rng(11)
+    la = Image.fromarray(rng.integers(0, 256, (30, 44, 2), dtype=np.uint8), mode="LA")
+    cmyk = _rgb(44, 30, 4).convert("CMYK")
+    for im, as_ in ((la, "RGBA"), (cmyk, "RGB")):
+        a, b = p([im]), p([im.convert(as_)])
+        assert np.array_equal(a[0], b[0]) and a[2:] == b[2:]
