@@ -8,7 +8,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_tokenizer(vocab_size: int = 256):
+VLM_TOKENS = {"<end_of_utterance>": 247, "<fake_token_around_image>": 248, "<global-img>": 249, "<image>": 250,
+              "<row_1_col_1>": 251, "<row_1_col_2>": 252, "<row_2_col_1>": 253, "<row_2_col_2>": 254}
+VLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: "
+                "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+                "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+                "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def tiny_tokenizer(vocab_size: int = 256, vlm: bool = False):
     """A byte-level BPE-free tokenizer: one token per byte-ish character, plus specials."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
@@ -19,15 +27,16 @@ def tiny_tokenizer(vocab_size: int = 256):
     for ch in chars:
         vocab.setdefault(ch, len(vocab))
     n = len(vocab)
+    extra = {v: k for k, v in VLM_TOKENS.items()} if vlm else {}
     for i in range(n, vocab_size):   # filler tokens so ids cover the model's vocab
-        vocab[f"<extra_{i}>"] = i
+        vocab[extra.get(i, f"<extra_{i}>")] = i
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tk.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                    eos_token="<|im_end|>", pad_token="<|im_end|>")
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"] + (list(VLM_TOKENS) if vlm else [])})
+    fast.chat_template = VLM_TEMPLATE if vlm else CHAT_TEMPLATE
     return fast
 
 
@@ -38,5 +47,12 @@ def save_tiny(recipe_name: str, folder: Path, seed: int = 0) -> Path:
     model = r.tiny_model(seed)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    tiny_tokenizer(r.text_config(model.config).vocab_size).save_pretrained(folder)
+    vlm = getattr(r, "vlm", False)
+    tok = tiny_tokenizer(r.text_config(model.config).vocab_size, vlm=vlm)
+    if vlm:
+        assert tok.convert_tokens_to_ids("<image>") == model.config.image_token_id
+        from transformers.models.smolvlm.image_processing_smolvlm import SmolVLMImageProcessor
+
+        SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
+    tok.save_pretrained(folder)
     return folder

@@ -76,6 +76,32 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
     click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
 
 
+@main.command()
+@click.option("--model", required=True, help="SmolVLM / Idefics3 checkpoint: hub id or local HF folder.")
+@click.option("--revision", default=None)
+@click.option("--name", default=None, help="Cache name [default: derived from the model].")
+@click.option("--variants", default="fp32,int8,int4", show_default=True)
+@click.option("--vision-position-ids", type=click.Choice(["trained", "transformers"]), default="trained",
+              show_default=True, help="Patch position ids as the checkpoints were trained (transformers<=4.54) "
+                                      "or as transformers 4.55-4.57 compute them (huggingface/transformers#41190).")
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--no-timing", is_flag=True)
+@click.option("--force", is_flag=True)
+@_friendly
+def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing, force):
+    """Build a VLM: vision encoder + connector, token embedding, and the tree/hidden decoder on inputs_embeds."""
+    from .config import TreeDecoderConfig
+    from .pipeline import build_tree_decoder
+
+    cfg = TreeDecoderConfig(model=model, revision=revision, name=name,
+                            variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
+                            primary_input="inputs_embeds", vision=True, vision_position_ids=vision_position_ids,
+                            timing=not no_timing, threads=threads)
+    cfg.validate()
+    res = build_tree_decoder(cfg, force=force)
+    click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
+
+
 @main.command("quant-only")
 @click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
 @click.option("--variants", default="int8,int4", show_default=True)

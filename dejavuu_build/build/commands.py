@@ -29,11 +29,13 @@ from .cli import _friendly, main
 @click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
 @click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
 @click.option("--threads", default=2, show_default=True)
+@click.option("--image", "images", multiple=True, help="Image file for a VLM build (repeatable).")
+@click.option("--draft-model", default=None, help="For --method draft_model: NAME[:VARIANT] of the drafting build.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result and stats as JSON.")
 @_friendly
 def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_new_tokens, temperature, top_p,
-             top_k, seed, stop, variant, datastore, threads, stream, as_json):
+             top_k, seed, stop, variant, datastore, threads, images, draft_model, stream, as_json):
     """Generate from a built decoder with speculative decoding."""
     from ..runtime import load
 
@@ -43,7 +45,9 @@ def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_
     inp = [{"role": "user", "content": chat}] if chat is not None else prompt
     kw = dict(method=method, tree=tree, width=width, max_nodes=max_nodes, max_depth=max_depth,
               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-              stop=stop, datastore=datastore)
+              stop=stop, datastore=datastore, images=list(images) or None)
+    if draft_model:
+        kw["draft_model"] = draft_model
     if stream and not as_json:
         for piece in model.stream(inp, **kw):
             click.echo(piece, nl=False)

@@ -22,6 +22,8 @@ class TreeDecoderConfig:
     timing: bool = True
     threads: int = 2
     reference_tokens: int = 24
+    vision: bool = False                       # `dejavuu-build vlm`: also the vision encoder + embeddings
+    vision_position_ids: str = "trained"       # "trained" (what checkpoints learned) | "transformers" (4.55+)
 
     def validate(self) -> None:
         from ..errors import DejavuuError
@@ -31,6 +33,10 @@ class TreeDecoderConfig:
             raise DejavuuError(f"variants must include fp32 and be among {', '.join(VARIANTS)} (got {', '.join(self.variants)})")
         if self.primary_input not in ("input_ids", "inputs_embeds"):
             raise DejavuuError("--primary-input must be input_ids or inputs_embeds")
+        if self.vision and self.primary_input != "inputs_embeds":
+            raise DejavuuError("a VLM build feeds its decoder inputs_embeds")
+        if self.vision_position_ids not in ("trained", "transformers"):
+            raise DejavuuError("--vision-position-ids must be trained or transformers")
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -19,7 +19,6 @@ from ..schema import Contract, Manifest, VariantRecord, read_contract, read_mani
 from .config import TreeDecoderConfig, cache_key, tool_versions
 
 REFERENCE_FILE = "reference.npz"
-EMBED_FILE = "embed_tokens.npy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -95,23 +94,59 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
                                 new_tokens=cfg.reference_tokens, primary=cfg.primary_input)
         ref.save(tmp / REFERENCE_FILE)
     lm = recipe.text_causal_lm(model)
+    extra: dict = {}
     if cfg.primary_input == "inputs_embeds":
-        import torch
+        from ..export.vision import export_embeddings
+        from ..runtime.vision import EMBED_ONNX
 
-        with torch.no_grad():
-            table = lm.get_input_embeddings()(torch.arange(recipe.text_config(model.config).vocab_size))
-        np.save(tmp / EMBED_FILE, table.float().numpy())
+        with step("export token embedding"):
+            extra["embeddings"] = export_embeddings(lm, tmp / EMBED_ONNX)
+    if cfg.vision:
+        extra["vision"] = _export_vision(cfg, src, model, tmp)
     _save_tokenizer(tok, gen, tmp)
     dims = text_dims(recipe, model.config)
     contract = _declared_contract(tmp, cfg, recipe, model, gen, dims)
     write_json(tmp / S.CONTRACT_FILE, contract.to_json())
     return Manifest(
-        name=name, kind="decoder", created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        name=name, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         cache_key=key, build_config=cfg.to_json(), source=src.to_json(), recipe=recipe.name, tools=tools,
         export={"seconds": round(t_exp.seconds, 1), "torch_export_seconds": round(info.seconds, 1),
                 "nodes": info.nodes, "opset": info.opset, "op_counts": info.op_counts,
-                "tied_embeddings": info.tied_embeddings, "hidden_layer": cfg.hidden_layer},
+                "tied_embeddings": info.tied_embeddings, "hidden_layer": cfg.hidden_layer, **extra},
+        kind="vlm" if cfg.vision else "decoder",
     )
+
+
+def _export_vision(cfg, src, model, tmp: Path) -> dict:
+    """Vision encoder + connector graph, processor settings and the image-token facts the runtime needs."""
+    from ..export.vision import export_vision, vision_dims
+    from ..runtime.vision import PREPROCESSOR_JSON, VISION_ONNX, VLM_JSON
+
+    recipe_vlm = hasattr(model.config, "vision_config")
+    if not recipe_vlm:
+        raise ValidationFailed(f"{src.id} has no vision tower: use `dejavuu-build tree-decoder` for text models")
+    with step("export vision encoder + connector"):
+        info = export_vision(model, tmp / VISION_ONNX, position_ids=cfg.vision_position_ids)
+    dims = vision_dims(model.config)
+    pre = _processor_config(src, dims)
+    write_json(tmp / PREPROCESSOR_JSON, pre)
+    if int(pre.get("max_image_size", {}).get("longest_edge", dims["image_size"])) != dims["image_size"]:
+        raise ValidationFailed("processor max_image_size differs from the vision tower's image_size")
+    write_json(tmp / VLM_JSON, {**dims, "image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                                "global_image_token": "<global-img>", "position_ids": cfg.vision_position_ids})
+    return info
+
+
+def _processor_config(src, dims: dict) -> dict:
+    """The checkpoint's preprocessor_config.json, or SmolVLM's defaults sized to this vision tower."""
+    folder = Path(src.path) if Path(src.path).is_dir() else Path(src.path).parent
+    f = folder / "preprocessor_config.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    from transformers.models.smolvlm.image_processing_smolvlm import SmolVLMImageProcessor
+
+    size = dims["image_size"]
+    return SmolVLMImageProcessor(size={"longest_edge": 4 * size}, max_image_size={"longest_edge": size}).to_dict()
 
 
 def _declared_contract(folder: Path, cfg, recipe, model, gen, dims) -> Contract:
@@ -161,8 +196,9 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     ref = Reference.load(folder / REFERENCE_FILE)
     embed = None
     if contract.primary_input == "inputs_embeds":
-        table = np.load(folder / EMBED_FILE, mmap_mode="r")
-        embed = lambda ids: np.asarray(table[ids], dtype=np.float32)  # noqa: E731
+        from ..runtime.vision import load_embedder
+
+        embed = load_embedder(folder, threads)
     t_q = 0.0
     for v in variants:
         with step(f"quantize {v}") as t:

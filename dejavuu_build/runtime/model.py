@@ -50,6 +50,7 @@ class Model:
     tokenizer: TextTokenizer | None
     eos_ids: list[int] = field(default_factory=list)
     manifest: S.Manifest | None = None
+    vision: object | None = None            # runtime.vision.VisionParts for VLM builds
     _warned_tree: bool = False
 
     @property
@@ -81,14 +82,23 @@ class Model:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
                  max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, residual_fn=None,
-                 **drafter_params) -> GenerationResult:
-        ids = self.encode(prompt)
+                 images: Sequence | None = None, **drafter_params) -> GenerationResult:
+        prefill_embeds = None
+        if images:
+            if self.vision is None:
+                raise GenerationError(f"{self.folder.name} takes no images: build a VLM with `dejavuu-build vlm`")
+            if isinstance(prompt, str) and not prompt.strip():
+                raise GenerationError("the prompt is empty: give some text")
+            ids, prefill_embeds = self.vision.prefill(prompt, images, self.tokenizer, self.decoder.embed)
+        else:
+            ids = self.encode(prompt)
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1")
         limit = self.contract.max_positions
         if limit and len(ids) + max_new_tokens > limit:
-            raise GenerationError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                                  f"{limit} positions: shorten the prompt or lower max_new_tokens")
+            raise GenerationError(f"prompt ({len(ids)} tokens{', images included' if images else ''}) + max_new_tokens "
+                                  f"({max_new_tokens}) exceeds the model's {limit} positions: shorten the prompt, "
+                                  f"use fewer images or lower max_new_tokens")
         sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         drafter = self._drafter(method, datastore, drafter_params, sampler)
         if tree and not self.tree_capable and not self._warned_tree:
@@ -103,7 +113,7 @@ class Model:
         new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
                                              tree=use_tree, budget=budget, eos_ids=self.eos_ids,
                                              should_stop=should_stop, on_tokens=on_tokens,
-                                             validate_drafts=validate_drafts,
+                                             validate_drafts=validate_drafts, prefill_embeds=prefill_embeds,
                                              **({"residual_fn": residual_fn} if residual_fn else {}))
         text = self.tokenizer.decode(new) if self.tokenizer else ""
         if stop and reason == "stop_string":
@@ -230,8 +240,8 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
                              f"(has: {', '.join(manifest.variants) or 'none'}); build it with "
                              f"`dejavuu-build quant-only --name {folder.name}`")
         if verify:
-            verify_entry(folder, files=[manifest.variants[variant].file, S.CONTRACT_FILE] +
-                         [f for f in manifest.files if f.startswith(("tokenizer", "chat_template", "embed_tokens"))])
+            others = {r.file for v, r in manifest.variants.items() if v != variant} | {"reference.npz"}
+            verify_entry(folder, files=[f for f in manifest.files if f not in others])
         onnx_path = folder / manifest.variants[variant].file
         sess = make_session(onnx_path, threads or DEFAULT_THREADS)
         contract = S.read_contract(folder)
@@ -246,18 +256,18 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
         variant = onnx_path.stem
         eos = _eos_from_configs(folder)
         contract.eos_token_ids = eos
-    embed = None
+    embed = vision = None
     if contract.primary_input == "inputs_embeds":
-        table_path = folder / "embed_tokens.npy"
-        if not table_path.is_file():
-            raise CacheError(f"{folder} has no embed_tokens.npy for its inputs_embeds decoder; rebuild it")
-        table = np.load(table_path, mmap_mode="r")
-        embed = lambda ids: np.asarray(table[ids], dtype=np.float32)  # noqa: E731
+        from .vision import VLM_JSON, VisionParts, load_embedder
+
+        embed = load_embedder(folder, threads or DEFAULT_THREADS)
+        if (folder / VLM_JSON).is_file():
+            vision = VisionParts.load(folder, threads or DEFAULT_THREADS)
     tok = TextTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
     if tok is not None and tok.eos_token and not eos:
         t = tok.token_id(tok.eos_token)
         eos = [t] if t is not None else []
-    return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest)
+    return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest, vision=vision)
 
 
 def _eos_from_configs(folder: Path) -> list[int]:
