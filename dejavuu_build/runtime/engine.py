@@ -19,7 +19,7 @@ from ..schema import Contract
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .kv import KVCache
 from .sampling import Sampler, accept_ratio, residual
-from .tree import causal_inputs, step_inputs, with_root
+from .tree import aligned_layout, causal_inputs, step_inputs, with_root
 
 
 @dataclass
@@ -141,10 +141,41 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1)
 
 
+def calibrate_period(dec: Decoder, candidates=(4, 8, 16, 32, 64)) -> int | None:
+    """The key-block period of this machine's attention kernel: the smallest G such that a node
+    whose parent sits G (and 2G) masked slots earlier gets logits bit-identical to the plain chain,
+    over several past lengths (so every tail length of the key loop is exercised) and depths.
+    None if no candidate is exact (tree verification then falls back to chains)."""
+    v = dec.c.vocab_size or 100
+    toks = [int(3 + (7 * i) % max(v - 3, 1)) for i in range(64 + 4)]
+    cases = []
+    for past in range(9, 9 + 16):                 # 16 consecutive past lengths: every tail mod 16
+        kv = dec.new_cache()
+        _, _, pres = dec.forward(toks[:past], None, kv)
+        kv.commit(pres, past, list(range(past)))
+        a, b, c = toks[past:past + 3]
+        chain, _, _ = dec.forward([a, b, c], None, kv)
+        cases.append((kv, a, b, c, chain))
+
+    def exact(gap: int) -> bool:
+        for kv, a, b, c, chain in cases:
+            # b hangs off a after `gap` pads; c hangs off b directly (depth 2)
+            out, _, _ = dec.forward([a] + [a] * gap + [b, c], [-1] + [-1] * gap + [0, gap + 1], kv)
+            if not (np.array_equal(out[-2], chain[1]) and np.array_equal(out[-1], chain[2])):
+                return False
+        return True
+
+    for g in candidates:
+        if exact(g) and exact(2 * g):
+            return g
+    return None
+
+
 class Engine:
-    def __init__(self, decoder: Decoder, *, tree_capable: bool):
+    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None):
         self.dec = decoder
-        self.tree_capable = tree_capable
+        self.tree_capable = tree_capable and period is not None
+        self.period = period
 
     def generate(self, prompt_ids: Sequence[int], *, drafter: Drafter, sampler: Sampler,
                  max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
@@ -186,11 +217,16 @@ class Engine:
             step_tokens = [tokens[-1]] + draft.tokens
             parents = with_root(draft.parents)
             t2 = time.perf_counter()
-            logits, hidden, present = self.dec.forward(step_tokens, None if draft.is_chain() else parents, kv)
+            if draft.is_chain():
+                logits, hidden, present = self.dec.forward(step_tokens, None, kv)
+                slots, n_slots = list(range(len(step_tokens))), len(step_tokens)
+            else:
+                draft, step_tokens, parents, slots, logits, hidden, present, n_slots = self._verify_tree(
+                    draft, step_tokens, parents, kv, b)
             t3 = time.perf_counter()
             st.verify_s += t3 - t2
             committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn)
-            kv.commit(present, len(step_tokens), path)
+            kv.commit(present, n_slots, [slots[i] for i in path])
             st.kv_s += time.perf_counter() - t3
             st.steps += 1
             st.drafted += len(draft)
@@ -212,6 +248,27 @@ class Engine:
         st.total_s = time.perf_counter() - t_all
         st.overhead_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s)
         return new, st, reason
+
+    def _verify_tree(self, draft: Draft, step_tokens, parents, kv: KVCache, budget: DraftBudget):
+        """One forward over the draft tree in the period-aligned layout (see tree.aligned_layout);
+        nodes pruned by the slot budget are dropped from the draft."""
+        max_slots = self.period * max(1, budget.width) if self.period else len(step_tokens)
+        slot, slot_parents = aligned_layout(parents, self.period, max_slots)
+        keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
+        if len(keep) < len(step_tokens):
+            new_index = {old: new for new, old in enumerate(keep)}
+            parents = [-1 if parents[i] < 0 else new_index[parents[i]] for i in keep]
+            step_tokens = [step_tokens[i] for i in keep]
+            slot = [slot[i] for i in keep]
+            draft = Draft([step_tokens[i] for i in range(1, len(keep))], [p - 1 for p in parents[1:]],
+                          [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None)
+        slot_tokens = [step_tokens[0]] * len(slot_parents)
+        for i, s_ in enumerate(slot):
+            slot_tokens[s_] = step_tokens[i]
+        logits_s, hidden_s, present = self.dec.forward(slot_tokens, slot_parents, kv)
+        logits = logits_s[slot]
+        hidden = hidden_s[slot] if hidden_s is not None else None
+        return draft, step_tokens, parents, slot, logits, hidden, present, len(slot_parents)
 
     @staticmethod
     def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn):

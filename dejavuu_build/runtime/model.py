@@ -52,6 +52,7 @@ class Model:
     manifest: S.Manifest | None = None
     vision: object | None = None            # runtime.vision.VisionParts for VLM builds
     _warned_tree: bool = False
+    _period: int | None = -1                # attention key-block period, measured on first tree use
 
     @property
     def tree_capable(self) -> bool:
@@ -106,10 +107,15 @@ class Model:
                            self.contract.mask_kind)
             self._warned_tree = True
         use_tree = tree and self.tree_capable
+        if use_tree and self.tree_period is None:
+            logger.warning("this CPU's attention kernel showed no key-block period under which tree rows are "
+                           "bit-identical to chains: verifying chains to stay lossless")
+            use_tree = False
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)
         should_stop = self._stop_fn(stop) if stop else None
-        engine = Engine(self.decoder, tree_capable=self.tree_capable)
+        engine = Engine(self.decoder, tree_capable=self.tree_capable,
+                        period=self.tree_period if use_tree else None)
         new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
                                              tree=use_tree, budget=budget, eos_ids=self.eos_ids,
                                              should_stop=should_stop, on_tokens=on_tokens,
@@ -122,6 +128,16 @@ class Model:
                     text = text[:text.index(s_)]
         name = method if isinstance(method, str) else getattr(method, "name", "custom")
         return GenerationResult(text, new, len(ids), stats, reason, name, use_tree)
+
+    @property
+    def tree_period(self) -> int | None:
+        """Measured once per loaded model (a few small forwards): see engine.calibrate_period."""
+        if self._period == -1:
+            from .engine import calibrate_period
+
+            self._period = _cached_period(self) if self.tree_capable else None
+            logger.debug("tree layout period: %s", self._period)
+        return self._period
 
     def stream(self, prompt, **kw) -> Iterator[str]:
         """Yield text pieces as tokens are committed (a chunk per verify step)."""
@@ -193,6 +209,40 @@ class Model:
             return make_drafter(method, datastore=datastore, **params)
         except (TypeError, ValueError) as e:
             raise GenerationError(f"method {method}: {e}") from None
+
+
+def _cached_period(model: "Model") -> int | None:
+    """calibrate_period, remembered per (machine, onnxruntime, graph) under <cache>/.runtime/."""
+    import hashlib
+    import platform
+
+    import onnxruntime
+
+    from .engine import calibrate_period
+
+    graph_id = (model.manifest.variants[model.variant].sha256 if model.manifest and model.variant in model.manifest.variants
+                else f"{model.folder}/{model.variant}")
+    flags = ""
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    key = hashlib.sha256(f"{graph_id}|{onnxruntime.__version__}|{platform.machine()}|{flags}|"
+                         f"{model.decoder.s.get_session_options().intra_op_num_threads}".encode()).hexdigest()[:24]
+    f = cache_root() / ".runtime" / f"period-{key}.json"
+    try:
+        return json.loads(f.read_text())["period"]
+    except (OSError, ValueError, KeyError):
+        pass
+    period = calibrate_period(model.decoder)
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"period": period}))
+        os.replace(tmp, f)
+    except OSError:
+        pass
+    return period
 
 
 def load_datastore(name_or_path: str):

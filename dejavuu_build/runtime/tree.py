@@ -50,3 +50,45 @@ def causal_inputs(n: int, past_len: int) -> tuple[np.ndarray, np.ndarray]:
 def with_root(draft_parents: list[int]) -> list[int]:
     """Parents for [root] + draft nodes: draft roots (-1) hang off step node 0."""
     return [-1] + [p + 1 for p in draft_parents]
+
+
+def aligned_layout(parents: list[int], period: int, max_slots: int) -> tuple[list[int], list[int]]:
+    """Place step nodes into slots so that every node sits at ``slot ≡ depth (mod period)`` and
+    after its parent; returns (slot of each kept node or -1 if pruned, parents per slot with -1
+    for pad slots and roots).
+
+    Why: ORT's attention sums keys in SIMD blocks of ``period`` keys. A node whose ancestors lie
+    at the same offsets modulo ``period`` as in a plain chain gets bit-identical logits (masked
+    keys contribute exact zeros), which keeps tree verification exactly equal to plain decoding
+    even when int8 activations would amplify a last-bit difference. Column 0 holds the root and
+    its first-child path (no padding for chains); each further branch starts a new column, and
+    nodes that would need a slot beyond ``max_slots`` are pruned with their subtrees.
+    """
+    n = len(parents)
+    d = depths(parents)
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    slot = [-1] * n
+    used: set[int] = set()
+    stack = [0]
+    while stack:                       # preorder DFS, first child first
+        u = stack.pop()
+        p = parents[u]
+        lo = 0 if p < 0 else slot[p] + 1
+        s = int(d[u])
+        while s < lo or s in used:
+            s += period
+        if s >= max_slots or (p >= 0 and slot[p] < 0):
+            continue                   # pruned (its subtree too: children see slot[p] < 0)
+        slot[u] = s
+        used.add(s)
+        stack.extend(reversed(children.get(u, [])))
+    total = max(used) + 1
+    slot_parents = [-1] * total
+    for i in range(n):
+        if slot[i] >= 0 and parents[i] >= 0:
+            slot_parents[slot[i]] = slot[parents[i]]
+    return slot, slot_parents
+

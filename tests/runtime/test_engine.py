@@ -63,7 +63,7 @@ class OracleTree(Drafter):
 def test_tree_best_path_not_first_child(tiny):
     base = tiny.generate(PROMPTS[1], max_new_tokens=30)
     d = OracleTree(base.tokens)
-    r = tiny.generate(PROMPTS[1], method=d, tree=True, max_new_tokens=30, max_nodes=8, max_depth=4)
+    r = tiny.generate(PROMPTS[1], method=d, tree=True, max_new_tokens=30, max_nodes=8, max_depth=4, width=4)
     assert r.tokens == base.tokens
     # Every full step accepts 3 drafts (+1 bonus): the engine followed the second child.
     assert max(r.stats.accept_hist) == 3 and r.stats.steps <= 10

@@ -29,3 +29,49 @@ def test_siblings_and_deep_branches():
 
 def test_with_root():
     assert with_root([-1, 0, -1, 2]) == [-1, 0, 1, 0, 3]
+
+
+def test_aligned_layout_keeps_depth_modulo_period_and_parent_order():
+    from dejavuu_build.runtime.tree import aligned_layout
+
+    # root -> a, b ; a -> c, d ; c -> e ; b -> f
+    parents = [-1, 0, 0, 1, 1, 3, 2]
+    slot, sp = aligned_layout(parents, 4, 64)
+    d = depths(parents)
+    assert slot[0] == 0 and slot[1] == 1 and slot[3] == 2 and slot[5] == 3     # first-child path: no padding
+    for i, s in enumerate(slot):
+        assert s % 4 == d[i] % 4
+        if parents[i] >= 0:
+            assert slot[parents[i]] < s and sp[s] == slot[parents[i]]
+    pads = [s for s in range(len(sp)) if s not in slot]
+    assert all(sp[s] == -1 for s in pads)
+    slot, _ = aligned_layout(parents, 4, 6)                                   # budget prunes subtrees
+    assert slot[4] == -1 and slot[2] == 5 and slot[6] == -1          # d and f pruned, b kept at 1 + 4
+
+
+def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
+    """The reason for the aligned layout: every node's logits equal its path run as a chain, bit for bit."""
+    from dejavuu_build.runtime import load
+    from dejavuu_build.runtime.tree import aligned_layout
+
+    m = load(tiny_llama, variant="int4")
+    dec, period = m.decoder, m.tree_period
+    assert period is not None
+    kv = dec.new_cache()
+    ctx = list(range(10, 40))
+    _, _, pres = dec.forward(ctx, None, kv)
+    kv.commit(pres, len(ctx), list(range(len(ctx))))
+    parents = [-1, 0, 0, 1, 2, 4, 0]
+    toks = [50, 60, 61, 70, 71, 80, 62]
+    slot, sp = aligned_layout(parents, period, 10 * period)
+    st = [toks[0]] * len(sp)
+    for i, s in enumerate(slot):
+        st[s] = toks[i]
+    out, _, _ = dec.forward(st, sp, kv)
+    for i in range(len(toks)):
+        path, j = [], i
+        while j >= 0:
+            path.append(toks[j])
+            j = parents[j]
+        chain, _, _ = dec.forward(path[::-1], None, kv)
+        assert np.array_equal(out[slot[i]], chain[-1]), i
