@@ -56,7 +56,10 @@ def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
 
     m = load(tiny_llama, variant="int4")
     dec, period = m.decoder, m.tree_period
-    assert period is not None
+    if period is None:   # then the runtime verifies chains only, and says so
+        import pytest
+
+        pytest.skip("this CPU's attention kernel has no exact key-block period")
     kv = dec.new_cache()
     ctx = list(range(10, 40))
     _, _, pres = dec.forward(ctx, None, kv)
