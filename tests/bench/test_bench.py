@@ -159,6 +159,8 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
 
     from dejavuu_build.bench.runner import BenchConfig, run_bench, default_data_path
 
+    if default_data_path() is None:
+        pytest.skip("Spec-Bench question.jsonl not present")
     cfg = BenchConfig(model=str(tiny_llama), methods=("baseline", "baseline_n1", "pld"), categories=("qa",),
                       per_category=1, max_new_tokens=8, data=str(default_data_path()))
     report = run_bench(cfg, tmp_path / "out")
