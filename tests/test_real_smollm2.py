@@ -75,12 +75,12 @@ def test_quant_only_revalidates_without_torch(smollm2):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method):
     model = load(smollm2, variant="int4")
-    for text in spec_prompts:
+    for i, text in enumerate(spec_prompts):
         msgs = [{"role": "user", "content": text}]
-        for temp in (0.0, 0.7):
-            base = model.generate(msgs, max_new_tokens=40, temperature=temp, seed=5)
+        for temp in ((0.0, 0.7) if i < 2 else (0.0,)):      # greedy on all three, sampling on two
+            base = model.generate(msgs, max_new_tokens=32, temperature=temp, seed=5)
             for tree in (False, True):
-                r = model.generate(msgs, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=5)
+                r = model.generate(msgs, method=method, tree=tree, max_new_tokens=32, temperature=temp, seed=5)
                 assert r.tokens == base.tokens, (method, tree, temp, text[:40])
 
 
