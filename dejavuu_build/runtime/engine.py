@@ -141,6 +141,11 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1)
 
 
+# Keys are also grouped in tiles of 256 on this machine (a gap that moves a visible key across a
+# 256-key boundary changes the rounding). 64 is a conservative divisor: it also covers 64/128-key tiles.
+KEY_TILE = 64
+
+
 def calibrate_period(dec: Decoder, candidates=(4, 8, 16, 32, 64)) -> int | None:
     """The key-block period of this machine's attention kernel: the smallest G such that a node
     whose parent sits G (and 2G) masked slots earlier gets logits bit-identical to the plain chain,
@@ -253,7 +258,7 @@ class Engine:
         """One forward over the draft tree in the period-aligned layout (see tree.aligned_layout);
         nodes pruned by the slot budget are dropped from the draft."""
         max_slots = self.period * max(1, budget.width) if self.period else len(step_tokens)
-        slot, slot_parents = aligned_layout(parents, self.period, max_slots)
+        slot, slot_parents = aligned_layout(parents, self.period, max_slots, past=kv.length, tile=KEY_TILE)
         keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
         if len(keep) < len(step_tokens):
             new_index = {old: new for new, old in enumerate(keep)}

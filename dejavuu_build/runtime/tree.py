@@ -52,7 +52,8 @@ def with_root(draft_parents: list[int]) -> list[int]:
     return [-1] + [p + 1 for p in draft_parents]
 
 
-def aligned_layout(parents: list[int], period: int, max_slots: int) -> tuple[list[int], list[int]]:
+def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int = 0,
+                   tile: int | None = None) -> tuple[list[int], list[int]]:
     """Place step nodes into slots so that every node sits at ``slot ≡ depth (mod period)`` and
     after its parent; returns (slot of each kept node or -1 if pruned, parents per slot with -1
     for pad slots and roots).
@@ -63,6 +64,10 @@ def aligned_layout(parents: list[int], period: int, max_slots: int) -> tuple[lis
     even when int8 activations would amplify a last-bit difference. Column 0 holds the root and
     its first-child path (no padding for chains); each further branch starts a new column, and
     nodes that would need a slot beyond ``max_slots`` are pruned with their subtrees.
+
+    The kernel also groups keys in tiles (256 keys measured on this machine): a node whose slot
+    falls in another ``tile`` than its chain position ``past + depth`` is pruned too, so near a
+    tile boundary a tree briefly narrows to its first-child path instead of losing exactness.
     """
     n = len(parents)
     d = depths(parents)
@@ -80,7 +85,8 @@ def aligned_layout(parents: list[int], period: int, max_slots: int) -> tuple[lis
         s = int(d[u])
         while s < lo or s in used:
             s += period
-        if s >= max_slots or (p >= 0 and slot[p] < 0):
+        crosses = tile is not None and (past + s) // tile != (past + int(d[u])) // tile
+        if s >= max_slots or crosses or (p >= 0 and slot[p] < 0):
             continue                   # pruned (its subtree too: children see slot[p] < 0)
         slot[u] = s
         used.add(s)

@@ -47,6 +47,9 @@ def test_aligned_layout_keeps_depth_modulo_period_and_parent_order():
     assert all(sp[s] == -1 for s in pads)
     slot, _ = aligned_layout(parents, 4, 6)                                   # budget prunes subtrees
     assert slot[4] == -1 and slot[2] == 5 and slot[6] == -1          # d and f pruned, b kept at 1 + 4
+    # b's slot (past + 5) would fall in the next 8-key tile while its chain position (past + 1) does not
+    slot, _ = aligned_layout(parents, 4, 64, past=6, tile=8)
+    assert slot[2] == -1 and slot[1] == 1 and slot[3] == 2
 
 
 def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
@@ -60,21 +63,27 @@ def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
         import pytest
 
         pytest.skip("this CPU's attention kernel has no exact key-block period")
-    kv = dec.new_cache()
-    ctx = list(range(10, 40))
-    _, _, pres = dec.forward(ctx, None, kv)
-    kv.commit(pres, len(ctx), list(range(len(ctx))))
+    from dejavuu_build.runtime.engine import KEY_TILE
+
     parents = [-1, 0, 0, 1, 2, 4, 0]
     toks = [50, 60, 61, 70, 71, 80, 62]
-    slot, sp = aligned_layout(parents, period, 10 * period)
-    st = [toks[0]] * len(sp)
-    for i, s in enumerate(slot):
-        st[s] = toks[i]
-    out, _, _ = dec.forward(st, sp, kv)
-    for i in range(len(toks)):
-        path, j = [], i
-        while j >= 0:
-            path.append(toks[j])
-            j = parents[j]
-        chain, _, _ = dec.forward(path[::-1], None, kv)
-        assert np.array_equal(out[slot[i]], chain[-1]), i
+    for past in (30, 50, 60, 250, 255):          # some right before a key-tile boundary
+        kv = dec.new_cache()
+        ctx = [10 + i % 200 for i in range(past)]
+        _, _, pres = dec.forward(ctx, None, kv)
+        kv.commit(pres, len(ctx), list(range(len(ctx))))
+        slot, sp = aligned_layout(parents, period, 10 * period, past=past, tile=KEY_TILE)
+        st = [toks[0]] * len(sp)
+        for i, s in enumerate(slot):
+            if s >= 0:
+                st[s] = toks[i]
+        out, _, _ = dec.forward(st, sp, kv)
+        for i in range(len(toks)):
+            if slot[i] < 0:
+                continue
+            path, j = [], i
+            while j >= 0:
+                path.append(toks[j])
+                j = parents[j]
+            chain, _, _ = dec.forward(path[::-1], None, kv)
+            assert np.array_equal(out[slot[i]], chain[-1]), (past, i)
