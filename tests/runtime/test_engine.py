@@ -61,12 +61,14 @@ class OracleTree(Drafter):
 
 
 def test_tree_best_path_not_first_child(tiny):
-    base = tiny.generate(PROMPTS[1], max_new_tokens=30)
+    # A short context: its second-column slots (past + depth + period) stay inside the first
+    # 64-key tile, so the layout never has to prune the right branch.
+    base = tiny.generate("the cat", max_new_tokens=24)
     d = OracleTree(base.tokens)
-    r = tiny.generate(PROMPTS[1], method=d, tree=True, max_new_tokens=30, max_nodes=8, max_depth=4, width=4)
+    r = tiny.generate("the cat", method=d, tree=True, max_new_tokens=24, max_nodes=8, max_depth=4, width=4)
     assert r.tokens == base.tokens
     # Every full step accepts 3 drafts (+1 bonus): the engine followed the second child.
-    assert max(r.stats.accept_hist) == 3 and r.stats.steps <= 10
+    assert max(r.stats.accept_hist) == 3 and r.stats.steps <= 8
 
 
 def test_kv_cache_stays_the_committed_length(tiny):
