@@ -3,30 +3,29 @@
 from .base import Recipe, register
 
 
-class _TextLM:
-    """Text model + lm-head of a VLM, with the CausalLM forward signature the export wrapper uses."""
+def _text_lm(vlm):
+    """Text model + lm-head of a VLM, with the CausalLM forward signature the export wrapper uses.
+    Defined inside a function so importing the recipe registry never imports torch."""
+    from types import SimpleNamespace
 
-    def __new__(cls, vlm):
-        import torch
+    import torch
 
-        class TextLM(torch.nn.Module):
-            def __init__(self, vlm):
-                super().__init__()
-                self.model = vlm.model.text_model
-                self.lm_head = vlm.lm_head
-                self.config = vlm.config.text_config
+    class TextLM(torch.nn.Module):
+        def __init__(self, vlm):
+            super().__init__()
+            self.model = vlm.model.text_model
+            self.lm_head = vlm.lm_head
+            self.config = vlm.config.text_config
 
-            def get_input_embeddings(self):
-                return self.model.get_input_embeddings()
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
 
-            def forward(self, input_ids=None, inputs_embeds=None, **kw):
-                out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kw)
-                from types import SimpleNamespace
+        def forward(self, input_ids=None, inputs_embeds=None, **kw):
+            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kw)
+            return SimpleNamespace(logits=self.lm_head(out.last_hidden_state),
+                                   hidden_states=out.hidden_states, past_key_values=out.past_key_values)
 
-                return SimpleNamespace(logits=self.lm_head(out.last_hidden_state),
-                                       hidden_states=out.hidden_states, past_key_values=out.past_key_values)
-
-        return TextLM(vlm)
+    return TextLM(vlm)
 
 
 @register
@@ -38,7 +37,7 @@ class SmolVLMRecipe(Recipe):
     vlm = True
 
     def text_causal_lm(self, model):
-        return _TextLM(model)
+        return _text_lm(model)
 
     def text_config(self, config):
         return config.text_config
