@@ -237,7 +237,8 @@ def _failed(rec: VariantRecord) -> str:
 
 
 def _pick_default(manifest: Manifest) -> str | None:
-    """The fastest variant that passed its gates, by the mean forward cost at N=1 and N=8."""
+    """The fastest variant that passed its gates (mean forward cost of a padded single step and an
+    8-token verify, at past 256 and 1024); without timings, the smallest that passed."""
     best, best_cost = None, float("inf")
     for name, rec in manifest.variants.items():
         if not rec.passed:
@@ -245,7 +246,7 @@ def _pick_default(manifest: Manifest) -> str | None:
         t = rec.timings_ms
         # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8).
         cost = float(np.mean([t[k] for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")])) if t \
-            else S.VARIANTS.index(name)
+            else float(rec.bytes)   # untimed (--no-timing): the smallest passing file
         if cost < best_cost:
             best, best_cost = name, cost
     return best
