@@ -171,4 +171,7 @@ except ImportError:  # pragma: no cover - while those modules are being written
     pass
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    # Run the package module's group: commands.py registers onto that one, not onto __main__'s copy.
+    from dejavuu_build.build.cli import main as _package_main
+
+    _package_main()

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..errors import DejavuuError, GenerationError
+from ..errors import GenerationError
 from .cli import _friendly, main
 
 

@@ -12,7 +12,7 @@ from ..log import step
 
 
 def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False) -> Path:
-    from ..runtime.drafters.datastore import Datastore, build_from_file
+    from ..runtime.drafters.datastore import build_from_file
     from ..runtime.model import resolve_folder
     from ..runtime.tokenizer import TextTokenizer
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from .. import schema as S
 from ..cache import build_lock, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError, ValidationFailed
 from ..log import logger, step
-from ..schema import Contract, Manifest, VariantRecord, read_contract, read_manifest, variant_file, write_json
+from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json
 from .config import TreeDecoderConfig, cache_key, tool_versions
 
 REFERENCE_FILE = "reference.npz"

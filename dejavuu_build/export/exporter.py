@@ -47,7 +47,6 @@ def text_dims(recipe, config) -> dict[str, Any]:
 def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1,
                    primary: str = S.INPUT_IDS) -> ExportInfo:
     """Export ``model`` (a full HF model of ``recipe``'s family) as a tree-capable decoder."""
-    import onnx
     import torch
 
     from .wrapper import DecoderWrapper
@@ -74,20 +73,8 @@ def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1
         S.PAST_KEY.format(i=i) if k == 0 else S.PAST_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
     out_names = [S.LOGITS, S.HIDDEN_STATES] + [
         S.PRESENT_KEY.format(i=i) if k == 0 else S.PRESENT_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
-    tmp = out_path.with_name(out_path.name + ".raw")
-    t0 = time.perf_counter()
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(wrapper, (first, pos, bias, *past), str(tmp), dynamo=True, opset_version=OPSET,
-                              input_names=in_names, output_names=out_names, dynamic_shapes=dynamic,
-                              external_data=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - surface the exporter's reason in one line
-        raise ExportError(f"torch.onnx export failed for recipe {recipe.name}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    seconds = time.perf_counter() - t0
-    proto = onnx.load(str(tmp))
-    os.remove(tmp)
+    proto, seconds = dynamo_export(wrapper, (first, pos, bias, *past), out_path, in_names, out_names, dynamic,
+                                   f"decoder (recipe {recipe.name})")
     tied = finalize_graph(proto)
     save_model(proto, out_path)
     ops = collections.Counter(nd.op_type for nd in proto.graph.node)
@@ -95,6 +82,30 @@ def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1
                 ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
     return ExportInfo(seconds=seconds, nodes=len(proto.graph.node), opset=OPSET,
                       op_counts=dict(ops.most_common()), tied_embeddings=tied)
+
+
+def dynamo_export(module, args, out_path: Path, in_names, out_names, dynamic, what: str):
+    """torch.onnx dynamo export at OPSET into a scratch file; returns (ModelProto, export seconds).
+    The one place every graph of ours (decoder, vision encoder, embedding) is exported."""
+    import onnx
+    import torch
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".raw")
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, str(tmp), dynamo=True, opset_version=OPSET, input_names=in_names,
+                              output_names=out_names, dynamic_shapes=dynamic, external_data=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - surface the exporter's reason in one line
+        raise ExportError(f"torch.onnx export of the {what} failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    seconds = time.perf_counter() - t0
+    proto = onnx.load(str(tmp))
+    os.remove(tmp)
+    return proto, seconds
 
 
 def save_model(proto, path: Path) -> None:

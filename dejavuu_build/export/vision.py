@@ -48,15 +48,12 @@ names the quantizer looks for — so the table can be 8-bit quantized later.
 from __future__ import annotations
 
 import collections
-import os
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
 from ..log import logger
-from .exporter import EMBED_NODE, OPSET, _scope_of, save_model
+from .exporter import EMBED_NODE, OPSET, _scope_of, dynamo_export, save_model
 
 PIXEL_VALUES = "pixel_values"
 PIXEL_ATTENTION_MASK = "pixel_attention_mask"
@@ -186,28 +183,6 @@ def _check_shrink_kept(proto) -> None:
                       "(onnxscript no-op rule); position ids would be wrong")
 
 
-def _export(module, args, out_path: Path, in_names, out_names, dynamic, what: str):
-    import onnx
-    import torch
-
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".raw")
-    t0 = time.perf_counter()
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(module, args, str(tmp), dynamo=True, opset_version=OPSET, input_names=in_names,
-                              output_names=out_names, dynamic_shapes=dynamic, external_data=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - surface the exporter's reason in one line
-        raise ExportError(f"torch.onnx export of the {what} failed: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    seconds = time.perf_counter() - t0
-    proto = onnx.load(str(tmp))
-    os.remove(tmp)
-    return proto, seconds
-
-
 def _summary(proto, seconds: float) -> dict[str, Any]:
     ops = collections.Counter(nd.op_type for nd in proto.graph.node)
     return {"seconds": seconds, "nodes": len(proto.graph.node), "opset": OPSET, "op_counts": dict(ops.most_common())}
@@ -234,7 +209,7 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     mask = torch.ones(n, S, S, dtype=torch.bool)
     Nd = torch.export.Dim("num_images", min=1, max=4096)
     dynamic = ({0: Nd}, {0: Nd})
-    proto, seconds = _export(wrapper, (pv, mask), out_path, [PIXEL_VALUES, PIXEL_ATTENTION_MASK],
+    proto, seconds = dynamo_export(wrapper, (pv, mask), out_path, [PIXEL_VALUES, PIXEL_ATTENTION_MASK],
                              [IMAGE_FEATURES], dynamic, "vision encoder")
     if position_ids == "transformers":
         _check_shrink_kept(proto)
@@ -272,7 +247,7 @@ def export_embeddings(vlm_model, out_path: Path) -> dict[str, Any]:
     wrapper = Embed(emb).eval()
     ids = torch.randint(0, min(int(emb.num_embeddings), 100), (2, 3))
     dynamic = ({0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("N", min=1, max=131072)},)
-    proto, seconds = _export(wrapper, (ids,), out_path, [EMBED_INPUT], [EMBED_OUTPUT], dynamic, "token embedding")
+    proto, seconds = dynamo_export(wrapper, (ids,), out_path, [EMBED_INPUT], [EMBED_OUTPUT], dynamic, "token embedding")
     _finalize(proto, prefix="/model")
     g = proto.graph
     inits = {i.name: i for i in g.initializer}

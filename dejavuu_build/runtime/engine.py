@@ -14,7 +14,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..log import logger
 from ..schema import Contract
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .kv import KVCache

@@ -133,8 +133,6 @@ class Model:
     def tree_period(self) -> int | None:
         """Measured once per loaded model (a few small forwards): see engine.calibrate_period."""
         if self._period == -1:
-            from .engine import calibrate_period
-
             self._period = _cached_period(self) if self.tree_capable else None
             logger.debug("tree layout period: %s", self._period)
         return self._period
@@ -202,8 +200,6 @@ class Model:
         if method not in METHODS:
             raise GenerationError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}, draft_model")
         if isinstance(datastore, str):
-            from .drafters.datastore import Datastore
-
             datastore = load_datastore(datastore)
         try:
             return make_drafter(method, datastore=datastore, **params)
