@@ -31,6 +31,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    forward_s: float = 0.0      # decode steps' time inside onnxruntime's run (prefill excluded)
     kv_s: float = 0.0
     overhead_s: float = 0.0
     total_s: float = 0.0
@@ -55,6 +56,11 @@ class GenerationStats:
         return self.total_s - self.prefill_s
 
     @property
+    def host_ms_per_step(self) -> float:
+        """Decode time per step spent outside the forward (drafting, masks, KV moves, sampling)."""
+        return 1e3 * (self.decode_s - self.forward_s) / self.steps if self.steps else 0.0
+
+    @property
     def decode_tok_s(self) -> float:
         return (self.tokens - 1) / self.decode_s if self.decode_s > 0 and self.tokens > 1 else 0.0
 
@@ -62,7 +68,8 @@ class GenerationStats:
         d = asdict(self)
         d.pop("accept_hist")
         d.update(mean_accepted=round(self.mean_accepted, 3), tokens_per_step=round(self.tokens_per_step, 3),
-                 acceptance_rate=round(self.acceptance_rate, 3), decode_tok_s=round(self.decode_tok_s, 2))
+                 acceptance_rate=round(self.acceptance_rate, 3), decode_tok_s=round(self.decode_tok_s, 2),
+                 host_ms_per_step=round(self.host_ms_per_step, 4))
         for k, v in list(d.items()):
             if isinstance(v, float):
                 d[k] = round(v, 5)
@@ -83,6 +90,7 @@ class Decoder:
                        for i in range(contract.num_layers) for kv in ("key", "value")]
         self.has_hidden = contract.hidden_output is not None
         self.pad_single = True   # see forward(); False only to time true one-row decoding
+        self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
 
     def new_cache(self) -> KVCache:
@@ -125,7 +133,9 @@ class Decoder:
                 feeds[self.c.mask_input] = np.ones((1, past + m), dtype=np.int64)
         if self.c.position_input:
             feeds[self.c.position_input] = pos
+        t0 = time.perf_counter()
         out = self.s.run(self.outputs, feeds)
+        self.last_run_s = time.perf_counter() - t0
         logits = out[0][0][:n]
         hidden = out[1][0][:n] if self.has_hidden else None
         present = out[2:] if self.has_hidden else out[1:]
@@ -229,6 +239,7 @@ class Engine:
                     draft, step_tokens, parents, kv, b)
             t3 = time.perf_counter()
             st.verify_s += t3 - t2
+            st.forward_s += self.dec.last_run_s
             committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn)
             kv.commit(present, n_slots, [slots[i] for i in path])
             st.kv_s += time.perf_counter() - t3
