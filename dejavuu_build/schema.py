@@ -28,11 +28,29 @@ PAST_VALUE = "past_key_values.{i}.value"
 PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
-VARIANTS = ("fp32", "int8", "int4")
+VARIANTS = ("fp32", "int8", "int4")             # precisions
+KV_LAYOUTS = ("concat", "static")
+STATIC_SUFFIX = "-static"                        # "int4-static": int4 with the in-place KV cache
 
 
 def variant_file(variant: str) -> str:
     return f"decoder_{variant}.onnx"
+
+
+def variant_name(precision: str, kv_layout: str = "concat") -> str:
+    return precision + (STATIC_SUFFIX if kv_layout == "static" else "")
+
+
+def split_variant(variant: str) -> tuple[str, str]:
+    """(precision, kv layout) of a variant name: ``int4`` -> (int4, concat), ``int4-static`` -> (int4, static)."""
+    if variant.endswith(STATIC_SUFFIX):
+        return variant[:-len(STATIC_SUFFIX)], "static"
+    return variant, "concat"
+
+
+def variant_order(variant: str) -> tuple[int, int]:
+    prec, layout = split_variant(variant)
+    return (VARIANTS.index(prec) if prec in VARIANTS else len(VARIANTS), KV_LAYOUTS.index(layout))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -77,6 +95,8 @@ class Contract:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     kv_dtype: str = "float32"
+    kv_layout: str = "concat"               # concat: present = past + new | static: in-place buffer
+    kv_capacity: int = 0                    # static: positions the buffer holds
 
     @property
     def tree_capable(self) -> bool:
@@ -104,6 +124,17 @@ class VariantRecord:
     passed: bool = False
     timings_ms: dict = field(default_factory=dict)   # "n1_p256" -> ms
     verify_cost_ratio: float | None = None           # N8 / N1 at past 256
+    kv_layout: str = "concat"                        # see Contract.kv_layout
+    kv_capacity: int = 0
+
+
+def variant_contract(contract: "Contract", record: "VariantRecord | None") -> "Contract":
+    """contract.json describes the concat flavour; a static variant differs in its KV layout only."""
+    import dataclasses
+
+    if record is None or record.kv_layout == contract.kv_layout:
+        return contract
+    return dataclasses.replace(contract, kv_layout=record.kv_layout, kv_capacity=record.kv_capacity)
 
 
 @dataclass

@@ -198,59 +198,87 @@ def gate_teacher_forced(r: Runner, ref: Reference, floor: float) -> dict:
     return {"passed": bool(rate >= floor), "agree": agree, "total": total, "rate": round(rate, 4), "floor": floor}
 
 
-def gate_batched(r: Runner, ref: Reference, n: int = 8) -> dict:
-    """(c) N tokens verified in one forward give the argmaxes (and logits) of N single steps run
-    the way the runtime runs them. ``raw_single_row_maxdiff`` shows why single steps are padded
-    to two rows: the one-row kernel path differs in the last bits, and int8 activations amplify it."""
+BATCH_ROWS = tuple(range(2, 18))     # verify sizes the batched gate checks
+BATCH_PASTS = (250, 1018)            # + up to 17 rows: crosses the 256- and 1024-key boundaries
+
+
+def gate_batched(r: Runner, ref: Reference) -> dict:
+    """(c) Every verify size N in 2..17 gives logits BIT-identical (max diff 0.0) to N single steps
+    run the way the runtime runs them, over short prompts and over pasts whose new rows cross the
+    256- and 1024-key boundaries. That equality is what makes speculative output equal plain
+    decoding. ``raw_single_row_maxdiff`` shows why single steps are padded to two rows: the
+    one-row kernel path differs in the last bits, and int8 activations amplify it."""
     from ..runtime.engine import Decoder
 
     dec = Decoder(r.s, r.c, r.embed)
+    limit = r.c.kv_capacity if r.c.kv_layout == "static" else (r.c.max_positions or 1 << 30)
+    n_max = max(BATCH_ROWS)
+    stream = np.concatenate([np.concatenate([p, g]) for p, g in zip(ref.prompts, ref.greedy)] + [ref.chain_ids])
+    long = np.resize(stream, max(BATCH_PASTS) + n_max)
+    cases = [(np.asarray(p), np.asarray(g[:n_max])) for p, g in zip(ref.prompts, ref.greedy)]
+    cases += [(long[:past], long[past:past + n_max]) for past in BATCH_PASTS if past + n_max + 1 <= limit]
     mism = total = 0
     maxdiff = rawdiff = 0.0
-    for p, g in zip(ref.prompts, ref.greedy):
+    for past, chunk in cases:
         kv = dec.new_cache()
-        _, _, pres = dec.forward(p, None, kv)
-        kv.commit(pres, len(p), list(range(len(p))))
-        chunk = g[:n]
-        lb, _, _ = dec.forward(chunk, None, kv)
-        inc, cur = [], kv
-        for t in chunk:
-            li, _, pres = dec.forward([int(t)], None, cur)
-            cur = cur.child(pres, 1, [0])
+        _, _, pres = dec.forward(past, None, kv)
+        kv.commit(pres, len(past), list(range(len(past))))
+        inc = []
+        for t in chunk:                              # single steps (padded), committed one by one
+            li, _, pres = dec.forward([int(t)], None, kv)
+            kv.commit(pres, 1, [0])
             inc.append(li[0])
         inc = np.stack(inc)
-        mism += int((lb.argmax(-1) != inc.argmax(-1)).sum())
-        total += len(chunk)
-        maxdiff = max(maxdiff, float(np.abs(lb - inc).max()))
-        pos, bias = causal_inputs(1, len(p))                       # the unpadded one-row path
-        raw, _, _ = r.forward(chunk[:1], pos, bias, kv.feeds())
-        rawdiff = max(rawdiff, float(np.abs(raw[0] - lb[0]).max()))
-    return {"passed": mism == 0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
+        kv.truncate(len(past))
+        for n in (k for k in BATCH_ROWS if k <= len(chunk)):
+            lb, _, _ = dec.forward(chunk[:n], None, kv)
+            mism += int((lb.argmax(-1) != inc[:n].argmax(-1)).sum())
+            total += n
+            maxdiff = max(maxdiff, float(np.abs(lb - inc[:n]).max()))
+        dec.pad_single = False                       # the unpadded one-row path, for the record
+        raw, _, _ = dec.forward(chunk[:1], None, kv)
+        dec.pad_single = True
+        rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
+        if hasattr(kv, "release"):
+            kv.release()
+    return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
+            "rows": [min(BATCH_ROWS), max(BATCH_ROWS)], "pasts": [len(p) for p, _ in cases],
             "raw_single_row_maxdiff": rawdiff}
 
 
 def time_forward(session, contract: Contract, *, repeats: int = 8) -> dict:
-    """Median ms of one forward at N new tokens over a past (the verify cost speculative decoding pays)."""
+    """Median ms of one forward at N new tokens over a past (the verify cost speculative decoding
+    pays), through the runtime's own Decoder, so a static layout is timed with its I/O binding.
+    n1 is the raw one-row path; the runtime pays n2 for a single token (see Decoder.forward)."""
+    from ..runtime.engine import Decoder
+
+    dec = Decoder(session, contract)
     out: dict[str, float] = {}
     rng = np.random.default_rng(0)
-    for past_len in (256, 1024):
-        past = {k: rng.standard_normal((1, contract.num_kv_heads, past_len, contract.head_dim)).astype(np.float32)
-                for k in empty_past(contract)}
+    limit = contract.kv_capacity if contract.kv_layout == "static" else (contract.max_positions or 1 << 30)
+    for past_len in (p for p in (256, 1024) if p + 8 < limit):
+        kv = dec.new_cache()
+        if contract.kv_layout == "static":
+            kv.buf[:, :, :, :past_len] = rng.standard_normal(kv.buf[:, :, :, :past_len].shape).astype(np.float32)
+        else:
+            kv.arrays = {k: rng.standard_normal((1, contract.num_kv_heads, past_len, contract.head_dim))
+                         .astype(np.float32) for k in kv.names}
+        kv.length = past_len
         for n in (1, 2, 8):
-            feeds = dict(past)
-            if contract.primary_input == "inputs_embeds":
-                feeds["inputs_embeds"] = rng.standard_normal((1, n, contract.hidden_size)).astype(np.float32)
-            else:
-                feeds["input_ids"] = rng.integers(0, contract.vocab_size, (1, n)).astype(np.int64)
-            feeds["position_ids"], feeds["attention_bias"] = causal_inputs(n, past_len)
-            for _ in range(2):
-                session.run(None, feeds)
+            toks = [int(t) for t in rng.integers(0, contract.vocab_size, n)]
+            embeds = rng.standard_normal((1, n, contract.hidden_size)).astype(np.float32) \
+                if contract.primary_input == "inputs_embeds" else None
+            dec.pad_single = n != 1
             ts = []
-            for _ in range(repeats):
+            for i in range(2 + repeats):
                 t0 = time.perf_counter()
-                session.run(None, feeds)
-                ts.append(time.perf_counter() - t0)
+                dec.forward(toks, None, kv, embeds=embeds)
+                if i >= 2:
+                    ts.append(time.perf_counter() - t0)
             out[f"n{n}_p{past_len}"] = round(1000 * float(np.median(ts)), 2)
+        dec.pad_single = True
+        if hasattr(kv, "release"):
+            kv.release()
     return out
 
 

@@ -67,8 +67,9 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
             raise CacheError(f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first")
         manifest = verify_entry(final, files=needed)
         with staging(name) as tmp:
+            redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
             for rel in manifest.files:
-                if not any(rel == variant_file(v) for v in variants):
+                if rel not in redo:
                     link_or_copy(final / rel, tmp / rel)
             manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
                                                        key=S.VARIANTS.index)
@@ -207,19 +208,27 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
     if variants:
         manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
-    todo = ["fp32"] + [v for v in manifest.variants if v != "fp32"]
+    layouts = manifest.build_config.get("kv_layouts", ["concat"])
+    if "static" in layouts:
+        capacity = static_capacity(manifest.build_config.get("max_context"), contract.max_positions)
+        for v in ([] if S.variant_name("fp32", "static") in manifest.variants else ["fp32"]) + variants:
+            _static_variant(folder, manifest, v, capacity)
+    todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
     for v in todo:
+        precision, _ = S.split_variant(v)
+        rec = manifest.variants.get(v) or VariantRecord(file=variant_file(v))
+        declared = S.variant_contract(contract, rec)
         with step(f"validate {v}"):
             sess = make_session(folder / variant_file(v), threads=threads)
-            cross_check(derive_contract(sess), contract, variant_file(v))
-            res = run_gates(v, sess, contract, ref, embed=embed, timing=timing)
-        rec = manifest.variants.get(v) or VariantRecord(file=variant_file(v))
+            cross_check(derive_contract(sess), declared, variant_file(v))
+            res = run_gates(precision, sess, declared, ref, embed=embed, timing=timing)
         rec.gates, rec.passed = res["gates"], res["passed"]
         rec.timings_ms = res.get("timings_ms", {})
         if rec.timings_ms:
             t = rec.timings_ms
-            rec.verify_cost_ratio = round(t["n8_p256"] / t["n1_p256"], 2)
-            t["pad_cost_ratio"] = round(t["n2_p256"] / t["n1_p256"], 2)
+            if "n1_p256" in t:
+                rec.verify_cost_ratio = round(t["n8_p256"] / t["n1_p256"], 2)
+                t["pad_cost_ratio"] = round(t["n2_p256"] / t["n1_p256"], 2)
         rec.bytes = (folder / rec.file).stat().st_size
         manifest.variants[v] = rec
         if v == "fp32" and not rec.passed:
@@ -228,6 +237,30 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         if not rec.passed:
             logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec))
     manifest.default_variant = _pick_default(manifest)
+
+
+def static_capacity(max_context: int | None, max_positions: int) -> int:
+    """The static KV buffer's length: --max-context, else the model's limit capped at 8192
+    (4 MB per 128 positions of SmolLM2's cache; pages are only touched as a context grows)."""
+    if max_context:
+        return int(max_context)
+    return int(min(max_positions or 8192, 8192))
+
+
+def _static_variant(folder: Path, manifest: Manifest, precision: str, capacity: int) -> None:
+    """``<precision>-static``: the in-place KV flavour of an already written variant file."""
+    import onnx
+
+    from ..export.exporter import save_model
+    from ..export.inplace import to_static_kv
+
+    name = S.variant_name(precision, "static")
+    with step(f"static KV flavour of {precision} (GroupQueryAttention, capacity {capacity})"):
+        proto = to_static_kv(onnx.load(str(folder / variant_file(precision))), capacity)
+        save_model(proto, folder / variant_file(name))
+    base = manifest.variants.get(precision)
+    manifest.variants[name] = VariantRecord(file=variant_file(name), quant=dict(base.quant) if base else {},
+                                            kv_layout="static", kv_capacity=capacity)
 
 
 def _failed(rec: VariantRecord) -> str:
@@ -239,12 +272,14 @@ def _pick_default(manifest: Manifest) -> str | None:
     """The fastest variant that passed its gates (mean forward cost of a padded single step and an
     8-token verify, at past 256 and 1024); without timings, the smallest that passed."""
     best, best_cost = None, float("inf")
-    for name, rec in manifest.variants.items():
-        if not rec.passed:
-            continue
+    passing = {n: r for n, r in manifest.variants.items() if r.passed}
+    # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8), at the
+    # pasts every passing variant was timed at (a small static buffer skips the long one).
+    keys = [k for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
+            if all(k in r.timings_ms for r in passing.values())]
+    for name, rec in passing.items():
         t = rec.timings_ms
-        # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8).
-        cost = float(np.mean([t[k] for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")])) if t \
+        cost = float(np.mean([t[k] for k in keys])) if t and keys \
             else float(rec.bytes)   # untimed (--no-timing): the smallest passing file
         if cost < best_cost:
             best, best_cost = name, cost
@@ -265,7 +300,7 @@ def _summary(manifest: Manifest) -> None:
     logger.info("")
     logger.info("%s  (recipe %s, export %.1fs, %s nodes)", manifest.name, manifest.recipe,
                 manifest.export.get("seconds", 0), manifest.export.get("nodes", "?"))
-    for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.VARIANTS.index(kv[0])):
+    for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
         mark = "✓" if rec.passed else "✗"
         parts = []
         for g, r in rec.gates.items():
@@ -279,4 +314,4 @@ def _summary(manifest: Manifest) -> None:
         t = rec.timings_ms
         tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
-        logger.info(" %s %-5s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)
+        logger.info(" %s %-11s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)

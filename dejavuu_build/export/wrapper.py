@@ -49,11 +49,13 @@ class DecoderWrapper(nn.Module):
         self.hidden_layer = hidden_layer
         self.primary = primary
 
-    def _sliding_bias(self, bias, position_ids, past_len_ref):
+    def _sliding_bias(self, bias, position_ids):
         window = next((w for w in self.windows if w), None)
         if window is None:
             return None
-        past = torch.arange(past_len_ref.shape[2], device=bias.device, dtype=position_ids.dtype)
+        # past length from the bias (P + N wide), not from the past tensors: in the static KV
+        # flavour those are the whole preallocated buffer.
+        past = torch.arange(bias.shape[3] - position_ids.shape[1], device=bias.device, dtype=position_ids.dtype)
         k_pos = torch.cat([past, position_ids[0]])                       # [T]
         q_pos = position_ids[0]                                          # [N]
         too_far = (q_pos[:, None] - k_pos[None, :]) >= window            # [N, T]
@@ -64,7 +66,7 @@ class DecoderWrapper(nn.Module):
         cache = DynamicCache()
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        sliding = self._sliding_bias(attention_bias, position_ids, past[0])
+        sliding = self._sliding_bias(attention_bias, position_ids)
         kw = {self.primary: primary}
         cfg = self.lm.config
         prev, cfg._attn_implementation = cfg._attn_implementation, ATTN_IMPL  # only while we run

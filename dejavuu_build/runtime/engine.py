@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..schema import Contract
+from ..schema import LOGITS, Contract
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
-from .kv import KVCache
+from .kv import KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
 from .tree import aligned_layout, causal_inputs, step_inputs, with_root
 
@@ -92,10 +92,28 @@ class Decoder:
         self.pad_single = True   # see forward(); False only to time true one-row decoding
         self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
+        self.static = contract.kv_layout == "static"
+        self.capacity = contract.kv_capacity if self.static else 0
+        self._free: list = []           # released static buffers, reused by the next generation
+        self._out_buf = np.zeros(0, dtype=np.float32)
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | StaticKV:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
-        return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
+        if not self.static:
+            return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
+        if self._free:
+            buf, binding = self._free.pop()
+        else:
+            import onnxruntime as ort
+
+            # np.zeros maps pages lazily: a long capacity costs memory only as the context grows.
+            buf = np.zeros((len(self.kv_in), 1, self.c.num_kv_heads, self.capacity, self.c.head_dim), dtype=dtype)
+            binding = self.s.io_binding()
+            for j, (i_name, o_name) in enumerate(zip(self.kv_in, self.kv_out)):
+                v = ort.OrtValue.ortvalue_from_numpy(buf[j])
+                binding.bind_ortvalue_input(i_name, v)
+                binding.bind_ortvalue_output(o_name, v)
+        return StaticKV(self, buf, binding)
 
     def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
                 embeds: np.ndarray | None = None):
@@ -116,7 +134,7 @@ class Decoder:
             parents = [-1, -1]
             if embeds is not None:
                 embeds = np.concatenate([embeds, embeds], axis=1)
-        feeds = dict(kv.feeds())
+        feeds = {} if self.static else dict(kv.feeds())
         if self.c.primary_input == "inputs_embeds":
             feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(toks[None])
         else:
@@ -133,6 +151,8 @@ class Decoder:
                 feeds[self.c.mask_input] = np.ones((1, past + m), dtype=np.int64)
         if self.c.position_input:
             feeds[self.c.position_input] = pos
+        if self.static:
+            return self._run_static(feeds, kv, n, m)
         t0 = time.perf_counter()
         out = self.s.run(self.outputs, feeds)
         self.last_run_s = time.perf_counter() - t0
@@ -142,6 +162,35 @@ class Decoder:
         if pad:
             present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
+
+
+    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int):
+        """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
+        states written straight into one reusable array, K/V rows written into the cache buffer."""
+        import onnxruntime as ort
+
+        if kv.length + m > kv.capacity:
+            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs "
+                                  f"{kv.length + m}: use a shorter prompt or fewer new tokens, or rebuild "
+                                  f"with a larger --max-context")
+        b = kv.binding
+        for name, arr in feeds.items():
+            b.bind_cpu_input(name, arr)
+        V, H = self.c.vocab_size, (self.c.hidden_size if self.has_hidden else 0)
+        need = m * (V + H)
+        if self._out_buf.size < need:
+            self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
+        logits = self._out_buf[:m * V].reshape(1, m, V)
+        b.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        hidden = None
+        if self.has_hidden:
+            hidden = self._out_buf[m * V:need].reshape(1, m, H)
+            b.bind_ortvalue_output(self.c.hidden_output, ort.OrtValue.ortvalue_from_numpy(hidden))
+        t0 = time.perf_counter()
+        self.s.run_with_iobinding(b)
+        self.last_run_s = time.perf_counter() - t0
+        # the views are overwritten by the next forward: hand out copies of the rows that are read
+        return logits[0, :n].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
 
 
 def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
@@ -204,7 +253,21 @@ class Engine:
             budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
         eos = set(int(e) for e in eos_ids)
         tokens = [int(t) for t in prompt_ids]
+        cap = self.dec.capacity
+        if cap and len(tokens) + max_new_tokens + 1 > cap:   # +1: the pad row of a one-token step
+            raise GenerationError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
+                                  f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "
+                                  f"max_new_tokens or rebuild with a larger --max-context")
         kv = self.dec.new_cache()
+        try:
+            return self._generate(tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos,
+                                  should_stop, on_tokens, prefill_embeds, residual_fn, validate_drafts)
+        finally:
+            if isinstance(kv, StaticKV):
+                kv.release()
+
+    def _generate(self, tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos, should_stop,
+                  on_tokens, prefill_embeds, residual_fn, validate_drafts):
         drafter.begin(tokens)
         t0 = time.perf_counter()
         logits, hidden, present = self.dec.forward(tokens, None, kv, embeds=prefill_embeds)
@@ -268,6 +331,8 @@ class Engine:
         """One forward over the draft tree in the period-aligned layout (see tree.aligned_layout);
         nodes pruned by the slot budget are dropped from the draft."""
         max_slots = self.period * max(1, budget.width) if self.period else len(step_tokens)
+        if self.dec.capacity:
+            max_slots = min(max_slots, self.dec.capacity - kv.length)
         slot, slot_parents = aligned_layout(parents, self.period, max_slots, past=kv.length, tile=KEY_TILE)
         keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
         if len(keep) < len(step_tokens):

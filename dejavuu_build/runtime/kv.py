@@ -48,3 +48,47 @@ class KVCache:
         if length < self.length:
             self.arrays = {n: np.ascontiguousarray(a[:, :, :length]) for n, a in self.arrays.items()}
             self.length = length
+
+
+class StaticKV:
+    """The in-place KV cache of a static-layout decoder: one preallocated buffer per layer's K and
+    V, bound through I/O binding as both the graph's ``past`` and ``present`` input/output.
+
+    The graph writes a step's rows at ``length ..`` itself, so nothing is copied per step: a chain
+    accepted up to k rows just moves ``length`` (rows beyond it are ignored next step and then
+    overwritten), and a tree moves only its accepted nodes' rows into place. All layers live in
+    one array so that move is a single numpy operation, whatever the layer count.
+    """
+
+    def __init__(self, decoder, buffers: np.ndarray, binding):
+        self.dec = decoder
+        self.buf = buffers                # [2 * layers, 1, kv_heads, capacity, head_dim]
+        self.binding = binding
+        self.length = 0
+        self.capacity = buffers.shape[3]
+
+    def commit(self, present, n_new: int, keep: list[int]) -> None:
+        """Keep the past plus this step's rows ``keep`` (slots of the step, in path order)."""
+        L = self.length
+        k = len(keep)
+        if keep != list(range(k)):
+            src = L + np.asarray(keep, dtype=np.int64)
+            self.buf[:, :, :, L:L + k] = self.buf[:, :, :, src]
+        self.length = L + k
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def child(self, present, n_new: int, keep: list[int]) -> "StaticKV":
+        """A copy with ``keep`` committed (copies the cache: for validation, not the hot path)."""
+        c = self.dec.new_cache()
+        c.buf[:, :, :, :self.length + n_new] = self.buf[:, :, :, :self.length + n_new]
+        c.length = self.length
+        c.commit(None, n_new, keep)
+        return c
+
+    def release(self) -> None:
+        """Hand the buffers back to the decoder for the next generation."""
+        if self.buf is not None:
+            self.dec._free.append((self.buf, self.binding))
+            self.buf = self.binding = None

@@ -94,6 +94,9 @@ def derive_contract(session) -> Contract:
                      ins[primary].shape[-1] if primary == INPUTS_EMBEDS else 0),
         vocab_size=logits.shape[-1] if isinstance(logits.shape[-1], int) else 0,
         kv_dtype=k0.dtype,
+        # a static past length means the in-place flavour: past and present are one buffer
+        kv_layout="static" if isinstance(k0.shape[2], int) and k0.shape[2] > 0 else "concat",
+        kv_capacity=k0.shape[2] if isinstance(k0.shape[2], int) else 0,
     )
 
 
@@ -101,7 +104,8 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
     """The graph must agree with contract.json on everything the graph can tell."""
     problems = []
     for f in ("primary_input", "mask_input", "mask_kind", "position_input", "hidden_output",
-              "kv_input_pattern", "kv_output_pattern", "num_layers", "num_kv_heads", "head_dim", "vocab_size"):
+              "kv_input_pattern", "kv_output_pattern", "num_layers", "num_kv_heads", "head_dim", "vocab_size",
+              "kv_layout", "kv_capacity"):
         a, b = getattr(derived, f), getattr(declared, f)
         if a != b:
             problems.append(f"{f}: graph {a!r} vs contract {b!r}")
@@ -110,6 +114,8 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
 
 
 def empty_past(contract: Contract) -> dict[str, np.ndarray]:
-    z = np.zeros((1, contract.num_kv_heads, 0, contract.head_dim), dtype=np.float32)
+    """The past of an empty context: zero rows, or the whole zeroed buffer of a static layout."""
+    rows = contract.kv_capacity if contract.kv_layout == "static" else 0
+    z = np.zeros((1, contract.num_kv_heads, rows, contract.head_dim), dtype=np.float32)
     return {contract.kv_input_pattern.format(i=i, kv=kv): z
             for i in range(contract.num_layers) for kv in ("key", "value")}
