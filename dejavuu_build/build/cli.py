@@ -54,10 +54,16 @@ def main(verbose: bool) -> None:
 @click.option("--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True)
 @click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
 @click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
+@click.option("--kv-layouts", default="concat,static", show_default=True,
+              help="KV cache layouts: concat (present = past + new, what other tools expect; always built) and "
+                   "static (in-place GroupQueryAttention buffer, the fast one: variants named <precision>-static).")
+@click.option("--max-context", default=None, type=int,
+              help="Positions the static KV buffer holds [default: the model's limit, at most 8192].")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical build is cached.")
 @click.option("--dry-run", is_flag=True, help="Print the build config as JSON and stop.")
 @_friendly
-def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, threads, no_timing, force, dry_run):
+def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, threads, no_timing, kv_layouts,
+                 max_context, force, dry_run):
     """Export, quantize (fp32/int8/int4) and validate a tree-capable decoder into the cache."""
     from .config import TreeDecoderConfig
     from .sources import DEFAULT_MODEL
@@ -65,7 +71,8 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
     cfg = TreeDecoderConfig(model=model or DEFAULT_MODEL, revision=revision, name=name,
                             variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
                             hidden_layer=hidden_layer, primary_input=primary_input, timing=not no_timing,
-                            threads=threads)
+                            threads=threads, kv_layouts=tuple(k.strip() for k in kv_layouts.split(",") if k.strip()),
+                            max_context=max_context)
     cfg.validate()
     if dry_run:
         click.echo(json.dumps(cfg.to_json(), indent=2))

@@ -290,7 +290,7 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
             verify_entry(folder, files=[f for f in manifest.files if f not in others])
         onnx_path = folder / manifest.variants[variant].file
         sess = make_session(onnx_path, threads or DEFAULT_THREADS)
-        contract = S.read_contract(folder)
+        contract = S.variant_contract(S.read_contract(folder), manifest.variants[variant])
         cross_check(derive_contract(sess), contract, str(onnx_path))
         eos = list(contract.eos_token_ids)
     else:  # a third-party export: the graph is the only contract
