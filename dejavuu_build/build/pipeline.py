@@ -270,19 +270,24 @@ def _failed(rec: VariantRecord) -> str:
 
 def _pick_default(manifest: Manifest) -> str | None:
     """The fastest variant that passed its gates (mean forward cost of a padded single step and an
-    8-token verify, at past 256 and 1024); without timings, the smallest that passed."""
-    best, best_cost = None, float("inf")
+    8-token verify, at past 256 and 1024), the smallest file among those within 10% of it (so
+    timing noise does not flip the choice); without timings, the smallest that passed."""
     passing = {n: r for n, r in manifest.variants.items() if r.passed}
     # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8), at the
     # pasts every passing variant was timed at (a small static buffer skips the long one).
     keys = [k for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
             if all(k in r.timings_ms for r in passing.values())]
+    costs = {}
     for name, rec in passing.items():
         t = rec.timings_ms
-        cost = float(np.mean([t[k] for k in keys])) if t and keys \
+        costs[name] = float(np.mean([t[k] for k in keys])) if t and keys \
             else float(rec.bytes)   # untimed (--no-timing): the smallest passing file
-        if cost < best_cost:
-            best, best_cost = name, cost
+    if not costs:
+        return None
+    fastest = min(costs.values())
+    # within 10% of the fastest counts as a tie (timing noise): the smallest file of those wins
+    near = [n for n, c in costs.items() if c <= 1.10 * fastest]
+    best = min(near, key=lambda n: (passing[n].bytes or 0, n))
     return best
 
 

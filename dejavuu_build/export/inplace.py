@@ -101,15 +101,13 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             if rq.attributes.get("rotary_embedding_dim") is not None and \
                     int(rq.attributes["rotary_embedding_dim"].value) not in (0, head_dim):
                 raise ExportError(f"{att.name}: partial rotary embeddings are not supported by the static flavour")
-            keys = (rq.inputs[1].name, rq.inputs[2].name)
-            if keys != (rk.inputs[1].name, rk.inputs[2].name):
-                cq, ck = tables[rq.inputs[1].name], tables[rk.inputs[1].name]
-                if not np.array_equal(cq, ck):
-                    raise ExportError(f"{att.name}: q and k use different rotary tables")
+            cq, sq = tables[rq.inputs[1].name], tables[rq.inputs[2].name]
+            if not (np.array_equal(cq, tables[rk.inputs[1].name]) and np.array_equal(sq, tables[rk.inputs[2].name])):
+                raise ExportError(f"{att.name}: q and k use different rotary tables")
+            keys = (cq.tobytes(), sq.tobytes())      # one table per distinct content (layers share them)
             if keys not in cos_sin:
                 i = len(cos_sin)
-                cos_sin[keys] = (init(f"kv_static.cos_cache.{i}", tables[keys[0]]),
-                                 init(f"kv_static.sin_cache.{i}", tables[keys[1]]))
+                cos_sin[keys] = (init(f"kv_static.cos_cache.{i}", cq), init(f"kv_static.sin_cache.{i}", sq))
             cos, sin = cos_sin[keys]
             attrs.update(do_rotary=1, rotary_interleaved=int(rq.attributes["interleaved"].value)
                          if "interleaved" in rq.attributes else 0)
@@ -154,6 +152,10 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             p.shape = ir.Shape([1, kv_heads, capacity, head_dim])
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
+    graph_outs = set(g.outputs)
+    for name, v in list(g.initializers.items()):   # the unfused weights, now unused
+        if not list(v.uses()) and v not in graph_outs:
+            del g.initializers[name]
     TopologicalSortPass()(m)
     out = ir.to_proto(m)
     del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime

@@ -199,46 +199,14 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1)
 
 
-# Keys are also grouped in tiles of 256 on this machine (a gap that moves a visible key across a
-# 256-key boundary changes the rounding). 64 is a conservative divisor: it also covers 64/128-key tiles.
-KEY_TILE = 64
-
-
-def calibrate_period(dec: Decoder, candidates=(4, 8, 16, 32, 64)) -> int | None:
-    """The key-block period of this machine's attention kernel: the smallest G such that a node
-    whose parent sits G (and 2G) masked slots earlier gets logits bit-identical to the plain chain,
-    over several past lengths (so every tail length of the key loop is exercised) and depths.
-    None if no candidate is exact (tree verification then falls back to chains)."""
-    v = dec.c.vocab_size or 100
-    toks = [int(3 + (7 * i) % max(v - 3, 1)) for i in range(64 + 4)]
-    cases = []
-    for past in range(9, 9 + 16):                 # 16 consecutive past lengths: every tail mod 16
-        kv = dec.new_cache()
-        _, _, pres = dec.forward(toks[:past], None, kv)
-        kv.commit(pres, past, list(range(past)))
-        a, b, c = toks[past:past + 3]
-        chain, _, _ = dec.forward([a, b, c], None, kv)
-        cases.append((kv, a, b, c, chain))
-
-    def exact(gap: int) -> bool:
-        for kv, a, b, c, chain in cases:
-            # b hangs off a after `gap` pads; c hangs off b directly (depth 2)
-            out, _, _ = dec.forward([a] + [a] * gap + [b, c], [-1] + [-1] * gap + [0, gap + 1], kv)
-            if not (np.array_equal(out[-2], chain[1]) and np.array_equal(out[-1], chain[2])):
-                return False
-        return True
-
-    for g in candidates:
-        if exact(g) and exact(2 * g):
-            return g
-    return None
-
-
 class Engine:
-    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None):
+    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None, tile: int | None = None):
+        """``period`` and ``tile`` come from runtime.calibration: the layout that keeps tree rows
+        bit-identical to chains on this machine."""
         self.dec = decoder
         self.tree_capable = tree_capable and period is not None
         self.period = period
+        self.tile = tile
 
     def generate(self, prompt_ids: Sequence[int], *, drafter: Drafter, sampler: Sampler,
                  max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
@@ -333,7 +301,7 @@ class Engine:
         max_slots = self.period * max(1, budget.width) if self.period else len(step_tokens)
         if self.dec.capacity:
             max_slots = min(max_slots, self.dec.capacity - kv.length)
-        slot, slot_parents = aligned_layout(parents, self.period, max_slots, past=kv.length, tile=KEY_TILE)
+        slot, slot_parents = aligned_layout(parents, self.period, max_slots, past=kv.length, tile=self.tile)
         keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
         if len(keep) < len(step_tokens):
             new_index = {old: new for new, old in enumerate(keep)}

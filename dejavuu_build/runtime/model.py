@@ -52,7 +52,8 @@ class Model:
     manifest: S.Manifest | None = None
     vision: object | None = None            # runtime.vision.VisionParts for VLM builds
     _warned_tree: bool = False
-    _period: int | None = -1                # attention key-block period, measured on first tree use
+    _calibration: object | None = None      # runtime.calibration.Calibration, measured on first use
+    _warned_exact: bool = False
 
     @property
     def tree_capable(self) -> bool:
@@ -114,8 +115,17 @@ class Model:
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)
         should_stop = self._stop_fn(stop) if stop else None
+        speculative = not (isinstance(method, str) and method in ("baseline", "baseline_n1"))
+        if speculative and not self.calibration.chain_exact:
+            if not self._warned_exact:
+                logger.warning("on this machine a batched verify is not bit-identical to single steps: decoding "
+                               "plainly (exact, without drafts) instead of speculatively")
+                self._warned_exact = True
+            budget = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False)
+            use_tree = False
         engine = Engine(self.decoder, tree_capable=self.tree_capable,
-                        period=self.tree_period if use_tree else None)
+                        period=self.tree_period if use_tree else None,
+                        tile=self.calibration.tile if use_tree else None)
         new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
                                              tree=use_tree, budget=budget, eos_ids=self.eos_ids,
                                              should_stop=should_stop, on_tokens=on_tokens,
@@ -130,12 +140,16 @@ class Model:
         return GenerationResult(text, new, len(ids), stats, reason, name, use_tree)
 
     @property
+    def calibration(self):
+        """Measured once per machine, onnxruntime, graph and thread count (runtime.calibration)."""
+        if self._calibration is None:
+            self._calibration = _calibration(self)
+            logger.debug("exactness calibration: %s", self._calibration)
+        return self._calibration
+
+    @property
     def tree_period(self) -> int | None:
-        """Measured once per loaded model (a few small forwards): see engine.calibrate_period."""
-        if self._period == -1:
-            self._period = _cached_period(self) if self.tree_capable else None
-            logger.debug("tree layout period: %s", self._period)
-        return self._period
+        return self.calibration.period if self.tree_capable else None
 
     def stream(self, prompt, **kw) -> Iterator[str]:
         """Yield text pieces as tokens are committed (a chunk per verify step)."""
@@ -207,38 +221,14 @@ class Model:
             raise GenerationError(f"method {method}: {e}") from None
 
 
-def _cached_period(model: "Model") -> int | None:
-    """calibrate_period, remembered per (machine, onnxruntime, graph) under <cache>/.runtime/."""
-    import hashlib
-    import platform
-
-    import onnxruntime
-
-    from .engine import calibrate_period
+def _calibration(model: "Model"):
+    """The machine-local exactness calibration of this model's graph (runtime.calibration)."""
+    from .calibration import cached_calibration
 
     graph_id = (model.manifest.variants[model.variant].sha256 if model.manifest and model.variant in model.manifest.variants
                 else f"{model.folder}/{model.variant}")
-    flags = ""
-    try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    key = hashlib.sha256(f"{graph_id}|{onnxruntime.__version__}|{platform.machine()}|{flags}|"
-                         f"{model.decoder.s.get_session_options().intra_op_num_threads}".encode()).hexdigest()[:24]
-    f = cache_root() / ".runtime" / f"period-{key}.json"
-    try:
-        return json.loads(f.read_text())["period"]
-    except (OSError, ValueError, KeyError):
-        pass
-    period = calibrate_period(model.decoder)
-    try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"period": period}))
-        os.replace(tmp, f)
-    except OSError:
-        pass
-    return period
+    threads = model.decoder.s.get_session_options().intra_op_num_threads
+    return cached_calibration(model.decoder, graph_id, threads, cache_root() / ".runtime")
 
 
 def load_datastore(name_or_path: str):

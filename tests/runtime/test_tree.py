@@ -63,8 +63,7 @@ def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
         import pytest
 
         pytest.skip("this CPU's attention kernel has no exact key-block period")
-    from dejavuu_build.runtime.engine import KEY_TILE
-
+    tile = m.calibration.tile
     parents = [-1, 0, 0, 1, 2, 4, 0]
     toks = [50, 60, 61, 70, 71, 80, 62]
     for past in (30, 50, 60, 250, 255):          # some right before a key-tile boundary
@@ -72,7 +71,7 @@ def test_tree_rows_are_bit_identical_to_chains(tiny_llama):
         ctx = [10 + i % 200 for i in range(past)]
         _, _, pres = dec.forward(ctx, None, kv)
         kv.commit(pres, len(ctx), list(range(len(ctx))))
-        slot, sp = aligned_layout(parents, period, 10 * period, past=past, tile=KEY_TILE)
+        slot, sp = aligned_layout(parents, period, 10 * period, past=past, tile=tile)
         st = [toks[0]] * len(sp)
         for i, s in enumerate(slot):
             if s >= 0:

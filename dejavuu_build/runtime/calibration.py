@@ -1,0 +1,215 @@
+"""Machine-local exactness calibration: what this CPU, this onnxruntime and this graph need so
+that speculative verification stays bit-identical to plain decoding.
+
+Three facts are measured, never assumed (they differ between attention kernels, ORT versions
+and CPUs):
+
+* ``chain_exact``: N drafted tokens verified in one forward get logits bit-identical to N
+  single (two-row padded) steps. Every drafter relies on it; a machine that fails it decodes
+  plainly, with one warning, instead of losing exactness silently.
+* ``period``: attention sums keys in SIMD blocks; a tree node whose ancestors sit at the same
+  offsets modulo ``period`` as in a chain gets bit-identical logits (see tree.aligned_layout).
+* ``tile``: some kernels also group keys in larger tiles; a node whose slot falls in another
+  tile than its chain position is pruned. ``None`` when the kernel shows no such boundary.
+
+The result is cached under ``<cache>/.runtime/`` keyed by graph, onnxruntime version, CPU flags
+and thread count, and validated when read: a corrupted or out-of-range record is re-measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..log import logger
+from .tree import aligned_layout, with_root
+
+PERIODS = (4, 8, 16, 32, 64)
+TILES = (None, 256, 128, 64, 32, 16)        # tried in this order: the least pruning first
+CALIBRATION_VERSION = 2
+
+
+@dataclass
+class Calibration:
+    chain_exact: bool
+    period: int | None
+    tile: int | None
+    seconds: float = 0.0
+    version: int = CALIBRATION_VERSION
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        """Parse and validate a cached record; ValueError if it is not one this code would write."""
+        if not isinstance(d, dict) or d.get("version") != CALIBRATION_VERSION:
+            raise ValueError("not a calibration record of this version")
+        c = cls(chain_exact=d["chain_exact"], period=d["period"], tile=d["tile"], seconds=float(d.get("seconds", 0)))
+        if not isinstance(c.chain_exact, bool) or c.period not in (None, *PERIODS) or c.tile not in TILES:
+            raise ValueError(f"calibration values out of range: {d}")
+        if c.period is not None and c.tile is not None and c.tile % c.period:
+            raise ValueError(f"tile {c.tile} is not a multiple of period {c.period}")
+        return c
+
+
+def _tokens(dec, n: int, seed: int = 0) -> list[int]:
+    v = dec.c.vocab_size or 100
+    return [int(3 + (7 * i + (i * i) % 13 + 31 * seed) % max(v - 3, 1)) for i in range(n)]
+
+
+def _limit(dec) -> int:
+    return dec.capacity or dec.c.max_positions or 1 << 30
+
+
+def _chain_exact(dec) -> bool:
+    """Batched verify == padded single steps, bit for bit, at short and boundary-crossing pasts."""
+    lim = _limit(dec)
+    toks = _tokens(dec, 1100)
+    for past in (p for p in (9, 13, 60, 250, 1020) if p + 10 < lim):
+        kv = dec.new_cache()
+        _, _, pres = dec.forward(toks[:past], None, kv)
+        kv.commit(pres, past, list(range(past)))
+        inc = []
+        for t in toks[past:past + 8]:
+            li, _, pres = dec.forward([t], None, kv)
+            kv.commit(pres, 1, [0])
+            inc.append(li[0])
+        kv.truncate(past)
+        for n in (2, 3, 5, 8):
+            lb, _, _ = dec.forward(toks[past:past + n], None, kv)
+            if not np.array_equal(lb, np.stack(inc[:n])):
+                _release(kv)
+                return False
+        _release(kv)
+    return True
+
+
+def _release(kv) -> None:
+    if hasattr(kv, "release"):
+        kv.release()
+
+
+def _periods(dec):
+    """Candidate periods G, smallest first: nodes whose parent sits G, 2G or 3G masked slots earlier get
+    logits bit-identical to the plain chain, at 16 consecutive pasts (every tail of the key loop)
+    and two token streams (a wrong G can match by luck on one; a right one never misses)."""
+    kv = dec.new_cache()
+
+    def exact(gap: int, seed: int) -> bool:
+        toks = _tokens(dec, 64, seed)
+        kv.truncate(0)                                # earlier probes overwrote rows: prefill again
+        _, _, pres = dec.forward(toks[:25], None, kv)
+        kv.commit(pres, 25, list(range(25)))
+        for past in range(24, 8, -1):                 # descending: a step only overwrites rows >= past
+            kv.truncate(past)
+            a, b, c, d = toks[past:past + 4]
+            chain, _, _ = dec.forward([a, b, c, d], None, kv)
+            # b hangs off a after `gap` pads; c off b directly; d off c after 2*gap pads (depth 3)
+            nodes = [a] + [a] * gap + [b, c] + [a] * (2 * gap) + [d]
+            parents = [-1] + [-1] * gap + [0, gap + 1] + [-1] * (2 * gap) + [gap + 2]
+            out, _, _ = dec.forward(nodes, parents, kv)
+            if not (np.array_equal(out[gap + 1], chain[1]) and np.array_equal(out[gap + 2], chain[2])
+                    and np.array_equal(out[-1], chain[3])):
+                return False
+        return True
+
+    try:
+        for g in PERIODS:
+            if 25 + 3 * g + 4 < _limit(dec) and all(exact(k * g, seed) for seed in (0, 1) for k in (1, 2)):
+                yield g
+    finally:
+        _release(kv)
+
+
+def _tile(dec, period: int) -> tuple[bool, int | None]:
+    """(found, tile): the least-pruning tile rule under which a two-branch tree laid out by
+    aligned_layout matches its chains bit for bit at pasts just before 64..1024-key boundaries."""
+    lim = _limit(dec)
+    toks = _tokens(dec, 1100)
+    draft_parents = [-1, -1, 0, 1, 2]                 # two branches: 1-3-5 first-child path, 2-4
+    parents = with_root(draft_parents)
+    paths = {1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 1, 3, 5]}
+    pasts = [b - o for b in (64, 128, 256, 512, 1024) for o in (1, 3, 8) if b + 2 * period + 8 < lim]
+    if not pasts:
+        return True, None
+    kv = dec.new_cache()
+    ok = dict.fromkeys(TILES, True)
+    try:
+        _, _, pres = dec.forward(toks[:max(pasts)], None, kv)
+        kv.commit(pres, max(pasts), list(range(max(pasts))))
+        step = toks[max(pasts):max(pasts) + 6]
+        for past in sorted(pasts, reverse=True):      # descending: a forward only overwrites rows >= past
+            kv.truncate(past)
+            chains = {}
+            for leaf in (5, 4):
+                out, _, _ = dec.forward([step[i] for i in paths[leaf]], None, kv)
+                for d, node in enumerate(paths[leaf]):
+                    chains[node] = out[d]
+            for tile in (t for t in TILES if ok[t]):
+                slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
+                slot_tokens = [step[0]] * len(slot_parents)
+                for i, s_ in enumerate(slot):
+                    if s_ >= 0:
+                        slot_tokens[s_] = step[i]
+                out, _, _ = dec.forward(slot_tokens, slot_parents, kv)
+                ok[tile] = all(s_ < 0 or np.array_equal(out[s_], chains[i]) for i, s_ in enumerate(slot) if i)
+        best = next((t for t in TILES if ok[t]), "none")
+        return (best != "none"), (None if best == "none" else best)
+    finally:
+        _release(kv)
+
+
+def calibrate(dec) -> Calibration:
+    t0 = time.perf_counter()
+    chain = _chain_exact(dec)
+    period = tile = None
+    if chain and dec.c.tree_capable:
+        # a period exact on short rows may still fail on long ones (some kernels change their key
+        # blocking with the row length): the first candidate that also passes the long-row tree
+        # probe under some tile rule wins
+        for g in _periods(dec):
+            found, tile = _tile(dec, g)
+            if found:
+                period = g
+                break
+        else:
+            tile = None
+    return Calibration(chain, period, tile, round(time.perf_counter() - t0, 2))
+
+
+def calibration_key(graph_id: str, threads: int) -> str:
+    import onnxruntime
+
+    flags = ""
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{graph_id}|{onnxruntime.__version__}|{platform.machine()}|{platform.processor()}|"
+                          f"{flags}|{threads}|v{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+
+
+def cached_calibration(dec, graph_id: str, threads: int, folder: Path) -> Calibration:
+    """calibrate(), remembered in ``folder/calibration-<key>.json``; invalid records are re-measured."""
+    f = folder / f"calibration-{calibration_key(graph_id, threads)}.json"
+    try:
+        return Calibration.from_json(json.loads(f.read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring an invalid exactness calibration %s (%s): measuring again", f, e)
+    cal = calibrate(dec)
+    logger.debug("exactness calibration: %s", cal)
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(cal)))
+        os.replace(tmp, f)
+    except OSError:
+        pass
+    return cal
