@@ -9,14 +9,21 @@ from pathlib import Path
 import click
 
 from ..build.cli import _friendly
-from .runner import DEFAULT_CATEGORIES, BenchConfig, BenchError, ExactnessError, run_bench
+from .runner import DEFAULT_CATEGORIES, PEERS, BenchConfig, BenchError, ExactnessError, run_bench
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def _out_dir(model: str, out: str | None, resume: str | None) -> tuple[Path, bool]:
+def _ints(value: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in _csv(value))
+    except ValueError:
+        raise BenchError(f"--contexts takes comma-separated token counts, e.g. 256,1024 (got {value!r})") from None
+
+
+def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") -> tuple[Path, bool]:
     """(out folder, resuming?) from --out and --resume [DIR]."""
     from ..cache import cache_root
 
@@ -29,7 +36,7 @@ def _out_dir(model: str, out: str | None, resume: str | None) -> tuple[Path, boo
     if out:
         return Path(out).expanduser(), False
     stem = Path(model).name if Path(model).expanduser().exists() else model
-    return cache_root() / "bench" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}", False
+    return cache_root() / "bench" / f"{stem}{kind}-{time.strftime('%Y%m%d-%H%M%S')}", False
 
 
 @click.command("bench")
@@ -56,14 +63,43 @@ def _out_dir(model: str, out: str | None, resume: str | None) -> tuple[Path, boo
               help="Datastore (cache name or folder) for rest / sam_decoding / asam / auto "
                    "[default: built in memory from the other categories' prompts].")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--compare", default=None, metavar="genai",
+              help="Also time another system's plain decoding on the same prompt ids: genai = onnxruntime-genai's "
+                   "int4 CPU build of the same source (built once into <cache>/.peers; needs "
+                   "pip install -e \".[compare]\"). Adds a '× genai' column.")
+@click.option("--contexts", default=None, metavar="N,N,...",
+              help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
+                   "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).")
+@click.option("--repeats", default=1, show_default=True, type=int, help="Context sweep: runs per context (medians).")
 @_friendly
 def bench(model, methods, per_category, categories, max_new_tokens, threads, tree, width, variant, data, out,
-          resume, temperature, datastore, seed):
+          resume, temperature, datastore, seed, compare, contexts, repeats):
     """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
-    folder, resuming = _out_dir(model, out, resume)
+    compare_t, contexts_t = _csv(compare), _ints(contexts)
+    if bad := [c for c in compare_t if c not in PEERS]:
+        raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
+    if compare_t:
+        from .genai import require_genai
+
+        require_genai()   # a missing package: one line and exit 2, before anything slow
+    if contexts_t and resume is not None:
+        raise BenchError("a context sweep cannot be resumed: run it again with another --out")
+    folder, resuming = _out_dir(model, out, resume, "-sweep" if contexts_t else "")
     cfg = BenchConfig(model=model, methods=_csv(methods), categories=_csv(categories), per_category=per_category,
                       max_new_tokens=max_new_tokens, threads=threads, tree=tree, width=width, variant=variant,
-                      temperature=temperature, seed=seed, datastore=datastore, data=data)
+                      temperature=temperature, seed=seed, datastore=datastore, data=data, compare=compare_t,
+                      contexts=contexts_t, repeats=repeats)
+    if contexts_t:
+        from .sweep import run_sweep
+
+        try:
+            sweep = run_sweep(cfg, folder)
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: finished runs are in {folder}", err=True)
+            sys.exit(130)
+        click.echo(sweep.table())
+        click.echo("results: " + ", ".join(str(p) for p in sweep.files.values()))
+        return
     try:
         report = run_bench(cfg, folder, resume=resuming)
     except ExactnessError as e:

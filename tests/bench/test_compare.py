@@ -1,0 +1,219 @@
+"""`bench --compare genai` and `bench --contexts`: sweep prompts, the × genai math, the missing package, end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dejavuu_build.bench import BenchConfig, BenchError
+from dejavuu_build.bench.report import aggregate, write_outputs
+from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
+
+TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.", "def add(a, b):\n    return a + b",
+         "A" * 300, "Short.", "Translate to German: the weather is nice today, isn't it?"]
+
+
+def _cli():
+    from dejavuu_build.bench.cli import bench
+    from dejavuu_build.build.cli import main
+
+    if "bench" not in main.commands:
+        main.add_command(bench)
+    return main
+
+
+# ---------------------------------------------------------------------------------- sweep prompts
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 333, 400])
+def test_sweep_prompt_has_exactly_n_ids_of_the_joined_text(n):
+    from tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    ids = sweep_prompt(encode, TEXTS, n)
+    assert len(ids) == n
+    assert ids == encode("\n\n".join(TEXTS))[:n]   # a prefix of the whole text's own tokenization
+
+
+def test_sweep_prompt_refuses_too_little_text():
+    encode = lambda t: list(t.encode())  # noqa: E731 - a byte tokenizer
+    assert sweep_prompt(encode, ["ab", "cd"], 6) == list(b"ab\n\ncd")
+    with pytest.raises(BenchError, match="too little text for a 7-token context"):
+        sweep_prompt(encode, ["ab", "cd"], 7)
+    with pytest.raises(BenchError):
+        sweep_prompt(encode, ["ab"], 0)
+
+
+def test_sweep_prompt_on_spec_bench_with_a_real_tokenizer():
+    """Multi-byte BPE on Spec-Bench text: still exactly N ids (skips without the data or a SmolLM2 build)."""
+    from dejavuu_build.bench.runner import default_data_path, read_prompts
+    from dejavuu_build.bench.sweep import sweep_texts
+    from dejavuu_build.cache import cache_root
+
+    data = default_data_path()
+    folder = next((p for p in (cache_root() / "smollm2-135m", Path.home() / ".cache/dejavuu/smollm2-135m")
+                   if (p / "tokenizer.json").is_file()), None)
+    if data is None or folder is None:
+        pytest.skip("needs Spec-Bench and a SmolLM2 tokenizer")
+    from dejavuu_build.runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(folder)
+    texts = list(sweep_texts(read_prompts(data)))
+    for n in (256, 1024, 4096):
+        assert len(sweep_prompt(lambda t: tok.encode(t, add_special_tokens=False), texts, n)) == n
+
+
+# ---------------------------------------------------------------------------------- × genai math
+def _rec(qid, cat, method, tokens, decode_s, turn=1):
+    return {"qid": qid, "category": cat, "source": cat, "turn": turn, "method": method, "prompt_tokens": 10,
+            "tokens": tokens, "steps": tokens - 1, "drafted": 0, "accepted": 0, "prefill_s": 0.01,
+            "decode_s": decode_s, "draft_s": 0.0, "verify_s": decode_s, "kv_s": 0.0, "overhead_s": 0.0,
+            "total_s": decode_s + 0.01, "stop_reason": "length", "match": True, "common_prefix": tokens,
+            "compared": tokens, "first_mismatch": None, "gated": method != "genai", "ids": []}
+
+
+def _gm(xs):
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
+    # decode tokens = tokens - 1 = 100, so rate = 100 / decode_s
+    recs = [
+        _rec("1", "qa", "baseline", 101, 1.0), _rec("1", "qa", "pld", 101, 0.5), _rec("1", "qa", "genai", 101, 0.8),
+        _rec("2", "qa", "baseline", 101, 2.0), _rec("2", "qa", "pld", 101, 0.4), _rec("2", "qa", "genai", 101, 1.0),
+        # a two-turn prompt: its turns pool into one rate per method (200 tokens over the summed time)
+        _rec("3", "mt_bench", "baseline", 101, 1.0), _rec("3", "mt_bench", "baseline", 101, 3.0, turn=2),
+        _rec("3", "mt_bench", "pld", 101, 1.0), _rec("3", "mt_bench", "pld", 101, 1.0, turn=2),
+        _rec("3", "mt_bench", "genai", 101, 1.0), _rec("3", "mt_bench", "genai", 101, 1.0, turn=2),
+    ]
+    methods = ("baseline", "pld", "genai")
+    rep = aggregate(recs, methods, ("qa", "mt_bench"))
+    qa_base = _gm([(100 / 1.0) / (100 / 0.8), (100 / 2.0) / (100 / 1.0)])
+    qa_pld = _gm([(100 / 0.5) / (100 / 0.8), (100 / 0.4) / (100 / 1.0)])
+    mt_base, mt_pld = (200 / 4.0) / (200 / 2.0), 1.0
+    assert rep.row("qa", "baseline").x_genai == pytest.approx(qa_base)
+    assert rep.row("qa", "pld").x_genai == pytest.approx(qa_pld)
+    assert rep.row("mt_bench", "baseline").x_genai == pytest.approx(mt_base)
+    assert rep.row("mt_bench", "pld").x_genai == pytest.approx(mt_pld)
+    assert rep.row("overall", "baseline").x_genai == pytest.approx(_gm([qa_base, mt_base]))   # geo-mean of categories
+    assert rep.row("overall", "pld").x_genai == pytest.approx(_gm([qa_pld, mt_pld]))
+    assert all(rep.row(c, "genai").x_genai == pytest.approx(1.0) for c in ("qa", "mt_bench", "overall"))
+    # the speedup over our baseline is unchanged by the peer's presence
+    assert rep.row("qa", "pld").speedup == pytest.approx((3.0 / 200) / (0.9 / 200))
+    assert "× genai" in rep.table()
+
+    out = tmp_path / "o"
+    out.mkdir()
+    write_outputs(rep, out, {"model_folder": "m", "model_variant": "int4"})
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert "x_genai" in rows[0]
+    assert float(next(r for r in rows if r["category"] == "overall" and r["method"] == "pld")["x_genai"]) == \
+        pytest.approx(_gm([qa_pld, mt_pld]))
+    assert json.loads((out / "results.json").read_text())["rows"][0]["x_genai"] == pytest.approx(qa_base)
+
+    plain = aggregate([r for r in recs if r["method"] != "genai"], ("baseline", "pld"), ("qa", "mt_bench"))
+    assert all(r.x_genai is None for r in plain.rows) and "× genai" not in plain.table()
+
+
+def test_sweep_summary_medians_and_x_genai():
+    def rec(system, rep, decode_s, forward_s, host):
+        return {"context": 256, "system": system, "repeat": rep, "prompt_tokens": 256, "tokens": 11, "steps": 10,
+                "prefill_s": 0.1, "decode_s": decode_s, "forward_s": forward_s, "decode_tok_s": 10 / decode_s,
+                "host_ms_per_step": host, "match_pct": 50.0, "note": ""}
+
+    rows = summarize([rec("baseline", 0, 0.2, 0.15, 5.0), rec("baseline", 1, 0.1, 0.08, 2.0),
+                      rec("baseline", 2, 0.4, 0.3, 10.0), rec("genai", 0, 0.1, 0.09, 1.0),
+                      rec("genai", 1, 0.1, 0.09, 1.0), rec("genai", 2, 0.1, None, None)])
+    ours, g = rows
+    assert (ours.system, g.system, ours.runs) == ("baseline", "genai", 3)
+    assert ours.decode_tok_s == pytest.approx(50.0) and ours.step_ms == pytest.approx(20.0)
+    assert ours.forward_ms_per_step == pytest.approx(15.0) and ours.host_ms_per_step == pytest.approx(5.0)
+    assert ours.x_genai == pytest.approx(0.5) and g.x_genai == pytest.approx(1.0)
+    assert g.host_ms_per_step == pytest.approx(1.0) and g.match_pct == 50.0 and ours.match_pct is None
+
+
+# ---------------------------------------------------------------------------------- the missing package
+def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)   # import onnxruntime_genai -> ImportError
+    for extra in ([], ["--contexts", "256"]):
+        r = CliRunner().invoke(_cli(), ["bench", "--model", "no-such-build", "--compare", "genai",
+                                        "--out", str(tmp_path / "x"), *extra])
+        assert r.exit_code == 2, r.output
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+        assert "onnxruntime-genai" in lines[0] and '.[compare]' in lines[0]
+    assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--compare", "llamacpp"])
+    assert r.exit_code == 2 and "unknown --compare llamacpp" in r.output
+    with pytest.raises(BenchError, match="--compare"):
+        BenchConfig(model="m", methods=("baseline", "genai"))
+
+
+# ---------------------------------------------------------------------------------- end to end
+ROWS = [
+    {"question_id": 1, "category": "qa", "turns": ["Q: what is the cat on? The cat sat on the mat. The cat sat on"]},
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem about rain.", "Now make it rhyme."]},
+]
+
+
+def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, monkeypatch):
+    pytest.importorskip("onnxruntime_genai")
+    from dejavuu_build.bench import genai as G
+    from dejavuu_build.bench import run_bench
+    from dejavuu_build.bench.sweep import run_sweep
+    from dejavuu_build.schema import read_manifest
+
+    manifest = read_manifest(tiny_llama)
+    folder = G.ensure_genai_model(manifest)
+    assert folder.parent == cache_dir / ".peers" and folder.name.startswith("genai0.")
+    rec = json.loads((folder / G.PEER_FILE).read_text())
+    assert rec["onnxruntime_genai"] == __import__("onnxruntime_genai").__version__ and rec["precision"] == "int4"
+    assert {"model.onnx", "genai_config.json"} <= set(rec["files"])
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]   # no HF copy, builder cache or log left
+    assert not [p for p in folder.parent.iterdir() if ".staging" in p.name]
+    G.check_peer(folder)
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("the peer was rebuilt")
+
+    monkeypatch.setattr(G.subprocess, "run", no_rebuild)
+    assert G.ensure_genai_model(manifest) == folder   # a second run reuses it
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = BenchConfig(model=str(tiny_llama), methods=("pld",), categories=("qa", "mt_bench"), per_category=1,
+                      max_new_tokens=12, threads=1, data=str(data), compare=("genai",))
+    report = run_bench(cfg, tmp_path / "run")
+    recs = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    peer = [r for r in recs if r["method"] == "genai"]
+    assert len(peer) == 3 and not any(r["gated"] for r in peer)        # 1 + 2 turns, never gated
+    assert {r["prompt_tokens"] for r in peer if r["turn"] == 1} == {
+        r["prompt_tokens"] for r in recs if r["method"] == "baseline" and r["turn"] == 1}   # the same ids
+    assert all(r["tokens"] >= 1 and r["steps"] == r["tokens"] - 1 for r in peer)
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["gate"]["passed"] and "genai" in res["peers"]
+    assert res["peers"]["genai"]["onnxruntime_genai"] == rec["onnxruntime_genai"]
+    for m in ("baseline", "pld", "genai"):
+        assert report.row("overall", m).x_genai is not None
+    assert report.row("overall", "genai").x_genai == pytest.approx(1.0)
+    assert "× genai" in report.table()
+
+    sweep = run_sweep(BenchConfig(model=str(tiny_llama), max_new_tokens=10, threads=1, compare=("genai",),
+                                  contexts=(16, 48), data=str(data)), tmp_path / "sweep")
+    for c in (16, 48):
+        ours, g = sweep.row(c, "baseline"), sweep.row(c, "genai")
+        assert ours.prompt_tokens == g.prompt_tokens == c
+        assert ours.tokens == g.tokens == 10                        # EOS ignored: a fixed number of steps
+        assert ours.host_ms_per_step is not None and ours.forward_ms_per_step > 0
+        assert g.forward_ms_per_step > 0 and g.host_ms_per_step is not None
+        assert g.x_genai == pytest.approx(1.0)
+    lines = (tmp_path / "sweep" / SWEEP_FILES["records"]).read_text().splitlines()
+    replays = [json.loads(x) for x in lines if json.loads(x)["system"] == "genai"]
+    assert all(r["replay_argmax_agree"] >= r["tokens"] - 1 for r in replays)   # the replay ran genai's shapes
+    for k in ("csv", "json", "png"):
+        assert (tmp_path / "sweep" / SWEEP_FILES[k]).is_file()
