@@ -116,7 +116,7 @@ class Decoder:
         return StaticKV(self, buf, binding)
 
     def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
-                embeds: np.ndarray | None = None):
+                embeds: np.ndarray | None = None, copy: bool = True):
         """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
 
         A single token is padded to two graph rows: ORT's kernels take another path for one
@@ -152,7 +152,7 @@ class Decoder:
         if self.c.position_input:
             feeds[self.c.position_input] = pos
         if self.static:
-            return self._run_static(feeds, kv, n, m)
+            return self._run_static(feeds, kv, n, m, copy)
         t0 = time.perf_counter()
         out = self.s.run(self.outputs, feeds)
         self.last_run_s = time.perf_counter() - t0
@@ -164,9 +164,11 @@ class Decoder:
         return logits, hidden, present
 
 
-    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int):
+    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int, copy: bool):
         """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
-        states written straight into one reusable array, K/V rows written into the cache buffer."""
+        states written straight into one reusable array, K/V rows written into the cache buffer.
+        With ``copy=False`` the returned rows are views, valid until the next forward (the engine's
+        hot path reads them before that; callers that keep outputs get copies)."""
         import onnxruntime as ort
 
         if kv.length + m > kv.capacity:
@@ -189,7 +191,8 @@ class Decoder:
         t0 = time.perf_counter()
         self.s.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - t0
-        # the views are overwritten by the next forward: hand out copies of the rows that are read
+        if not copy:
+            return logits[0, :n], (hidden[0, :n] if hidden is not None else None), None
         return logits[0, :n].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
 
 
@@ -197,6 +200,9 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     idx = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
     order = np.take_along_axis(logits, idx, axis=-1).argsort(axis=-1)[:, ::-1]
     return np.take_along_axis(idx, order, axis=-1)
+
+
+PREFILL_CHUNK = 512   # prompt rows per prefill forward (the logits of 512 rows of a 49k vocabulary: 100 MB)
 
 
 class Engine:
@@ -238,15 +244,19 @@ class Engine:
                   on_tokens, prefill_embeds, residual_fn, validate_drafts):
         drafter.begin(tokens)
         t0 = time.perf_counter()
-        logits, hidden, present = self.dec.forward(tokens, None, kv, embeds=prefill_embeds)
-        kv.commit(present, len(tokens), list(range(len(tokens))))
+        for i in range(0, len(tokens), PREFILL_CHUNK):   # chunks bound the logits buffer of a long prompt
+            part = tokens[i:i + PREFILL_CHUNK]
+            logits, hidden, present = self.dec.forward(
+                part, None, kv, embeds=None if prefill_embeds is None else prefill_embeds[:, i:i + PREFILL_CHUNK],
+                copy=False)
+            kv.commit(present, len(part), list(range(len(part))))
         first = sampler.pick(logits[-1], len(tokens))
         st.prefill_s = time.perf_counter() - t0
         new = [first]
         tokens.append(first)
         drafter.feedback(Feedback(committed=[first], drafted=0, accepted=0,
                                   topk_ids=_topk_rows(logits[-1:], 8) if drafter.wants_topk else None,
-                                  hidden=hidden[-1:] if drafter.wants_hidden and hidden is not None else None))
+                                  hidden=hidden[-1:].copy() if drafter.wants_hidden and hidden is not None else None))
         if on_tokens:
             on_tokens([first])
         _, reason = self._truncate([], [first], eos, max_new_tokens, should_stop)
@@ -263,7 +273,7 @@ class Engine:
             parents = with_root(draft.parents)
             t2 = time.perf_counter()
             if draft.is_chain():
-                logits, hidden, present = self.dec.forward(step_tokens, None, kv)
+                logits, hidden, present = self.dec.forward(step_tokens, None, kv, copy=False)
                 slots, n_slots = list(range(len(step_tokens))), len(step_tokens)
             else:
                 draft, step_tokens, parents, slots, logits, hidden, present, n_slots = self._verify_tree(
@@ -313,7 +323,7 @@ class Engine:
         slot_tokens = [step_tokens[0]] * len(slot_parents)
         for i, s_ in enumerate(slot):
             slot_tokens[s_] = step_tokens[i]
-        logits_s, hidden_s, present = self.dec.forward(slot_tokens, slot_parents, kv)
+        logits_s, hidden_s, present = self.dec.forward(slot_tokens, slot_parents, kv, copy=False)
         logits = logits_s[slot]
         hidden = hidden_s[slot] if hidden_s is not None else None
         return draft, step_tokens, parents, slot, logits, hidden, present, len(slot_parents)
@@ -326,6 +336,7 @@ class Engine:
             children.setdefault(p, []).append(i)
         node, path, committed = 0, [0], []
         ratio = draft.probs is not None and not sampler.greedy
+        argmax = logits.argmax(-1) if sampler.greedy else None   # one pass over all rows
         while True:
             kids = children.get(node, [])
             if ratio and len(kids) == 1:
@@ -333,7 +344,7 @@ class Engine:
                 c = kids[0]
                 ok, tok = accept_ratio(p, draft.probs[c - 1], step_tokens[c], sampler, pos, residual_fn)
             else:
-                tok = sampler.pick(logits[node], pos)
+                tok = int(argmax[node]) if argmax is not None else sampler.pick(logits[node], pos)
                 c = next((k for k in kids if step_tokens[k] == tok), None)
                 ok = c is not None
             committed.append(tok)
