@@ -1,23 +1,48 @@
 """The cache: ~/.cache/dejavuu/<name>/, written atomically and locked per name. See cache-layout.md.
 
-Pure Python so the runtime can use it.
+Pure Python so the runtime can use it; importable on every platform (the lock imports ``fcntl``
+or, on Windows, ``msvcrt`` only when a build takes it).
+
+Guarantees:
+
+* a build only replaces an entry of its own kind, and never a folder that is not an entry;
+* ``<name>/`` changes only by an atomic swap (``renameat2(RENAME_EXCHANGE)`` on Linux; two
+  renames elsewhere, which readers wait out), so a reader that goes through :func:`read_entry`
+  sees the old entry or the new one, never a mix or a gap;
+* a build in progress lives in ``.staging/<name>/``; what a killed build left there is removed
+  by the next build of that name, under its lock;
+* :func:`verify_entry` covers every file of an entry, every variant's recorded sha256, and
+  refuses a manifest that points outside the entry.
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import os
 import re
 import shutil
+import sys
+import time
 import uuid
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from .errors import CacheError, IntegrityError
-from .schema import MANIFEST_FILE, Manifest, read_manifest, sha256_file
+from .schema import CONTRACT_FILE, MANIFEST_FILE, Manifest, read_manifest, sha256_file
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+T = TypeVar("T")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+STAGING = ".staging"
+
+# Files every entry of a kind must list (beyond what is on disk, which must all be listed too).
+REQUIRED_FILES = {
+    "decoder": (CONTRACT_FILE,),
+    "vlm": (CONTRACT_FILE, "embed_tokens.onnx", "vision_encoder.onnx", "vlm.json", "preprocessor_config.json"),
+    "datastore": ("tokens.npy", "suffixes.npy", "datastore.json"),
+}
+# What shapes a build's artifacts: hashed into the cache key (tool_versions) besides the versions.
+CODE_PARTS = ("export", "quantize", "recipes", "build/pipeline.py", "build/gates.py", "schema.py")
 
 
 def cache_root() -> Path:
@@ -30,13 +55,33 @@ def cache_root() -> Path:
 
 
 def check_name(name: str) -> str:
-    if not _NAME_RE.match(name or ""):
-        raise CacheError(f"invalid cache name {name!r}: use letters, digits, '.', '_' or '-'")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise CacheError(f"invalid cache name {name!r}: use up to 128 letters, digits, '.', '_' or '-' "
+                         f"(starting with a letter or digit)")
     return name
 
 
 def entry_dir(name: str) -> Path:
     return cache_root() / check_name(name)
+
+
+def is_path_like(name_or_path) -> bool:
+    """A path (``./x``, ``a/b``, ``~/x``, ``/x``, ``x.onnx``, a Path object) rather than a cache name.
+
+    A bare word is always a cache name, so a same-named folder in the current directory never
+    shadows a cache entry (pass ``./word`` for the folder)."""
+    if isinstance(name_or_path, os.PathLike):
+        return True
+    s = str(name_or_path)
+    return ("/" in s or "\\" in s or s.startswith((".", "~")) or s.lower().endswith(".onnx")
+            or Path(s).is_absolute())
+
+
+def locate(name_or_path) -> Path:
+    """The folder named: a path as given, or the cache entry of a bare name."""
+    if is_path_like(name_or_path):
+        return Path(name_or_path).expanduser()
+    return entry_dir(str(name_or_path))
 
 
 def list_entries() -> list[str]:
@@ -46,55 +91,244 @@ def list_entries() -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST_FILE).is_file())
 
 
+def code_digest(package_root: str | os.PathLike | None = None, parts: Iterable[str] = CODE_PARTS) -> str:
+    """sha256 of the package code that shapes a build (export, quantize, recipes, the pipeline and
+    its gates, the schema): relative path + bytes of every .py file, in sorted order."""
+    root = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
+    files: list[Path] = []
+    for part in parts:
+        p = root / part
+        files += sorted(p.rglob("*.py")) if p.is_dir() else ([p] if p.is_file() else [])
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        if "__pycache__" in f.parts:
+            continue
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:32]
+
+
+# ------------------------------------------------------------------------------ locking, staging
+def _staging_dir(name: str) -> Path:
+    return cache_root() / STAGING / check_name(name)
+
+
+def _try_lock(fh) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _unlock(fh) -> None:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        fh.seek(0)
+        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+        return
+    fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 @contextmanager
 def build_lock(name: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``name`` so two builds of it never clobber each other."""
+    """Hold an exclusive lock on ``name`` so two builds of it never clobber each other.
+
+    Whatever ``.staging/<name>/`` still holds belongs to a build of this name that died (SIGKILL,
+    power loss): no build of it can be running while we hold the lock, so it is removed."""
     locks = cache_root() / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{check_name(name)}.lock", "w") as fh:
+    with open(locks / f"{check_name(name)}.lock", "a+") as fh:
+        if not _try_lock(fh):
+            raise CacheError(f"another build of {name!r} is running (lock {fh.name}); wait for it to finish")
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CacheError(f"another build of {name!r} is running (lock {fh.name}); wait for it to finish") from None
-        try:
+            stale = _staging_dir(name)
+            if stale.is_dir():
+                for p in stale.iterdir():
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            _unlock(fh)
 
 
 @contextmanager
 def staging(name: str) -> Iterator[Path]:
     """A private folder to build ``name`` in; committed with :func:`commit`, removed on failure.
 
-    The runtime only loads ``<root>/<name>`` and that folder only ever appears by rename of a
-    finished staging folder, so an interrupted build leaves nothing loadable.
-    """
-    tmp_root = cache_root() / ".staging"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_root / f"{check_name(name)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    The runtime only loads ``<root>/<name>`` and that folder only ever appears by an atomic swap
+    with a finished staging folder, so an interrupted build leaves nothing loadable."""
+    parent = _staging_dir(name)
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        _rmdir_quietly(parent)
+
+
+def _rmdir_quietly(p: Path) -> None:
+    try:
+        p.rmdir()
+    except OSError:
+        pass
+
+
+def _kind_of(folder: Path) -> str | None:
+    """The kind recorded in ``folder``'s manifest; None when it has none ('?' when unreadable)."""
+    if not (folder / MANIFEST_FILE).is_file():
+        return None
+    try:
+        return read_manifest(folder).kind
+    except Exception:  # noqa: BLE001 - unreadable manifest: an entry of unknown kind
+        return "?"
+
+
+def _not_an_entry(final: Path) -> CacheError:
+    return CacheError(f"{final} exists and is not a cache entry (no {MANIFEST_FILE}): nothing will replace it; "
+                      f"choose another --name or move that folder away")
+
+
+def check_replace(name: str, kind: str, *, force: bool, key: str | None = None) -> Manifest | None:
+    """Decide, under the build lock, what a build of ``kind`` may do with an existing ``<name>``.
+
+    Returns the existing (verified) manifest when it is an identical build (same ``key``, no
+    ``force``): a cache hit. Returns None when there is nothing to keep (no entry, or ``force``).
+    Raises CacheError when ``<name>`` is a folder that is not an entry, an entry of another kind
+    (even with ``force``: no command replaces what it did not build), or a different or broken
+    build of this kind without ``force``."""
+    final = entry_dir(name)
+    if not final.exists():
+        return None
+    old = _kind_of(final)
+    if old is None:
+        raise _not_an_entry(final)
+    if old not in (kind, "?"):
+        raise CacheError(f"{name} is a {old} build in {final}: a {kind} build will not replace it; "
+                         f"choose another --name (or delete that folder yourself)")
+    if force:
+        return None
+    try:
+        m = verify_entry(final)
+    except CacheError as e:
+        raise CacheError(f"{name} already exists but does not verify ({e}); pass --force to rebuild it") from None
+    if key is not None and m.cache_key == key:
+        return m
+    raise CacheError(f"{name} already holds a different {kind} build ({_describe(m)}); "
+                     f"pass --force to replace it, or choose another --name")
+
+
+def _describe(m: Manifest) -> str:
+    src = m.source.get("id") or m.source.get("path") or "?"
+    return f"from {src}, built {m.created or '?'}"
+
+
+# ------------------------------------------------------------------------------ the atomic swap
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False  # EINVAL/ENOSYS (filesystem or kernel without it): fall back to two renames
 
 
 def commit(staged: Path, name: str) -> Path:
-    """Swap a finished staging folder into place; the previous build survives until the swap."""
+    """Swap a finished staging folder into place; the previous build survives until the swap.
+
+    Refuses to replace a folder that is not an entry, or an entry of another kind."""
     if not (staged / MANIFEST_FILE).is_file():
         raise CacheError(f"refusing to commit {staged}: it has no {MANIFEST_FILE}")
     final = entry_dir(name)
-    trash = None
     if final.exists():
-        trash = cache_root() / ".staging" / f"{name}-old-{uuid.uuid4().hex[:8]}"
+        old, new = _kind_of(final), _kind_of(staged)
+        if old is None:
+            raise _not_an_entry(final)
+        if old not in (new, "?"):
+            raise CacheError(f"{name} is a {old} build in {final}: a {new} build will not replace it")
+        if _exchange(staged, final):          # final now holds the new build, staged the old one
+            shutil.rmtree(staged, ignore_errors=True)
+            _rmdir_quietly(staged.parent)
+            return final
+        trash = _staging_dir(name) / f"old-{uuid.uuid4().hex[:8]}"   # readers wait while this exists
         os.replace(final, trash)
-    os.replace(staged, final)
-    if trash is not None:
+        os.replace(staged, final)
         shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    _rmdir_quietly(staged.parent)
     return final
 
 
+def _stamp(folder: Path):
+    """Identity of the directory now at ``folder`` (changes with every swap); None if missing."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _swap_in_progress(folder: Path) -> bool:
+    """The gap of a two-rename swap: the old entry sits in .staging/<name>/old-* for a moment."""
+    d = folder.parent / STAGING / folder.name
+    try:
+        return any(p.name.startswith("old-") for p in d.iterdir())
+    except OSError:
+        return False
+
+
+def read_entry(folder: str | os.PathLike, read: Callable[[Path], T], *, wait_s: float = 30.0) -> T:
+    """Run ``read(folder)`` so that everything it read came from one committed build.
+
+    Entries are immutable once committed and change only by a swap, so: note which directory is
+    at ``folder``, read, and check it is still the same one. If a rebuild swapped it meanwhile,
+    read again (the new build); an error raised while a swap happened is a symptom of the swap,
+    not of corruption, and is retried too. A reader that arrives in the gap of a two-rename swap
+    waits for the new entry."""
+    folder = Path(folder)
+    deadline = time.monotonic() + wait_s
+    while True:
+        before = _stamp(folder)
+        if before is None and _swap_in_progress(folder) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            continue
+        try:
+            out = read(folder)
+        except Exception:
+            if _stamp(folder) != before and time.monotonic() < deadline:
+                continue
+            raise
+        if _stamp(folder) == before:
+            return out
+        if time.monotonic() >= deadline:
+            raise CacheError(f"{folder} kept being rebuilt while it was read; try again")
+
+
+# ------------------------------------------------------------------------------ files and integrity
 def link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link when possible (same filesystem, no extra disk), else copy."""
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -114,25 +348,66 @@ def record_files(folder: Path, manifest: Manifest) -> None:
     manifest.files = files
 
 
-def verify_entry(folder: Path, files: list[str] | None = None) -> Manifest:
-    """Check every (or the named) file against manifest sha256s; raise IntegrityError on drift."""
+def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> Path:
+    """``folder / rel`` for a path a manifest names, refused unless it stays inside ``folder``."""
+    folder = Path(folder)
+    bad = (not isinstance(rel, str) or not rel or "\0" in rel or PurePosixPath(rel).is_absolute()
+           or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive
+           or ".." in PurePosixPath(rel.replace("\\", "/")).parts)
+    p = folder / rel if not bad else None
+    if p is not None:
+        try:
+            inside = p.resolve().is_relative_to(folder.resolve())
+        except (OSError, RuntimeError):
+            inside = False
+        bad = not inside
+    if bad:
+        raise IntegrityError(f"{folder / MANIFEST_FILE} names {rel!r}, a path outside the entry; "
+                             f"the manifest was tampered with: {rebuild}")
+    return p
+
+
+def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
+                 skip: Iterable[str] = ()) -> Manifest:
+    """Check an entry against its manifest; raise IntegrityError on drift.
+
+    Without ``files``: every file on disk, every file the manifest lists, every variant file and
+    the files its kind requires (less ``skip``: what the caller will not read) must be listed,
+    present, inside the entry and match its sha256; each checked variant's own recorded sha256
+    must agree. With ``files``: just those (and the variants among them)."""
     folder = Path(folder)
     if not (folder / MANIFEST_FILE).is_file():
         raise CacheError(f"{folder} has no {MANIFEST_FILE}: rebuild it with `dejavuu-build tree-decoder --name {folder.name}`")
     try:
         m = read_manifest(folder)
+        if not isinstance(m.files, dict):
+            raise ValueError("files is not a mapping")
     except Exception as e:  # noqa: BLE001 - any parse failure is corruption
         raise CacheError(f"{folder / MANIFEST_FILE} is corrupted ({e}); rebuild with `dejavuu-build tree-decoder --name {folder.name} --force`") from None
     rebuild = _rebuild_hint(m, folder.name)
-    for rel in (files if files is not None else list(m.files)):
+    for rel in m.files:
+        member(folder, rel, rebuild)
+    for rec in m.variants.values():
+        member(folder, rec.file, rebuild)
+    if files is None:
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() != MANIFEST_FILE}
+        wanted = (set(m.files) | on_disk | set(REQUIRED_FILES.get(m.kind, ()))
+                  | {r.file for r in m.variants.values()}) - set(skip)
+    else:
+        wanted = set(files)
+    for rel in sorted(wanted):
         rec = m.files.get(rel)
-        p = folder / rel
+        p = member(folder, rel, rebuild)
         if rec is None:
             raise IntegrityError(f"{p} is not listed in the manifest; {rebuild}")
         if not p.is_file():
             raise IntegrityError(f"{p} is missing; {rebuild}")
-        if p.stat().st_size != rec["bytes"] or sha256_file(p) != rec["sha256"]:
+        if p.stat().st_size != rec.get("bytes") or sha256_file(p) != rec.get("sha256"):
             raise IntegrityError(f"{p} does not match its manifest sha256 (modified or corrupted); {rebuild}")
+    for v, rec in m.variants.items():
+        if rec.file in wanted and (rec.sha256 != m.files[rec.file]["sha256"] or rec.bytes != m.files[rec.file]["bytes"]):
+            raise IntegrityError(f"variant {v} ({rec.file}): its recorded sha256/size disagree with the file's; {rebuild}")
     return m
 
 

@@ -1,16 +1,38 @@
 """Cache: atomic writes, locking, cache hits, tamper detection."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
+import dejavuu_build
 from dejavuu_build import cache, schema as S
-from dejavuu_build.build.config import TreeDecoderConfig
-from dejavuu_build.build import pipeline
+from dejavuu_build.build.config import TreeDecoderConfig, tool_versions
+from dejavuu_build.build import pipeline, sources
 from dejavuu_build.errors import CacheError, IntegrityError
 
 from conftest import build_tiny
+
+
+def clone(src: Path, name: str) -> Path:
+    """A copy of a committed entry under another name (a valid entry: cheaper than a build)."""
+    dst = cache.cache_root() / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_manifest(folder: Path, fn) -> None:
+    d = json.loads((folder / S.MANIFEST_FILE).read_text())
+    fn(d)
+    (folder / S.MANIFEST_FILE).write_text(json.dumps(d))
 
 
 def test_cache_root_env(monkeypatch, tmp_path):
@@ -89,3 +111,264 @@ def test_tampering_is_detected(cache_dir):
 def test_bad_names_refused():
     with pytest.raises(CacheError):
         cache.check_name("../etc")
+
+
+# ---------------------------------------------------------------- item 3: verify covers everything, inside the entry
+def test_an_empty_file_list_does_not_verify(tiny_llama):
+    folder = clone(tiny_llama, "empty-files")
+    edit_manifest(folder, lambda d: d.update(files={}))
+    f = folder / S.variant_file("int4")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="not listed in the manifest"):
+        cache.verify_entry(folder)
+
+
+def test_unlisted_file_in_the_entry_is_refused(tiny_llama):
+    folder = clone(tiny_llama, "unlisted-file")
+    edit_manifest(folder, lambda d: d["files"].pop("tokenizer.json"))
+    with pytest.raises(IntegrityError, match="tokenizer.json is not listed"):
+        cache.verify_entry(folder)
+
+
+def test_variant_sha256_is_checked(tiny_llama):
+    folder = clone(tiny_llama, "variant-sha")
+    edit_manifest(folder, lambda d: d["variants"]["int4"].update(sha256="0" * 64))
+    with pytest.raises(IntegrityError, match="int4.*sha256"):
+        cache.verify_entry(folder)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_paths_outside_the_entry_are_refused(tiny_llama, how):
+    from dejavuu_build.runtime import load
+
+    folder = clone(tiny_llama, f"escape-{how}")
+    outside = folder.parent / f"outside-{how}.onnx"
+    shutil.copy(folder / S.variant_file("int4"), outside)
+    bad = f"../{outside.name}" if how == "dotdot" else str(outside)
+
+    def point_outside(d):
+        rec = d["files"].pop(S.variant_file("int4"))
+        d["files"][bad] = rec
+        d["variants"]["int4"]["file"] = bad
+
+    edit_manifest(folder, point_outside)
+    (folder / S.variant_file("int4")).unlink()
+    with pytest.raises(IntegrityError, match="outside the entry"):
+        cache.verify_entry(folder)
+    with pytest.raises(IntegrityError, match="outside the entry"):
+        load(folder, variant="int4")
+    with pytest.raises(IntegrityError, match="outside the entry"):
+        load(folder, variant="int4", verify=False)
+
+
+def test_load_verifies_every_file_it_reads(tiny_llama):
+    """The runtime skips only the other variants and the references: a tokenizer the manifest
+    does not list is refused, not read."""
+    from dejavuu_build.runtime import load
+
+    folder = clone(tiny_llama, "load-unlisted")
+    edit_manifest(folder, lambda d: d.update(files={k: v for k, v in d["files"].items() if k != "tokenizer.json"}))
+    with pytest.raises(IntegrityError, match="tokenizer.json is not listed"):
+        load(folder, variant="int4")
+
+
+# ---------------------------------------------------------------- item 1: no build replaces what it did not build
+def test_a_build_never_replaces_another_kind_of_entry(tiny_llama, tmp_path):
+    from dejavuu_build.build.datastore import build_datastore
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"turns": ["abc abc abc"]}\n')
+    ds = build_datastore(str(corpus), "tiny-llama", "kind-ds")
+    before = (ds / S.MANIFEST_FILE).read_text()
+    src = S.read_manifest(tiny_llama).source["path"]
+    cfg = TreeDecoderConfig(model=src, name="kind-ds", variants=("fp32",), timing=False, reference_tokens=12)
+    for force in (False, True):
+        with pytest.raises(CacheError, match="kind-ds is a datastore"):
+            pipeline.build_tree_decoder(cfg, force=force)
+    assert (ds / S.MANIFEST_FILE).read_text() == before
+    cache.verify_entry(ds)
+
+
+def test_commit_refuses_a_folder_that_is_not_an_entry(cache_dir):
+    results = cache_dir / "bench" / "run-1"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "records.jsonl").write_text("{}\n")
+    with cache.build_lock("bench"):
+        with cache.staging("bench") as tmp:
+            S.write_json(tmp / S.MANIFEST_FILE, S.Manifest(name="bench", kind="datastore").to_json())
+            with pytest.raises(CacheError, match="not a cache entry"):
+                cache.commit(tmp, "bench")
+    assert (results / "records.jsonl").is_file()
+
+
+# ---------------------------------------------------------------- item 2: cache keys follow content
+def test_folder_identity_follows_its_content(tmp_path, monkeypatch):
+    from tiny import save_tiny
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_tiny("llama", a / "m")
+    save_tiny("llama", b / "m", seed=1)
+    monkeypatch.chdir(a)
+    id_a = sources.resolve("./m").identity
+    assert sources.resolve("./m").identity == id_a                  # deterministic
+    monkeypatch.chdir(b)
+    id_b = sources.resolve("./m").identity
+    assert id_b != id_a                                             # same words, other folder
+    save_tiny("llama", b / "m", seed=0)
+    assert sources.resolve("./m").identity == id_a                  # same content, same identity
+    cfg = TreeDecoderConfig(model="./m", variants=("fp32",))
+    from dejavuu_build.build.config import cache_key
+
+    assert cache_key(cfg, id_a, tool_versions()) == cache_key(cfg, id_a, tool_versions())
+
+
+def test_changed_weights_are_not_a_cache_hit(cache_dir, tmp_path):
+    from tiny import save_tiny
+
+    src = save_tiny("llama", tmp_path / "weights")
+    cfg = TreeDecoderConfig(model=str(src), name="content-key", variants=("fp32",), timing=False,
+                            reference_tokens=12)
+    first = pipeline.build_tree_decoder(cfg)
+    assert pipeline.build_tree_decoder(cfg).cache_hit
+    save_tiny("llama", src, seed=1)                                 # new weights in the same folder
+    with pytest.raises(CacheError, match="--force"):
+        pipeline.build_tree_decoder(cfg)
+    again = pipeline.build_tree_decoder(cfg, force=True)
+    assert not again.cache_hit and again.manifest.cache_key != first.manifest.cache_key
+
+
+def test_tool_versions_hash_the_package_code(tmp_path):
+    tools = tool_versions()
+    assert tools == tool_versions()
+    pkg = Path(dejavuu_build.__file__).parent
+    copy = tmp_path / "pkg"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert cache.code_digest(copy) == tools["dejavuu-build-code"]
+    for part in ("export", "quantize", "recipes"):
+        f = sorted((copy / part).glob("*.py"))[0]
+        original = f.read_text()
+        f.write_text(original + "\n# changed\n")
+        assert cache.code_digest(copy) != tools["dejavuu-build-code"], part
+        f.write_text(original)
+    (copy / "runtime" / "model.py").write_text("# the runtime does not shape the artifacts\n")
+    assert cache.code_digest(copy) == tools["dejavuu-build-code"]
+
+
+def test_quant_only_records_the_tools_it_ran_with(tiny_llama, monkeypatch):
+    folder = clone(tiny_llama, "requant-tools")
+    before = S.read_manifest(folder)
+    newer = {**before.tools, "onnxruntime": "99.0"}
+    monkeypatch.setattr(pipeline, "tool_versions", lambda: newer)
+    res = pipeline.quant_only("requant-tools", variants=("int4",), timing=False)
+    assert res.manifest.tools == newer and res.manifest.cache_key != before.cache_key
+    # A build with the old tools would not produce this entry: no cache hit on it.
+    monkeypatch.setattr(pipeline, "tool_versions", lambda: before.tools)
+    cfg = TreeDecoderConfig.from_json({**before.build_config, "name": "requant-tools"})
+    with pytest.raises(CacheError, match="--force"):
+        pipeline.build_tree_decoder(cfg)
+
+
+# ---------------------------------------------------------------- item 7: readers never see half a rebuild
+def _datastore(tmp_path, name, text):
+    from dejavuu_build.build.datastore import build_datastore
+
+    corpus = tmp_path / f"{name}-{len(text)}.jsonl"
+    corpus.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in text))
+    return corpus, build_datastore
+
+
+def test_a_swap_during_a_load_is_retried_not_an_error(tiny_llama, tmp_path, monkeypatch):
+    from dejavuu_build.runtime.model import load_datastore
+
+    old_src, build = _datastore(tmp_path, "swap", ["abc abc"])
+    new_src, _ = _datastore(tmp_path, "swap", ["abc abc", "xyz xyz", "q r s"])
+    build(str(old_src), "tiny-llama", "swap-ds")
+    real = cache.sha256_file
+    fired = []
+
+    def rebuild_midway(path, *a, **k):
+        if not fired:                 # the reader has read the old manifest; the entry is swapped now
+            fired.append(1)
+            build(str(new_src), "tiny-llama", "swap-ds", force=True)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(cache, "sha256_file", rebuild_midway)
+    ds = load_datastore("swap-ds")
+    assert fired and ds.n_docs == 3
+
+
+def test_a_reader_waits_out_the_gap_of_a_two_rename_swap(tiny_llama, tmp_path):
+    from dejavuu_build.runtime.model import load_datastore
+
+    src, build = _datastore(tmp_path, "gap", ["abc abc"])
+    final = build(str(src), "tiny-llama", "gap-ds")
+    trash = cache.cache_root() / ".staging" / "gap-ds" / "old-test"
+    trash.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(final, trash)                      # the first of the fallback's two renames
+    out = []
+    t = threading.Thread(target=lambda: out.append(_try(load_datastore, "gap-ds")))
+    t.start()
+    time.sleep(0.3)
+    os.replace(trash, final)                      # ... and the second
+    t.join(30)
+    assert out and not isinstance(out[0], Exception), out
+    assert out[0].n_docs == 1
+
+
+def _try(fn, *a):
+    try:
+        return fn(*a)
+    except Exception as e:  # noqa: BLE001 - returned to the test thread
+        return e
+
+
+def test_commit_swaps_atomically(tiny_llama, tmp_path):
+    """While a datastore is rebuilt again and again, a reader polling it never finds it missing."""
+    src, build = _datastore(tmp_path, "poll", ["abc abc"])
+    final = build(str(src), "tiny-llama", "poll-ds")
+    stop, missing = threading.Event(), []
+
+    def poll():
+        while not stop.is_set():
+            if not (final / S.MANIFEST_FILE).is_file():
+                missing.append(1)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for _ in range(20):
+            build(str(src), "tiny-llama", "poll-ds", force=True)
+    finally:
+        stop.set()
+        t.join()
+    assert not missing
+
+
+def test_stale_staging_of_a_killed_build_is_cleaned_under_the_lock(cache_dir):
+    code = ("import os\n"
+            "from dejavuu_build.cache import build_lock, staging\n"
+            "with build_lock('killed'):\n"
+            "    with staging('killed') as t:\n"
+            "        (t / 'half.onnx').write_bytes(b'x' * 100)\n"
+            "        os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
+                         capture_output=True, timeout=120)
+    assert out.returncode == -9
+    debris = [p for p in (cache_dir / ".staging").rglob("half.onnx")]
+    assert debris
+    with cache.build_lock("killed"):
+        assert not any(p.exists() for p in debris)
+
+
+# ---------------------------------------------------------------- item 12: the cache imports without fcntl
+def test_cache_and_runtime_import_without_fcntl():
+    code = ("import sys\n"
+            "sys.modules['fcntl'] = None\n"     # as on Windows: `import fcntl` raises ImportError
+            "import dejavuu_build.cache\n"
+            "import dejavuu_build.runtime\n"
+            "from dejavuu_build.runtime import load\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr

@@ -62,7 +62,10 @@ class TreeDecoderConfig:
 def tool_versions() -> dict[str, str]:
     from importlib import metadata
 
-    out = {"dejavuu-build": __version__}
+    from ..cache import code_digest
+
+    # The version string alone misses edits to the code that shapes the artifacts: hash that code.
+    out = {"dejavuu-build": __version__, "dejavuu-build-code": code_digest()}
     for dist in ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "gguf"):
         try:
             out[dist] = metadata.version(dist)

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
 from pathlib import Path
 
 from .. import schema as S
-from ..cache import build_lock, commit, entry_dir, record_files, staging
+from ..cache import build_lock, check_name, check_replace, commit, entry_dir, record_files, staging
 from ..errors import DejavuuError
-from ..log import step
+from ..log import logger, step
 
 
 def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False) -> Path:
+    """Build datastore ``name`` from ``src`` with ``tokenizer``'s tokenizer.
+
+    An identical existing datastore (same corpus bytes, same tokenizer.json) is a cache hit; a
+    different one is replaced only with ``force``; an entry of another kind (a decoder build) or
+    a folder that is not an entry (bench results) is never replaced."""
     from ..runtime.drafters.datastore import build_from_file
     from ..runtime.model import resolve_folder
     from ..runtime.tokenizer import TextTokenizer
 
+    check_name(name)
     path = Path(src)
     if not path.is_file():
         raise DejavuuError(f"{src} not found: pass a .jsonl or .txt file with --from")
@@ -24,20 +32,22 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     folder, _ = resolve_folder(tokenizer)
     tok = TextTokenizer(folder)
     digest = S.sha256_file(path)
+    tok_digest = S.sha256_file(folder / "tokenizer.json")
+    key = hashlib.sha256(json.dumps({"kind": "datastore", "source": digest, "tokenizer": tok_digest},
+                                    sort_keys=True).encode()).hexdigest()[:32]
     final = entry_dir(name)
     with build_lock(name):
-        if not force and (final / S.MANIFEST_FILE).is_file():
-            old = S.read_manifest(final)
-            if old.kind == "datastore" and old.source.get("sha256") == digest and old.build_config.get("tokenizer_folder") == str(folder):
-                return final
+        if check_replace(name, "datastore", force=force, key=key) is not None:
+            logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
+            return final
         with staging(name) as tmp:
             with step(f"tokenize {path.name}"):
                 ds = build_from_file(path, lambda text: tok.encode(text, add_special_tokens=False))
                 ds.save(tmp)
-            m = S.Manifest(name=name, kind="datastore",
+            m = S.Manifest(name=name, kind="datastore", cache_key=key,
                            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                            build_config={"from": str(path.resolve()), "tokenizer": tokenizer,
-                                         "tokenizer_folder": str(folder)},
+                                         "tokenizer_folder": str(folder), "tokenizer_sha256": tok_digest},
                            source={"kind": "file", "id": str(path), "sha256": digest})
             record_files(tmp, m)
             S.write_json(tmp / S.MANIFEST_FILE, m.to_json())

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import schema as S
-from ..cache import build_lock, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
+from ..cache import (build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging,
+                     verify_entry)
 from ..errors import CacheError, ValidationFailed
 from ..log import logger, step
 from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json
@@ -40,14 +41,11 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
     key = cache_key(cfg, src.identity, tools)
     final = entry_dir(name)
     with build_lock(name):
-        if not force and (final / S.MANIFEST_FILE).is_file():
-            try:
-                old = verify_entry(final)
-                if old.cache_key == key:
-                    logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
-                    return BuildResult(final, old, cache_hit=True)
-            except CacheError as e:
-                logger.warning("previous build of %s is unusable (%s); rebuilding", name, e)
+        # Never replaces another kind of entry; a different or broken build of this kind only with --force.
+        old = check_replace(name, "vlm" if cfg.vision else "decoder", force=force, key=key)
+        if old is not None:
+            logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
+            return BuildResult(final, old, cache_hit=True)
         with staging(name) as tmp:
             manifest = _export(cfg, src, tmp, name, key, tools)
             _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
@@ -74,9 +72,23 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
             manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
                                                        key=S.VARIANTS.index)
             _quantize_and_validate(tmp, manifest, list(variants), threads, timing)
+            _requant_key(manifest, tool_versions())
             _finish(tmp, manifest)
             out = commit(tmp, name)
     return BuildResult(out, manifest)
+
+
+def _requant_key(manifest: Manifest, tools: dict) -> None:
+    """Record the tools quant-only ran with; once the variants come from more than one toolchain,
+    key the entry so that no fresh build (one toolchain) is a cache hit on it."""
+    from .sources import identity_of
+
+    cfg = TreeDecoderConfig.from_json(manifest.build_config)
+    if tools != manifest.tools or "built_with" in manifest.export:
+        manifest.export.setdefault("built_with", manifest.tools)     # the tools of the fp32 export
+        manifest.tools = tools
+        tools = {"export": manifest.export["built_with"], "requantized": tools}
+    manifest.cache_key = cache_key(cfg, identity_of(manifest.source), tools)
 
 
 def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: dict) -> Manifest:

