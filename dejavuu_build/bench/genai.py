@@ -297,8 +297,9 @@ def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequen
     The prompt, then each generated token but the last, through one session with genai's
     shared past/present buffer (``past_present_share_buffer``: the same OrtValue bound to
     ``past_key_values.i.*`` and ``present.i.*``, sized max_length). Only the decode runs are
-    timed; what genai's step costs beyond that is its host overhead. Returns forward seconds,
-    step count and how many replayed argmaxes equal genai's tokens (a check the shapes are right).
+    timed; what genai's step costs beyond that is its host overhead. Returns forward seconds (in
+    all and per step), step count and how many replayed argmaxes equal genai's tokens (a check
+    that the shapes are right).
     """
     import numpy as np
     import onnxruntime as ort
@@ -340,9 +341,10 @@ def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequen
 
     _, top = run(list(prompt_ids), len(prompt_ids))
     agree = int(top == tokens[0]) if tokens else 0
-    forward = 0.0
+    step_s = []
     for j, tok in enumerate(tokens[:-1]):
         dt, top = run([tok], len(prompt_ids) + j + 1)
-        forward += dt
+        step_s.append(dt)
         agree += int(top == tokens[j + 1])
-    return {"forward_s": forward, "steps": max(len(tokens) - 1, 0), "argmax_agree": agree, "tokens": len(tokens)}
+    return {"forward_s": sum(step_s), "step_s": step_s, "steps": len(step_s), "argmax_agree": agree,
+            "tokens": len(tokens)}
