@@ -1,43 +1,55 @@
-"""`dejavuu-build`: thin Click shells over typed build configs and the runtime."""
+"""`dejavuu-build`: thin Click shells over typed build configs, plus the runtime's and the
+benchmark's commands (their own modules), registered into this one group."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # pragma: no cover - `python -m dejavuu_build.build.cli`
+    # Run the package module's group, fully registered, rather than a second copy of this file.
+    from dejavuu_build.build.cli import main as _package_main
+
+    _package_main()
+    raise SystemExit(0)
+
+import importlib
 import json
-import sys
-from functools import wraps
 from pathlib import Path
 
 import click
 
 from .. import __version__
+from ..cache import check_name
 from ..errors import DejavuuError
-from ..log import logger, setup_logging
+from ..log import setup_logging
+from ..runtime.cli import friendly, generate
 
 
-def _friendly(fn):
-    """Turn typed errors into one line on stderr and exit code 2; never a traceback."""
-    @wraps(fn)
-    def inner(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except DejavuuError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written to the cache", err=True)
-            sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, SystemExit):
-            raise
-        except Exception as e:  # noqa: BLE001 - never a bare traceback; -v shows it
-            if logger.isEnabledFor(10):
-                raise
-            first = str(e).splitlines()[0] if str(e) else ""
-            click.echo(f"error: unexpected {type(e).__name__}: {first[:300]} (run with -v for details)", err=True)
-            sys.exit(1)
-    return inner
+def _check_threads(threads: int) -> int:
+    from ..runtime.model import check_threads
+
+    return check_threads(threads)
 
 
-@click.group()
+# Every command shares the runtime's error shell: one line on stderr, exit 2 (bench imports this name).
+_friendly = friendly
+
+
+class _Group(click.Group):
+    """The one command group. Commands whose module imports this one (bench: for ``_friendly``) are
+    imported when listed or used; an import failure then propagates (loud), never a dropped command."""
+
+    lazy = {"bench": "dejavuu_build.bench.cli:bench"}
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy and name not in self.commands:
+            module, attr = self.lazy[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Group)
 @click.version_option(__version__, prog_name="dejavuu-build")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging (a line per quantized tensor).")
 def main(verbose: bool) -> None:
@@ -68,6 +80,9 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
     from .config import TreeDecoderConfig
     from .sources import DEFAULT_MODEL
 
+    if name is not None:
+        check_name(name)          # before the model is resolved (a pypi source may be downloaded)
+    _check_threads(threads)
     cfg = TreeDecoderConfig(model=model or DEFAULT_MODEL, revision=revision, name=name,
                             variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
                             hidden_layer=hidden_layer, primary_input=primary_input, timing=not no_timing,
@@ -100,6 +115,10 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
     from .config import TreeDecoderConfig
     from .pipeline import build_tree_decoder
 
+    if name is not None:
+        check_name(name)
+    _check_threads(threads)
+
     cfg = TreeDecoderConfig(model=model, revision=revision, name=name,
                             variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
                             primary_input="inputs_embeds", vision=True, vision_position_ids=vision_position_ids,
@@ -119,6 +138,8 @@ def quant_only_cmd(name, variants, threads, no_timing):
     """Re-quantize from the stored fp32 export and re-validate (no torch export)."""
     from .pipeline import quant_only
 
+    check_name(name)
+    _check_threads(threads)
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
     bad = [v for v in vs if v not in ("int8", "int4")]
     if bad:
@@ -131,17 +152,27 @@ def quant_only_cmd(name, variants, threads, no_timing):
 @click.argument("name")
 @_friendly
 def verify(name):
-    """Check every file's sha256 and the contract of each variant; non-zero exit on drift."""
-    from ..cache import entry_dir, verify_entry
-    from ..runtime.session import cross_check, derive_contract, make_session
-    from ..schema import read_contract
+    """Check every file's sha256 and the contract of each variant; non-zero exit on drift.
 
-    folder = Path(name) if Path(name).is_dir() else entry_dir(name)
-    m = verify_entry(folder)
-    if m.kind == "decoder":
-        c = read_contract(folder)
-        for v, rec in m.variants.items():
-            cross_check(derive_contract(make_session(folder / rec.file, threads=1)), c, rec.file)
+    NAME is a cache name, or a path (./folder) to an entry elsewhere."""
+    from ..cache import locate, member, read_entry, verify_entry
+    from ..errors import CacheError
+    from ..runtime.session import cross_check, derive_contract, make_session
+    from ..schema import read_contract, variant_contract
+
+    def check(folder: Path):
+        if not folder.is_dir():
+            raise CacheError(f"no entry {name!r} at {folder}: see `dejavuu-build tree-decoder --help`")
+        m = verify_entry(folder)
+        if m.kind in ("decoder", "vlm"):
+            c = read_contract(folder)
+            for v, rec in m.variants.items():
+                cross_check(derive_contract(make_session(member(folder, rec.file), threads=1)),
+                            variant_contract(c, rec), rec.file)
+        return m
+
+    folder = locate(name)
+    m = read_entry(folder, check)
     click.echo(f"✓ {folder}: {len(m.files)} files match their sha256; contract checked for {', '.join(m.variants) or 'no variants'}")
 
 
@@ -168,17 +199,22 @@ def recipes():
         click.echo(f"{name:8s} {', '.join(r.architectures):60s} {r.description}")
 
 
-def _register_runtime_commands() -> None:
-    from . import commands  # noqa: F401 - generate, datastore, bench
+@main.command()
+@click.option("--from", "src", required=True, type=click.Path(), help="A .jsonl (fields turns/text/prompt) or .txt file.")
+@click.option("--tokenizer", "tok", required=True, help="A built model's cache name (or ./folder) whose tokenizer to use.")
+@click.option("--name", required=True, help="Cache name for the datastore.")
+@click.option("--force", is_flag=True, help="Replace an existing, different datastore of this name.")
+@_friendly
+def datastore(src, tok, name, force):
+    """Build a token datastore (for rest, sam_decoding, asam) into the cache.
+
+    Never replaces an entry of another kind (a decoder build, bench results)."""
+    from .datastore import build_datastore
+
+    check_name(name)
+    out = build_datastore(src, tok, name, force=force)
+    click.echo(f"built: {out}")
 
 
-try:
-    _register_runtime_commands()
-except ImportError:  # pragma: no cover - while those modules are being written
-    pass
-
-if __name__ == "__main__":  # pragma: no cover
-    # Run the package module's group: commands.py registers onto that one, not onto __main__'s copy.
-    from dejavuu_build.build.cli import main as _package_main
-
-    _package_main()
+# The runtime's command lives with the runtime (imported above: a failure is loud); bench is lazy (_Group).
+main.add_command(generate)

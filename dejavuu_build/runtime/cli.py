@@ -1,0 +1,107 @@
+"""The runtime's command (`dejavuu-build generate`) and the error shell every command shares.
+
+Registered into the one `dejavuu-build` group by :mod:`dejavuu_build.build.cli`; it imports
+nothing from the build side (torch-free, like the rest of the runtime).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from functools import wraps
+
+import click
+
+from ..errors import DejavuuError, GenerationError
+from ..log import logger
+
+
+def friendly(fn):
+    """Turn typed errors into one line on stderr and exit code 2; never a traceback."""
+    @wraps(fn)
+    def inner(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except DejavuuError as e:
+            click.echo(f"error: {_one_line(e)}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted: nothing was written to the cache", err=True)
+            sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - never a bare traceback; -v shows it
+            if logger.isEnabledFor(logging.DEBUG):
+                raise
+            click.echo(f"error: unexpected {type(e).__name__}: {_one_line(e)[:300]} (run with -v for details)", err=True)
+            sys.exit(1)
+    return inner
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) if str(e) else type(e).__name__
+
+
+@click.command()
+@click.argument("name")
+@click.argument("prompt", required=False)
+@click.option("--chat", "chat", default=None, help="Send this text as a user message through the chat template.")
+@click.option("--method", default="baseline", show_default=True, help="Drafting method (see docs/methods.md).")
+@click.option("--tree", is_flag=True, help="Verify a tree of drafts instead of a chain.")
+@click.option("--width", default=2, show_default=True, type=int, help="Tree width (children per node, >= 1).")
+@click.option("--max-nodes", default=None, type=int, help="Draft nodes per step [chain: 8, tree: 16].")
+@click.option("--max-depth", default=8, show_default=True, type=int, help="Longest draft path per step.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; finite, >= 0.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="In (0, 1].")
+@click.option("--top-k", default=0, show_default=True, type=int, help=">= 0 (0 = off).")
+@click.option("--seed", default=0, show_default=True, type=int, help=">= 0.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable, non-empty).")
+@click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
+@click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
+@click.option("--threads", default=None, type=int, help="ORT threads, 1 to the CPU count [default: 2].")
+@click.option("--image", "images", multiple=True, help="Image file for a VLM build (repeatable).")
+@click.option("--draft-model", default=None, help="For --method draft_model: NAME[:VARIANT] of the drafting build.")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result and stats as JSON.")
+@friendly
+def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_new_tokens, temperature, top_p,
+             top_k, seed, stop, variant, datastore, threads, images, draft_model, stream, as_json):
+    """Generate from a built decoder with speculative decoding.
+
+    NAME is a cache name, or a path (./folder, path/to/decoder_int4.onnx)."""
+    from .model import _check_settings, _check_text, check_threads, load
+
+    if chat is None and prompt is None:
+        raise GenerationError("give a PROMPT or --chat TEXT")
+    if chat is not None and prompt is not None:
+        raise GenerationError("give a PROMPT or --chat TEXT, not both")
+    _check_text(chat if chat is not None else prompt, "--chat text" if chat is not None else "the prompt")
+    _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width, max_depth=max_depth,
+                    max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=list(stop))
+    threads = check_threads(threads)
+    model = load(name, variant=variant, threads=threads)
+    inp = [{"role": "user", "content": chat}] if chat is not None else prompt
+    kw = dict(method=method, tree=tree, width=width, max_nodes=max_nodes, max_depth=max_depth,
+              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+              stop=list(stop), datastore=datastore, images=list(images) or None)
+    if draft_model:
+        kw["draft_model"] = draft_model
+    if stream and not as_json:
+        for piece in model.stream(inp, **kw):
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        return
+    res = model.generate(inp, **kw)
+    if as_json:
+        d = res.to_json()
+        d.update(model=str(model.folder), variant=model.variant)
+        click.echo(json.dumps(d, indent=2))
+        return
+    click.echo(res.text)
+    s = res.stats
+    click.echo(f"[{model.variant} · {res.method}{' tree' if res.tree else ''} · {s.tokens} tokens in {s.steps} steps · "
+               f"{s.tokens_per_step:.2f} tok/step · accepted {s.accepted}/{s.drafted} · decode {s.decode_tok_s:.1f} tok/s · "
+               f"stop: {res.stop_reason}]", err=True)
