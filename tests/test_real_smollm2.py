@@ -46,17 +46,23 @@ def test_build_passes_every_gate(smollm2):
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
     assert "Expand" not in ops and m.export["nodes"] < 1200     # no repeat_kv expansion
-    for v in ("fp32", "int8", "int4"):
+    for v in ("fp32", "int8", "int4", "fp32-static", "int8-static", "int4-static"):
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)
-        assert rec.gates["batched_vs_incremental"]["mismatches"] == 0
+        batched = rec.gates["batched_vs_incremental"]
+        assert batched["mismatches"] == 0 and batched["logits_maxdiff"] == 0.0
+        assert batched["pasts"][-2:] == [250, 1018]           # 2..17 new rows crossing 256 and 1024 keys
         assert {"n1_p256", "n8_p256", "n1_p1024", "n8_p1024"} <= set(rec.timings_ms)
         assert S.sha256_file(smollm2 / rec.file) == rec.sha256
+        assert rec.kv_layout == ("static" if v.endswith("-static") else "concat")
+    assert m.variants["int4-static"].kv_capacity == 8192
+    assert m.variants["fp32-static"].gates["parity"]["tree_logits_maxdiff"] < 1e-3
+    assert m.variants["int4-static"].bytes < 100e6
     par = m.variants["fp32"].gates["parity"]
     assert par["chain_logits_maxdiff"] < 1e-3 and par["tree_logits_maxdiff"] < 1e-3
     assert m.variants["int4"].bytes < 100e6, "int4 build must stay under 100 MB"
     assert m.variants["int8"].gates["teacher_forced"]["rate"] >= 0.85
-    assert m.default_variant in ("int8", "int4")
+    assert m.default_variant in ("int8", "int4", "int8-static", "int4-static")
     c = S.read_contract(smollm2)
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
     assert c.eos_token_ids and c.max_positions == 8192
@@ -72,9 +78,11 @@ def test_quant_only_revalidates_without_torch(smollm2):
     assert after.variants["int4"].passed
 
 
+@pytest.mark.parametrize("variant", ["int4", "int4-static"])
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method):
-    model = load(smollm2, variant="int4")
+def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method, variant):
+    model = load(smollm2, variant=variant)
+    assert model.tree_period is not None                    # trees really verified as trees
     for i, text in enumerate(spec_prompts):
         msgs = [{"role": "user", "content": text}]
         for temp in ((0.0, 0.7) if i < 2 else (0.0,)):      # greedy on all three, sampling on two
@@ -85,7 +93,7 @@ def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method):
 
 
 def test_pld_speeds_up_summarization(smollm2, spec_prompts):
-    model = load(smollm2, variant="int4")
+    model = load(smollm2, variant="int4-static")
     msgs = [{"role": "user", "content": spec_prompts[0]}]
     base = model.generate(msgs, max_new_tokens=64)
     r = model.generate(msgs, method="pld", max_new_tokens=64)
