@@ -157,8 +157,9 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
             check_peer(final)
             return final
         root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f".staging-{name}-*"):   # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         staging = root / f".staging-{name}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
             with step(f"build the genai peer ({src.get('id')}, onnxruntime-genai {version}, int4 cpu)") as t:
@@ -291,60 +292,126 @@ class GenaiPeer:
         return PeerResult(tokens, len(ids), t1 - t0, last - t0, steps, reason)
 
 
-def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequence[int], threads: int) -> dict:
-    """Time genai's own graph under plain onnxruntime at the shapes genai's generator ran it.
+class GenaiReplay:
+    """genai's own graph under plain onnxruntime, run at the shapes genai's generator runs it.
 
-    The prompt, then each generated token but the last, through one session with genai's
-    shared past/present buffer (``past_present_share_buffer``: the same OrtValue bound to
-    ``past_key_values.i.*`` and ``present.i.*``, sized max_length). Only the decode runs are
-    timed; what genai's step costs beyond that is its host overhead. Returns forward seconds (in
-    all and per step), step count and how many replayed argmaxes equal genai's tokens (a check
-    that the shapes are right).
+    One session (same thread count as the peer) with genai's shared past/present buffer
+    (``past_present_share_buffer``: the same OrtValue bound to ``past_key_values.i.*`` and
+    ``present.i.*``, sized max_length), a preallocated ``[1, 1, vocab]`` logits output for decode
+    steps, as genai keeps one. What genai's step costs beyond :meth:`step` is its host overhead.
     """
-    import numpy as np
-    import onnxruntime as ort
 
-    cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
-    dec = cfg["decoder"]
-    names_in, names_out = dec["inputs"], dec["outputs"]
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = int(threads)
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(Path(folder) / dec["filename"]), so, providers=["CPUExecutionProvider"])
-    kv_type = {a.name: a.type for a in sess.get_inputs()}
-    np_dtype = np.float16 if kv_type.get(names_in["past_key_names"] % 0) == "tensor(float16)" else np.float32
-    max_len = len(prompt_ids) + len(tokens)
-    shape = (1, dec["num_key_value_heads"], max_len, dec["head_size"])
-    bind = sess.io_binding()
-    bind.bind_output(names_out["logits"])   # bound first: output 0 (rebinding keeps the slot)
-    for i in range(dec["num_hidden_layers"]):
-        for past, present in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
-            buf = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np_dtype))
-            bind.bind_ortvalue_input(names_in[past] % i, buf)
-            bind.bind_ortvalue_output(names_out[present] % i, buf)
-    out_type = {a.name: a.type for a in sess.get_outputs()}.get(names_out["logits"])
-    step_logits = ort.OrtValue.ortvalue_from_numpy(
-        np.zeros((1, 1, cfg["vocab_size"]), np.float16 if out_type == "tensor(float16)" else np.float32))
+    def __init__(self, folder: Path, threads: int):
+        import onnxruntime as ort
 
-    def run(new: Sequence[int], total: int) -> tuple[float, int]:
-        if len(new) == 1:   # decode: a preallocated [1, 1, vocab] output, as genai's own loop keeps one
-            bind.bind_ortvalue_output(names_out["logits"], step_logits)
+        cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
+        self.dec = cfg["decoder"]
+        self.vocab = int(cfg["vocab_size"])
+        self.names_in, self.names_out = self.dec["inputs"], self.dec["outputs"]
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.ort = ort
+        self.sess = ort.InferenceSession(str(Path(folder) / self.dec["filename"]), so,
+                                         providers=["CPUExecutionProvider"])
+        types = {a.name: a.type for a in [*self.sess.get_inputs(), *self.sess.get_outputs()]}
+        self.kv_dtype = "float16" if types.get(self.names_in["past_key_names"] % 0) == "tensor(float16)" else "float32"
+        self.logits_dtype = "float16" if types.get(self.names_out["logits"]) == "tensor(float16)" else "float32"
+        self.bind = None
+
+    def prefill(self, prompt_ids: Sequence[int], max_len: int) -> int:
+        """Fresh zeroed KV buffers of ``max_len`` positions, then the prompt; the argmax of its last row."""
+        import numpy as np
+
+        ort, names_in, names_out = self.ort, self.names_in, self.names_out
+        shape = (1, self.dec["num_key_value_heads"], max_len, self.dec["head_size"])
+        bind = self.sess.io_binding()
+        bind.bind_output(names_out["logits"])   # bound first: output 0 (rebinding keeps the slot)
+        for i in range(self.dec["num_hidden_layers"]):
+            for past, present in (("past_key_names", "present_key_names"),
+                                  ("past_value_names", "present_value_names")):
+                buf = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype))
+                bind.bind_ortvalue_input(names_in[past] % i, buf)
+                bind.bind_ortvalue_output(names_out[present] % i, buf)
+        self.bind = bind
+        self.step_logits = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, self.vocab), self.logits_dtype))
+        self.length = 0
+        return self._run(list(prompt_ids))[1]
+
+    def step(self, token: int) -> tuple[float, int]:
+        """One decode forward of ``token``: (seconds inside the run, argmax)."""
+        return self._run([int(token)])
+
+    def _run(self, new: list[int]) -> tuple[float, int]:
+        import numpy as np
+
+        bind, names_in, names_out = self.bind, self.names_in, self.names_out
+        if len(new) == 1:
+            bind.bind_ortvalue_output(names_out["logits"], self.step_logits)
         else:
             bind.bind_output(names_out["logits"])
+        self.length += len(new)
         bind.bind_cpu_input(names_in["input_ids"], np.asarray([new], np.int64))
-        bind.bind_cpu_input(names_in["attention_mask"], np.ones((1, total), np.int64))
+        bind.bind_cpu_input(names_in["attention_mask"], np.ones((1, self.length), np.int64))
         t = time.perf_counter()
-        sess.run_with_iobinding(bind)
+        self.sess.run_with_iobinding(bind)
         dt = time.perf_counter() - t
         return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
 
-    _, top = run(list(prompt_ids), len(prompt_ids))
-    agree = int(top == tokens[0]) if tokens else 0
+
+def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequence[int], threads: int,
+                         replay: GenaiReplay | None = None) -> dict:
+    """Replay a finished genai generation (its prompt, then each token but the last) under plain ORT.
+
+    Returns forward seconds (in all and per decode step), the step count and how many replayed
+    argmaxes equal genai's tokens (a check that the shapes are right).
+    """
+    replay = replay or GenaiReplay(folder, threads)
+    top = replay.prefill(prompt_ids, len(prompt_ids) + len(tokens))
+    agree = int(bool(tokens) and top == tokens[0])
     step_s = []
     for j, tok in enumerate(tokens[:-1]):
-        dt, top = run([tok], len(prompt_ids) + j + 1)
+        dt, top = replay.step(tok)
         step_s.append(dt)
         agree += int(top == tokens[j + 1])
     return {"forward_s": sum(step_s), "step_s": step_s, "steps": len(step_s), "argmax_agree": agree,
             "tokens": len(tokens)}
+
+
+def genai_host_estimate(peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequence[int], max_new_tokens: int) -> dict:
+    """genai's per-step host overhead: its generator and the plain-ORT replay stepped alternately.
+
+    Each genai decode step (one ``generate_next_token``) is followed at once by the replay's run of
+    the same token at the same shape, so a load change on a shared machine hits both halves of a
+    pair alike; host = median over steps of (genai step - replay run). This is a separate
+    generation from the one whose tok/s is reported (that one runs alone).
+    """
+    og = peer.og
+    ids = [int(t) for t in prompt_ids]
+    total = len(ids) + max_new_tokens
+    params = og.GeneratorParams(peer.model)
+    params.set_search_options(max_length=total, min_length=total, do_sample=False)
+    gen = og.Generator(peer.model, params)
+    gen.append_tokens(ids)
+    gen.generate_next_token()
+    tok = int(gen.get_next_tokens()[0])
+    agree = int(replay.prefill(ids, total) == tok)
+    pairs: list[tuple[float, float]] = []
+    while not gen.is_done() and len(pairs) < max_new_tokens - 1:
+        t = time.perf_counter()
+        gen.generate_next_token()
+        nxt = int(gen.get_next_tokens()[0])
+        g = time.perf_counter() - t
+        f, top = replay.step(tok)
+        agree += int(top == nxt)
+        pairs.append((g, f))
+        tok = nxt
+    del gen
+    diffs = sorted(g - f for g, f in pairs)
+    med = diffs[len(diffs) // 2] if len(diffs) % 2 else (diffs[len(diffs) // 2 - 1] + diffs[len(diffs) // 2]) / 2
+    return {"host_ms_per_step": 1e3 * med if pairs else None,
+            "host_ms_mean": 1e3 * sum(diffs) / len(diffs) if pairs else None,
+            "forward_ms_per_step": 1e3 * sum(f for _, f in pairs) / len(pairs) if pairs else None,
+            "genai_step_ms": 1e3 * sum(g for g, _ in pairs) / len(pairs) if pairs else None,
+            "steps": len(pairs), "argmax_agree": agree, "tokens": len(pairs) + 1}

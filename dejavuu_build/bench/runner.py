@@ -211,6 +211,7 @@ class RecordStore:
             if not cfg_path.is_file():
                 raise BenchError(f"{out} holds no bench run to resume ({CONFIG_FILE} missing)")
             old = json.loads(cfg_path.read_text())
+            old.setdefault("compare", [])   # runs from before --compare existed
             new = cfg.to_json()
             diff = [k for k in cfg.RESUME_KEYS if old.get(k) != new.get(k)]
             if diff:

@@ -11,13 +11,14 @@ Per-step host overhead is decode time not spent inside onnxruntime's run:
 
 * ours: ``GenerationStats.host_ms_per_step`` = (decode_s - forward_s) / steps, measured inside
   the same generation;
-* genai: its API exposes no forward time, so its graph is replayed under plain onnxruntime at
-  the very shapes its generator ran (:func:`.genai.genai_forward_replay`: same tokens, its shared
-  past/present buffer, same thread count) right after it. Host overhead is the median over steps
-  of (genai's step time - the replay's run time for that same step): an estimate from two runs,
-  robust to a noisy neighbour hitting one of them, yet it can come out slightly negative. The
-  mean form, (genai's decode time - the replay's run time) / steps, is recorded too
-  (``host_ms_mean``), and the replay's argmax agreement with genai's tokens as a check.
+* genai: its API exposes no forward time, so after its timed generation a second one runs with
+  its graph replayed under plain onnxruntime step by step beside it (:func:`.genai.genai_host_estimate`:
+  same tokens, same shapes, its shared past/present buffer, same thread count); each genai step
+  is paired with the replay's run of the same token right after it, and host overhead is the
+  median over steps of (genai step - replay run). Pairing adjacent steps keeps a shared machine's
+  load changes out of the difference; it is still an estimate from two runs and can come out
+  slightly negative. The mean of the differences is recorded too (``host_ms_mean``), and the
+  replay's argmax agreement with genai's tokens as a check that the shapes are right.
 """
 
 from __future__ import annotations
@@ -115,12 +116,12 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
             rs = [r for r in records if r["context"] == c and r["system"] == system]
             if not rs:
                 continue
-            fwd = [r["forward_s"] / r["steps"] for r in rs if r.get("forward_s") is not None and r["steps"]]
+            fwd = [r["forward_ms_per_step"] for r in rs if r.get("forward_ms_per_step") is not None]
             step = [r["decode_s"] / r["steps"] for r in rs if r["steps"]]
             host = [r["host_ms_per_step"] for r in rs if r.get("host_ms_per_step") is not None]
             row = SweepRow(context=c, system=system, runs=len(rs), prompt_tokens=rs[0]["prompt_tokens"],
                            tokens=rs[0]["tokens"], decode_tok_s=_med([r["decode_tok_s"] for r in rs]),
-                           step_ms=1e3 * _med(step), forward_ms_per_step=1e3 * _med(fwd) if fwd else None,
+                           step_ms=1e3 * _med(step), forward_ms_per_step=_med(fwd) if fwd else None,
                            host_ms_per_step=_med(host) if host else None,
                            prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]), x_genai=None,
                            match_pct=_med([r["match_pct"] for r in rs]) if system != OURS else None,
@@ -139,15 +140,12 @@ def _ours_record(context: int, rep: int, res) -> dict:
     s = res.stats
     return {"context": context, "system": OURS, "repeat": rep, "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
             "steps": s.steps, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "forward_s": s.forward_s,
-            "decode_tok_s": s.decode_tok_s, "host_ms_per_step": s.host_ms_per_step if s.steps else None,
+            "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None, "decode_tok_s": s.decode_tok_s, "host_ms_per_step": s.host_ms_per_step if s.steps else None,
             "ids": list(res.tokens)}
 
 
-def _genai_record(context: int, rep: int, res, replay: dict | None, ours: Sequence[int], note: str) -> dict:
-    host = host_mean = None
-    if replay is not None and res.steps:
-        host_mean = 1e3 * (res.decode_s - replay["forward_s"]) / res.steps
-        host = 1e3 * statistics.median(g - f for g, f in zip(res.step_s, replay["step_s"]))
+def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[int], note: str) -> dict:
+    est = est or {}
     same = 0
     for a, b in zip(res.tokens, ours):
         if a != b:
@@ -155,13 +153,16 @@ def _genai_record(context: int, rep: int, res, replay: dict | None, ours: Sequen
         same += 1
     return {"context": context, "system": "genai", "repeat": rep, "prompt_tokens": res.prompt_tokens,
             "tokens": len(res.tokens), "steps": res.steps, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
-            "forward_s": replay["forward_s"] if replay else None, "decode_tok_s": res.decode_tok_s,
-            "host_ms_per_step": host, "host_ms_mean": host_mean, "replay_argmax_agree": replay["argmax_agree"] if replay else None,
+            "forward_ms_per_step": est.get("forward_ms_per_step"), "decode_tok_s": res.decode_tok_s,
+            "host_ms_per_step": est.get("host_ms_per_step"), "host_ms_mean": est.get("host_ms_mean"),
+            "estimate_step_ms": est.get("genai_step_ms"), "replay_argmax_agree": est.get("argmax_agree"),
+            "replay_tokens": est.get("tokens"),
             "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1), "note": note, "ids": list(res.tokens)}
 
 
-HOST_NOTE = ("genai host ms/step = median over steps of (its step time - a plain-onnxruntime replay of its own graph "
-             "at the same shapes, shared KV buffer, same threads): an estimate from two runs")
+HOST_NOTE = ("genai forward/host ms: a second genai generation with its own graph replayed under plain onnxruntime "
+             "after each step (same token, same shapes, shared KV buffer, same threads); host = median over steps of "
+             "(genai step - replay run): an estimate")
 
 
 def run_sweep(cfg: BenchConfig, out) -> SweepReport:
@@ -190,6 +191,14 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
 
         peers = load_peers(model, cfg)
     genai = peers[0] if peers else None
+    replay = None
+    if genai is not None:
+        from .genai import GenaiReplay
+
+        try:
+            replay = GenaiReplay(genai.folder, cfg.threads)
+        except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
+            logger.warning("genai host overhead n/a: onnxruntime cannot load its graph alone (%s)", str(e)[:200])
     contexts = []
     for c in dict.fromkeys(cfg.contexts):
         limits = [(model.contract.max_positions, "the model's positions")]
@@ -225,15 +234,18 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                 recs = [_ours_record(c, rep, res)]
                 if genai is not None:
                     g = genai.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
-                    replay, note = None, HOST_NOTE
-                    try:
-                        from .genai import genai_forward_replay
+                    est, note = None, HOST_NOTE
+                    if replay is None:
+                        note = "genai host overhead n/a: onnxruntime could not load genai's graph alone"
+                    else:
+                        try:
+                            from .genai import genai_host_estimate
 
-                        replay = genai_forward_replay(genai.folder, prompts[c], g.tokens, cfg.threads)
-                    except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
-                        note = f"genai host overhead n/a: its graph did not replay under plain onnxruntime ({e})"[:300]
-                        logger.warning(note)
-                    recs.append(_genai_record(c, rep, g, replay, res.tokens, note))
+                            est = genai_host_estimate(genai, replay, prompts[c], cfg.max_new_tokens)
+                        except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
+                            note = f"genai host overhead n/a: its graph did not replay under plain onnxruntime ({e})"
+                            logger.warning(note[:300])
+                    recs.append(_genai_record(c, rep, g, est, res.tokens, note[:300]))
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
                 fh.flush()
                 records += recs
