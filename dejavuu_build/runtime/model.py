@@ -21,7 +21,7 @@ from .drafters.base import DraftBudget, Drafter
 from .engine import Decoder, Engine, GenerationStats
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
-from .tokenizer import TextTokenizer
+from .tokenizer import IncrementalDecoder, TextTokenizer
 
 DEFAULT_THREADS = 2        # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
 
@@ -217,23 +217,28 @@ class Model:
         return self.calibration.period if self.tree_capable else None
 
     def stream(self, prompt, **kw) -> Iterator[str]:
-        """Yield text pieces as tokens are committed (a chunk per verify step)."""
+        """Yield text pieces as tokens are committed (a chunk per verify step); the pieces join to
+        ``generate(...).text``. Text is decoded incrementally (a short window per step), and with stop
+        strings the last few characters are held back until they cannot begin one."""
+        if self.tokenizer is None:
+            raise GenerationError("this model has no tokenizer: use generate() with token ids")
+        stop = kw.get("stop") or ()
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        hold = max((len(s_) for s_ in stop if isinstance(s_, str)), default=1) - 1
         q: queue.Queue = queue.Queue()
         done = object()
         err: list[BaseException] = []
-        toks: list[int] = []
-        sent = [0]
+        dec = IncrementalDecoder(self.tokenizer)
 
         def on_tokens(new):
-            toks.extend(new)
-            text = self.tokenizer.decode(toks)
-            if not text.endswith("\ufffd") and len(text) > sent[0]:
-                q.put(text[sent[0]:])
-                sent[0] = len(text)
+            if piece := dec.push(new):
+                q.put(piece)
 
         def run():
             try:
                 self.generate(prompt, on_tokens=on_tokens, **kw)
+                if piece := dec.flush():
+                    q.put(piece)
             except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
                 err.append(e)
             finally:
@@ -241,21 +246,43 @@ class Model:
 
         th = threading.Thread(target=run, daemon=True)
         th.start()
+        pending, stopped = "", False
         while (item := q.get()) is not done:
-            yield item
+            if stopped:
+                continue
+            pending += item
+            cut = min((i for i in (pending.find(s_) for s_ in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                pending, stopped = pending[:cut], True
+            ready = len(pending) if stopped else len(pending) - hold
+            if ready > 0:
+                yield pending[:ready]
+                pending = pending[ready:]
         th.join()
         if err:
             raise err[0]
+        if pending:
+            yield pending
 
     def _stop_fn(self, stop: Sequence[str]):
+        """``should_stop(ids)``: the length of the first prefix of ``ids`` whose text holds a stop
+        string, else None. The engine calls it with the generated ids after every step, each call
+        extending the last: it decodes the new ids only (IncrementalDecoder) and searches the new text
+        plus the last few characters before it."""
+        dec = IncrementalDecoder(self.tokenizer)
+        keep = max(len(s_) for s_ in stop) - 1
+        state = {"seen": 0, "tail": ""}
+
         def should_stop(new: list[int]) -> int | None:
-            text = self.tokenizer.decode(new)
-            if not any(s in text for s in stop):
-                return None
-            for i in range(1, len(new) + 1):   # the first prefix whose text holds a stop string
-                if any(s in self.tokenizer.decode(new[:i]) for s in stop):
-                    return i
-            return len(new)
+            for i in range(state["seen"], len(new)):
+                piece = dec.push([new[i]])
+                if piece:
+                    window = state["tail"] + piece
+                    if any(s_ in window for s_ in stop):
+                        return i + 1
+                    state["tail"] = window[len(window) - keep:] if keep else ""
+            state["seen"] = len(new)
+            return None
         return should_stop
 
     def _drafter(self, method, datastore, params, sampler: Sampler) -> Drafter:

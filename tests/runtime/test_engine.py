@@ -158,3 +158,44 @@ def test_a_prompt_that_is_not_utf8_is_refused(tiny):
         tiny.generate("abc \udcff def", max_new_tokens=4)
     with pytest.raises(GenerationError, match="UTF-8"):
         tiny.generate([{"role": "user", "content": "\udcff"}], max_new_tokens=4)
+
+
+# ---------------------------------------------------------------- item 14: streaming and stop strings decode incrementally
+class _CountingDecode:
+    def __init__(self, real):
+        self.real, self.ids = real, 0
+
+    def __getattr__(self, k):
+        return getattr(self.real, k)
+
+    def decode(self, ids, **kw):
+        self.ids += len(ids)
+        return self.real.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("how", ["stream", "stop"])
+def test_decoding_cost_is_linear_in_the_tokens(tiny, how):
+    counter = _CountingDecode(tiny.tokenizer.tok)
+    tiny.tokenizer.tok = counter
+    try:
+        n = 300
+        if how == "stream":
+            text = "".join(tiny.stream("abc", max_new_tokens=n))
+        else:
+            text = tiny.generate("abc", max_new_tokens=n, stop=["\x00never"]).text
+    finally:
+        tiny.tokenizer.tok = counter.real
+    assert text
+    assert counter.ids <= 12 * n, f"{how}: decoded {counter.ids} token ids for {n} tokens"
+
+
+def test_stream_with_stop_strings_equals_generate(tiny):
+    kw = dict(max_new_tokens=40, method="pld", temperature=1.0, seed=3)   # seeded sampling: varied text
+    text = tiny.generate(PROMPTS[1], **kw).text
+    # a stop string whose first occurrence is past the start, so a non-empty prefix streams
+    stop = next((text[k:k + 3] for k in range(3, len(text) - 3) if text.index(text[k:k + 3]) == k), None)
+    assert stop is not None, text
+    r = tiny.generate(PROMPTS[1], stop=[stop, "\x00never"], **kw)
+    pieces = list(tiny.stream(PROMPTS[1], stop=[stop, "\x00never"], **kw))
+    assert r.stop_reason == "stop_string" and stop not in r.text
+    assert "".join(pieces) == r.text == text[:text.index(stop)] != ""
