@@ -76,15 +76,25 @@ def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     assert len(ref.chain_ids) > 8 + 16
     res = gate_parity(_runner(folder), ref)
     assert res["passed"], res
-    # The same inputs with the window removed from the reference's view (full attention everywhere)
-    # give different logits: the gate is sensitive to the window.
+    # The gate is sensitive to the window: the same model with the window removed (full attention
+    # everywhere) gives logits far from the reference, while the exported graph matches it.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dejavuu_build.runtime.session import empty_past
+    from dejavuu_build.schema import read_manifest
+
+    full = AutoModelForCausalLM.from_pretrained(read_manifest(folder).source["path"], dtype=torch.float32,
+                                                sliding_window=1 << 16).eval()
+    with torch.no_grad():
+        no_window = full(torch.tensor(np.asarray(ref.chain_ids)[None])).logits[0].numpy()
     r = _runner(folder)
     n = len(ref.chain_ids)
     pos, bias = causal_inputs(n, 0)
-    from dejavuu_build.runtime.session import empty_past
-
     lg, _, _ = r.forward(ref.chain_ids, pos, bias, empty_past(r.c))
-    assert np.abs(lg - ref.chain_logits).max() < 1e-3
+    assert np.abs(lg - ref.chain_logits).max() < 1e-3               # the graph keeps the window
+    assert np.abs(no_window - ref.chain_logits).max() > 1e-2        # dropping it would fail the gate
+    assert np.abs(lg - no_window).max() > 1e-2
     assert read_contract(folder).sliding_window == [8, None, 8, None]
 
 

@@ -56,6 +56,7 @@ def test_quantized_matmul_equals_its_dequantized_weights(tmp_path):
     k, n = 64, 48
     w = rng.standard_normal((k, n)).astype(np.float32)
     emb_w = rng.standard_normal((10, k)).astype(np.float32)
+    head_w = rng.standard_normal((n, 7)).astype(np.float32)
     g = helper.make_graph(
         [helper.make_node("Gather", ["E", "input_ids"], ["e"], name="/model/embed_tokens/Gather"),
          helper.make_node("MatMul", ["e", "W"], ["h"], name="/model/layers.0/mlp/MatMul"),
@@ -63,7 +64,7 @@ def test_quantized_matmul_equals_its_dequantized_weights(tmp_path):
         "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(emb_w, "E"), numpy_helper.from_array(w, "W"),
-         numpy_helper.from_array(rng.standard_normal((n, 7)).astype(np.float32), "H")])
+         numpy_helper.from_array(head_w, "H")])
     src = tmp_path / "m.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), str(src))
     for bits in (4, 8):
@@ -74,16 +75,18 @@ def test_quantized_matmul_equals_its_dequantized_weights(tmp_path):
         deq_w = ((q.astype(np.float32) - 2 ** (bits - 1)) * s[..., None]).reshape(n, k).T
         qe, se = _quantize_rows(emb_w, 8, 32)
         deq_e = ((qe.astype(np.float32) - 128) * se[..., None]).reshape(emb_w.shape)
-        qh, sh = _quantize_rows(rng.standard_normal((7, n)).astype(np.float32), 8, 16)  # shape check only
-        sess = ort.InferenceSession(str(tmp_path / f"q{bits}.onnx"))
+        qh, sh = _quantize_rows(head_w.T, 8, 16)                 # the lm-head: 8 bits, block 16
+        deq_h = ((qh.astype(np.float32) - 128) * sh[..., None]).reshape(7, n).T
         ids = np.array([[1, 4, 9]])
         h_ref = deq_e[ids[0]] @ deq_w
         # Compare the body output through an extra output: run a graph cut at "h".
         mq = onnx.load(str(tmp_path / f"q{bits}.onnx"))
         mq.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, None))
         sess = ort.InferenceSession(mq.SerializeToString())
-        _, h = sess.run(None, {"input_ids": ids})
+        logits, h = sess.run(None, {"input_ids": ids})
         np.testing.assert_allclose(h[0], h_ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[0], h[0] @ deq_h, rtol=1e-4, atol=1e-4)
+        assert np.abs(deq_h - head_w).max() <= np.abs(head_w).max() / 127
         assert np.abs(deq_w - w).max() <= np.abs(w).max() / (2 ** (bits - 1) - 1)
 
 

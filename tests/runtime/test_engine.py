@@ -71,15 +71,9 @@ def test_tree_best_path_not_first_child(tiny):
     assert max(r.stats.accept_hist) == 3 and r.stats.steps <= 8
 
 
-def test_kv_cache_stays_the_committed_length(tiny):
-    seen = []
-    orig = Engine._accept
-
-    def spy(*a, **k):
-        out = orig(*a, **k)
-        return out
-
-    eng = Engine(tiny.decoder, tree_capable=True)
+def test_kv_cache_stays_the_committed_length(tiny, monkeypatch):
+    """After every step the cache holds exactly the committed sequence but its last token (the
+    one the next forward feeds), and its arrays are exactly that long: chains and trees."""
     from dejavuu_build.runtime.drafters import make_drafter
     from dejavuu_build.runtime.kv import KVCache
     from dejavuu_build.runtime.sampling import Sampler
@@ -91,25 +85,37 @@ def test_kv_cache_stays_the_committed_length(tiny):
         real_commit(self, present, n_new, keep)
         commits.append((self.length, [a.shape[2] for a in self.arrays.values()][0]))
 
-    KVCache.commit = commit
-    try:
-        ids = tiny.encode(PROMPTS[2])
-        new, st, _ = eng.generate(ids, drafter=make_drafter("pld"), sampler=Sampler(), max_new_tokens=30, tree=True,
-                                  eos_ids=[])
-    finally:
-        KVCache.commit = real_commit
-    assert all(length == shape for length, shape in commits)
-    assert commits[-1][0] == len(ids) + len(new) - 1 or len(new) == 30
+    monkeypatch.setattr(KVCache, "commit", commit)
+    ids = tiny.encode(PROMPTS[2])
+    for tree in (False, True):
+        commits.clear()
+        eng = Engine(tiny.decoder, tree_capable=True, period=tiny.tree_period if tree else None,
+                     tile=tiny.calibration.tile if tree else None)
+        committed, checks = [0], []
+
+        def on_tokens(toks):
+            committed[0] += len(toks)
+            checks.append((commits[-1][0], len(ids) + committed[0] - 1))
+
+        new, st, _ = eng.generate(ids, drafter=make_drafter("pld"), sampler=Sampler(), max_new_tokens=30,
+                                  tree=tree, eos_ids=[], on_tokens=on_tokens)
+        assert st.accepted > 0 and len(checks) == st.steps + 1          # drafts were verified, every step seen
+        assert all(length == shape for length, shape in commits)
+        assert all(have == want for have, want in checks), checks
+        assert commits[-1][0] == len(ids) + len(new) - 1
 
 
 def test_stop_conditions(tiny):
     base = tiny.generate(PROMPTS[0], max_new_tokens=20)
     assert base.stop_reason == "max_new_tokens" and len(base.tokens) == 20
-    text = base.text
-    stop = text[3:6] if len(text) > 6 else None
-    if stop:
-        r = tiny.generate(PROMPTS[0], max_new_tokens=20, stop=[stop], method="pld")
-        assert r.stop_reason == "stop_string" and stop not in r.text and base.text.startswith(r.text)
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=3)     # seeded sampling: varied text
+    sampled = tiny.generate(PROMPTS[0], **kw)
+    text = sampled.text
+    stop = next((text[k:k + 3] for k in range(3, len(text) - 3) if text.index(text[k:k + 3]) == k), None)
+    assert stop is not None, text
+    r = tiny.generate(PROMPTS[0], stop=[stop], method="pld", **kw)
+    assert r.stop_reason == "stop_string" and r.text == text[:text.index(stop)] != ""
+    assert r.tokens == sampled.tokens[:len(r.tokens)] and len(r.tokens) < len(sampled.tokens)
     eos = base.tokens[5]
     tiny.eos_ids = [eos]
     try:

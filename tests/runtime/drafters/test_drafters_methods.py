@@ -202,13 +202,14 @@ def test_verify_cost_sizing_drafts_less_when_tokens_are_expensive():
     assert mean_drafted(1e-2) < mean_drafted(0.0)
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_propose_is_fast_on_a_long_context(name, markov_datastore):
-    text = np.random.default_rng(2).integers(0, 2000, 4000).tolist()
-    text[2000:2400] = text[500:900]
+def _propose_seconds(name: str, datastore: Datastore, n: int) -> list[float]:
+    """Propose times over 60 steps of generation after an ``n``-token context (drafts exist: the
+    context repeats a passage near its end)."""
+    text = np.random.default_rng(2).integers(0, 2000, n + 1000).tolist()
+    text[n - 1000:n - 600] = text[500:900]
     model = OracleModel(text)
-    d = make(name, markov_datastore)
-    ctx = text[:3000]
+    d = make(name, datastore)
+    ctx = text[:n]
     d.begin(ctx)
     times = []
     for budget in (DraftBudget(8, 8), DraftBudget(32, 8, 4, True)):
@@ -219,7 +220,24 @@ def test_propose_is_fast_on_a_long_context(name, markov_datastore):
             fb = verify(model, ctx, draft)
             ctx = ctx + fb.committed
             d.feedback(fb)
-    assert np.median(times) < 3e-3, f"{name}: median propose {np.median(times) * 1e3:.2f} ms"
+    return times
+
+
+# adapld's semantic fallback (history.HiddenHistory.nearest) scores every stored hidden state each
+# step: O(context), 0.04 ms at 3k tokens -> 12 ms at 30k on the dev machine. Strict: when it is made
+# sublinear this xfail fails, and the mark goes.
+_SCALES_WITH_CONTEXT = {"adapld"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
+    strict=True, reason="nearest() scans all hidden states per step")) if m in _SCALES_WITH_CONTEXT else m
+    for m in METHODS])
+def test_propose_is_fast_on_a_long_context(name, markov_datastore):
+    """Proposing costs the same on a 10x longer context (no per-step scan of the context): a
+    ratio of two medians measured back to back, so the machine's speed and load cancel out."""
+    short = float(np.median(_propose_seconds(name, markov_datastore, 3000)))
+    long = float(np.median(_propose_seconds(name, markov_datastore, 30000)))
+    assert long <= 3 * short + 1e-4, f"{name}: median propose {short * 1e3:.3f} ms at 3k, {long * 1e3:.3f} ms at 30k"
 
 
 def feed_with_hidden(d: Drafter, seq: list[int], states: dict[int, np.ndarray], dim: int = 16) -> None:
