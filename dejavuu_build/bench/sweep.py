@@ -12,13 +12,14 @@ Per-step host overhead is decode time not spent inside onnxruntime's run:
 * ours: ``GenerationStats.host_ms_per_step`` = (decode_s - forward_s) / steps, measured inside
   the same generation;
 * genai: its API exposes no forward time, so after its timed generation a second one runs with
-  its graph replayed under plain onnxruntime step by step beside it (:func:`.genai.genai_host_estimate`:
-  same tokens, same shapes, its shared past/present buffer, same thread count); each genai step
-  is paired with the replay's run of the same token right after it, and host overhead is the
-  median over steps of (genai step - replay run). Pairing adjacent steps keeps a shared machine's
-  load changes out of the difference; it is still an estimate from two runs and can come out
-  slightly negative. The mean of the differences is recorded too (``host_ms_mean``), and the
-  replay's argmax agreement with genai's tokens as a check that the shapes are right.
+  its graph replayed under plain onnxruntime beside it, alternating in 16-step blocks
+  (:func:`.genai.genai_host_estimate`: same tokens, same shapes, its shared past/present
+  buffer, same thread count); genai's step j is paired with the replay's run of step j, and host
+  overhead is the median over steps of (genai step - replay run). Blocks keep a shared machine's
+  load drift out of the pairs without the two sessions' thread pools interfering step by step; it
+  is still an estimate from two runs and can come out slightly negative. The mean of the
+  differences is recorded too (``host_ms_mean``), and the replay's argmax agreement with genai's
+  tokens as a check that the shapes are right.
 """
 
 from __future__ import annotations
@@ -160,9 +161,9 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
             "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1), "note": note, "ids": list(res.tokens)}
 
 
-HOST_NOTE = ("genai forward/host ms: a second genai generation with its own graph replayed under plain onnxruntime "
-             "after each step (same token, same shapes, shared KV buffer, same threads); host = median over steps of "
-             "(genai step - replay run): an estimate")
+HOST_NOTE = ("genai forward/host ms: a second genai generation alternating in 16-step blocks with a plain-onnxruntime "
+             "replay of its own graph (same tokens, same shapes, shared KV buffer, same threads); host = median over "
+             "steps of (genai step - replay run): an estimate")
 
 
 def run_sweep(cfg: BenchConfig, out) -> SweepReport:
