@@ -159,6 +159,11 @@ def build_lock(name: str) -> Iterator[None]:
             if stale.is_dir():
                 for p in stale.iterdir():
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            # ... and what older versions left as .staging/<name>-<pid>-<rand> or <name>-old-<rand>
+            legacy = re.compile(re.escape(name) + r"-(\d+|old)-[0-9a-f]{8}")
+            for p in stale.parent.iterdir() if stale.parent.is_dir() else ():
+                if p.is_dir() and legacy.fullmatch(p.name):
+                    shutil.rmtree(p, ignore_errors=True)
             yield
         finally:
             _unlock(fh)

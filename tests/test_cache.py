@@ -372,3 +372,15 @@ def test_cache_and_runtime_import_without_fcntl():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_legacy_staging_debris_of_this_name_only_is_cleaned(cache_dir):
+    st = cache_dir / ".staging"
+    mine = [st / "legacy-4242-deadbeef", st / "legacy-old-0badf00d"]
+    others = [st / "legacy-4242-4242-deadbeef", st / "legacy-old-4242-deadbeef", st / "legacy2-1-deadbeef"]
+    for d in mine + others:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "x").write_text("x")
+    with cache.build_lock("legacy"):
+        assert not any(d.exists() for d in mine)
+        assert all(d.exists() for d in others)      # builds of other names ("legacy-4242", "legacy-old", "legacy2")
