@@ -99,6 +99,8 @@ class BenchConfig:
         self.compare = tuple(dict.fromkeys(self.compare))
         if bad := [c for c in self.compare if c not in PEERS]:
             raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
+        if self.compare and self.temperature > 0.0:
+            raise BenchError("--compare times greedy decoding only: drop --temperature")
         self.contexts = tuple(int(c) for c in self.contexts)
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
@@ -416,8 +418,6 @@ def load_peers(model: Model, cfg: BenchConfig) -> list:
 
     if model.manifest is None:
         raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
-    if not cfg.greedy:
-        raise BenchError("--compare times greedy decoding only: drop --temperature")
     return [GenaiPeer(ensure_genai_model(model.manifest), cfg.threads, model.eos_ids)]
 
 

@@ -296,8 +296,11 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
             pts = [(r.context, getattr(r, key)) for r in rows if getattr(r, key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=color, label=label)
+    contexts = sorted({r.context for r in report.rows})
     for ax, (key, ylabel) in zip(axes, panels):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set_xlabel("context (prompt tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
