@@ -360,25 +360,6 @@ class GenaiReplay:
         return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
 
 
-def genai_forward_replay(folder: Path, prompt_ids: Sequence[int], tokens: Sequence[int], threads: int,
-                         replay: GenaiReplay | None = None) -> dict:
-    """Replay a finished genai generation (its prompt, then each token but the last) under plain ORT.
-
-    Returns forward seconds (in all and per decode step), the step count and how many replayed
-    argmaxes equal genai's tokens (a check that the shapes are right).
-    """
-    replay = replay or GenaiReplay(folder, threads)
-    top = replay.prefill(prompt_ids, len(prompt_ids) + len(tokens))
-    agree = int(bool(tokens) and top == tokens[0])
-    step_s = []
-    for j, tok in enumerate(tokens[:-1]):
-        dt, top = replay.step(tok)
-        step_s.append(dt)
-        agree += int(top == tokens[j + 1])
-    return {"forward_s": sum(step_s), "step_s": step_s, "steps": len(step_s), "argmax_agree": agree,
-            "tokens": len(tokens)}
-
-
 def genai_host_estimate(peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequence[int], max_new_tokens: int,
                         block: int = 16) -> dict:
     """genai's per-step host overhead: its generator and the plain-ORT replay, alternating in blocks.

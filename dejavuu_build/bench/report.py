@@ -90,7 +90,8 @@ def prompt_rates(recs: Sequence[dict]) -> dict[str, float]:
     per_prompt: dict[str, list[dict]] = defaultdict(list)
     for r in recs:
         per_prompt[r["qid"]].append(r)
-    return {q: sum(map(_decode_tokens, g)) / s for q, g in per_prompt.items() if (s := sum(r["decode_s"] for r in g)) > 0}
+    return {q: sum(map(_decode_tokens, g)) / s for q, g in per_prompt.items()
+            if (s := sum(r["decode_s"] for r in g)) > 0}
 
 
 def x_peer(recs: Sequence[dict], peer: Sequence[dict]) -> float | None:

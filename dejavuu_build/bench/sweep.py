@@ -141,7 +141,8 @@ def _ours_record(context: int, rep: int, res) -> dict:
     s = res.stats
     return {"context": context, "system": OURS, "repeat": rep, "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
             "steps": s.steps, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "forward_s": s.forward_s,
-            "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None, "decode_tok_s": s.decode_tok_s, "host_ms_per_step": s.host_ms_per_step if s.steps else None,
+            "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None, "decode_tok_s": s.decode_tok_s,
+            "host_ms_per_step": s.host_ms_per_step if s.steps else None,
             "ids": list(res.tokens)}
 
 

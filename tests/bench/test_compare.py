@@ -15,7 +15,8 @@ from dejavuu_build.bench import BenchConfig, BenchError
 from dejavuu_build.bench.report import aggregate, write_outputs
 from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
 
-TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.", "def add(a, b):\n    return a + b",
+TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.",
+         "def add(a, b):\n    return a + b",
          "A" * 300, "Short.", "Translate to German: the weather is nice today, isn't it?"]
 
 
