@@ -267,8 +267,13 @@ class Engine:
             t1 = time.perf_counter()
             draft = drafter.propose(tokens, b) if b.max_depth > 0 else Draft()
             st.draft_s += time.perf_counter() - t1
-            if validate_drafts or len(draft) > b.max_nodes:
+            try:   # always (microseconds): a malformed draft would verify wrong positions, not fail
+                draft.validate()                     # topology first: parents before children
+                draft = draft.within(b)
                 draft.validate(b)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise GenerationError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} proposed an "
+                                      f"invalid draft: {e}") from None
             step_tokens = [tokens[-1]] + draft.tokens
             parents = with_root(draft.parents)
             t2 = time.perf_counter()

@@ -68,3 +68,52 @@ def test_buffers_are_reused_and_stats_split_host_time(static):
     assert [id(b) for b, _ in static.decoder._free] == pool and r2.tokens == r1.tokens
     st = r2.stats
     assert 0 < st.forward_s <= st.verify_s <= st.total_s and st.host_ms_per_step >= 0
+
+
+class _BadDrafter:
+    """Drafts a fixed (possibly malformed) draft."""
+
+    name = "bad"
+    wants_topk = wants_hidden = False
+
+    def __init__(self, tokens, parents):
+        self.tokens, self.parents = tokens, parents
+
+    def begin(self, prompt_ids):
+        pass
+
+    def propose(self, context, budget):
+        from dejavuu_build.runtime.drafters.base import Draft
+
+        return Draft(list(self.tokens), list(self.parents))
+
+    def feedback(self, fb):
+        pass
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("tokens,parents,tree,match", [
+    ([5, 6, 7], [-1, 2, 0], True, "parents must precede"),         # a forward parent: wrong positions
+    ([5, 6, 7], [-1, -1, 0], False, "chain was asked"),            # a tree in chain mode
+    ([5, 5], [-1, -1], True, "repeats token"),                     # duplicate siblings
+])
+def test_malformed_drafts_are_refused_clearly(static, tokens, parents, tree, match):
+    """Drafts are validated on every step (not only on request), with one clear error."""
+    from dejavuu_build.errors import GenerationError
+    from dejavuu_build.runtime.drafters.base import Drafter
+
+    d = type("Bad", (_BadDrafter, Drafter), {})(tokens, parents)
+    with pytest.raises(GenerationError, match=match):
+        static.generate(PROMPTS[0], method=d, tree=tree, max_new_tokens=8)
+
+
+def test_over_budget_drafts_are_cut_not_verified_whole():
+    from dejavuu_build.runtime.drafters.base import Draft, DraftBudget
+
+    d = Draft([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, -1, 4], [np.full(3, i) for i in range(6)])
+    cut = d.within(DraftBudget(max_nodes=4, max_depth=2, width=2, tree=True))
+    assert cut.tokens == [1, 2, 5, 6] and cut.parents == [-1, 0, -1, 2]
+    assert [int(p[0]) for p in cut.probs] == [0, 1, 4, 5]
+    cut.validate(DraftBudget(max_nodes=4, max_depth=2, width=2, tree=True))

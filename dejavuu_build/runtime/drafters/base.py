@@ -65,6 +65,26 @@ class Draft:
             d.append(1 if p < 0 else d[p] + 1)
         return max(d, default=0)
 
+    def within(self, budget: DraftBudget) -> "Draft":
+        """The draft cut to the budget's depth and node count (nodes in order, a cut node's
+        subtree with it): drafters may overshoot near the end of a generation; cutting stays
+        lossless. Topology errors are left for validate()."""
+        if len(self.tokens) <= budget.max_nodes and self.depth() <= budget.max_depth:
+            return self
+        new: dict[int, int] = {}
+        depth: dict[int, int] = {}
+        keep: list[int] = []
+        for i, p in enumerate(self.parents):
+            if len(keep) >= budget.max_nodes or (p >= 0 and p not in new):
+                continue
+            d = 1 if p < 0 else depth[p] + 1
+            if d > budget.max_depth:
+                continue
+            depth[i], new[i] = d, len(keep)
+            keep.append(i)
+        return Draft([self.tokens[i] for i in keep], [-1 if self.parents[i] < 0 else new[self.parents[i]] for i in keep],
+                     [self.probs[i] for i in keep] if self.probs is not None else None)
+
     def validate(self, budget: DraftBudget | None = None) -> None:
         """Raise ValueError if the tree is malformed or exceeds ``budget``."""
         if len(self.tokens) != len(self.parents):
