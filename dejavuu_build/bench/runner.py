@@ -37,6 +37,13 @@ SPEC_BENCH_HINT = ("pass --data PATH to Spec-Bench's question.jsonl (https://git
 # Plain decoding on ORT's one-row kernel path: the fastest plain decoding, but its logits differ in
 # the last bits from multi-row forwards (see Decoder.forward), so it is timed, not gated.
 RAW_BASELINE = "baseline_n1"
+# "<method>+tree" runs that method with tree verification in the same run (chain vs tree on the
+# same prompts, interleaved), whatever --tree says for the plain names.
+TREE_SUFFIX = "+tree"
+
+
+def base_method(method: str) -> str:
+    return method[:-len(TREE_SUFFIX)] if method.endswith(TREE_SUFFIX) else method
 PEERS: tuple[str, ...] = (PEER,)   # --compare: other systems' plain decoding, timed on the same prompt ids
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"
@@ -104,7 +111,7 @@ class BenchConfig:
         self.contexts = tuple(int(c) for c in self.contexts)
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
-        bad = [m for m in self.methods if m not in METHODS and m != RAW_BASELINE]
+        bad = [m for m in self.methods if base_method(m) not in METHODS and m != RAW_BASELINE]
         if bad:
             raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from: {', '.join(METHODS)}, {RAW_BASELINE}")
         self.categories = tuple(dict.fromkeys(self.categories))
@@ -386,14 +393,15 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
     recs: list[dict] = []
     baseline: list[list[int]] = []
     for method in cfg.methods:
-        drafter = pool.get(method, p.category)
+        drafter = pool.get(base_method(method), p.category)
         raw = method == RAW_BASELINE
+        tree = cfg.tree or method.endswith(TREE_SUFFIX)
         messages: list[dict] = []
         for turn, text in enumerate(p.turns, 1):
             messages.append({"role": "user", "content": text})
             model.decoder.pad_single = not raw
             try:
-                res = model.generate(list(messages), method=drafter, tree=cfg.tree, width=cfg.width,
+                res = model.generate(list(messages), method=drafter, tree=tree, width=cfg.width,
                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
             finally:
                 model.decoder.pad_single = True

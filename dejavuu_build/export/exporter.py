@@ -103,17 +103,34 @@ def dynamo_export(module, args, out_path: Path, in_names, out_names, dynamic, wh
         raise ExportError(f"torch.onnx export of the {what} failed: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
     seconds = time.perf_counter() - t0
-    proto = onnx.load(str(tmp))
-    os.remove(tmp)
+    proto = onnx.load(str(tmp))          # external data (a model past 2 GB) is read in here
+    for leftover in tmp.parent.glob(tmp.name + "*"):   # the graph and the exporter's .data files
+        leftover.unlink()
     return proto, seconds
 
 
+EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf cannot serialise a message of 2 GB or more
+
+
+def tensor_bytes(proto) -> int:
+    """Bytes of the graph's initializers, without serialising it (ByteSize() itself fails past 2 GB)."""
+    import numpy as np
+
+    total = 0
+    for t in proto.graph.initializer:
+        total += len(t.raw_data) if t.raw_data else int(np.prod(t.dims, dtype=np.int64)) * 4
+    return total
+
+
 def save_model(proto, path: Path) -> None:
-    """Save one file, or a file plus ``<name>.data`` when over the 2 GB protobuf limit."""
+    """Save one file, or a file plus ``<name>.data`` when over the 2 GB protobuf limit. A stale
+    ``<name>.data`` of an earlier save is removed, so the folder holds exactly what is loaded."""
     import onnx
 
     path = Path(path)
-    if proto.ByteSize() > 1_800_000_000:
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    if tensor_bytes(proto) > EXTERNAL_DATA_BYTES:
         onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=path.name + ".data", size_threshold=1024)
     else:

@@ -56,6 +56,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         raise ExportError("no ONNX Attention node to rewrite into the static KV flavour")
     if fuse:
         _fuse_siblings(g)
+        _fuse_skip_norm(g)
 
     def new(op, ins, name, anchor, attrs=None, domain="", outs=1):
         nd = ir.node(op, ins, attributes=attrs or {}, domain=domain, num_outputs=outs, name=name)
@@ -161,7 +162,9 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
     out.metadata_props.add(key="dejavuu.kv_layout", value=KV_LAYOUT_STATIC)
     out.metadata_props.add(key="dejavuu.kv_capacity", value=str(capacity))
-    if out.ByteSize() < 1_800_000_000:
+    from .exporter import EXTERNAL_DATA_BYTES, tensor_bytes
+
+    if tensor_bytes(out) < EXTERNAL_DATA_BYTES:   # the checker serialises: only under 2 GB
         onnx.checker.check_model(out)
     logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes", len(attn_nodes), capacity,
                 len(out.graph.node))
@@ -287,6 +290,41 @@ def _fuse_siblings(g) -> None:
             o.shape, o.type = n.outputs[0].shape, n.outputs[0].type
             n.outputs[0].replace_all_uses_with(o)
         _drop(g, nodes)
+
+
+def _fuse_skip_norm(g) -> None:
+    """``RMSNormalization(Add(a, b))`` -> ``SkipSimplifiedLayerNormalization(a, b)``, whose extra
+    output is the residual sum the next layer adds to: one kernel and one pass over the row
+    instead of two (what onnxruntime-genai's graphs use; ORT's own fusion does not match the
+    ONNX-standard RMSNormalization)."""
+    import onnx_ir as ir
+
+    for nd in list(g):
+        if nd.op_type != "RMSNormalization" or nd.domain not in ("", "ai.onnx") or len(nd.inputs) < 2:
+            continue
+        add = nd.inputs[0].producer()
+        axis = nd.attributes["axis"].value if "axis" in nd.attributes else -1
+        if add is None or add.op_type != "Add" or axis != -1 or nd.inputs[1].const_value is None:
+            continue
+        a, b = add.inputs
+        if a is None or b is None or a.const_value is not None or b.const_value is not None \
+                or a.shape is None or b.shape is None or list(a.shape) != list(b.shape):
+            continue
+        eps = float(nd.attributes["epsilon"].value) if "epsilon" in nd.attributes else 1e-5
+        fused = ir.node("SkipSimplifiedLayerNormalization", [a, b, nd.inputs[1]], attributes={"epsilon": eps},
+                        domain=MS_DOMAIN, num_outputs=4, name=nd.name.rsplit("/", 1)[0] + "/SkipSimplifiedLayerNorm")
+        g.insert_before(add, fused)
+        y, _, _, total = fused.outputs
+        y.name, total.name = nd.outputs[0].name + "_skipnorm", add.outputs[0].name + "_skipsum"
+        y.shape = total.shape = add.outputs[0].shape
+        y.type = total.type = add.outputs[0].type
+        outs = set(g.outputs)
+        for old, new_v in ((nd.outputs[0], y), (add.outputs[0], total)):
+            name, was_output = old.name, old in outs
+            old.replace_all_uses_with(new_v, replace_graph_outputs=True)
+            if was_output:                       # keep graph output names (hidden_states)
+                old.name, new_v.name = name + "__unfused", name
+        _drop(g, [nd, add])
 
 
 _PROJ_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
