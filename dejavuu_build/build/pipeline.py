@@ -282,25 +282,29 @@ def _failed(rec: VariantRecord) -> str:
 
 def _pick_default(manifest: Manifest) -> str | None:
     """The fastest variant that passed its gates (mean forward cost of a padded single step and an
-    8-token verify, at past 256 and 1024), the smallest file among those within 10% of it (so
-    timing noise does not flip the choice); without timings, the smallest that passed."""
+    8-token verify, at past 256 and 1024); among those within 10% of it (timing noise must not
+    flip the choice) the smallest precision, static layout first; untimed, the smallest passing."""
     passing = {n: r for n, r in manifest.variants.items() if r.passed}
+    if not passing:
+        return None
     # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8), at the
     # pasts every passing variant was timed at (a small static buffer skips the long one).
     keys = [k for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
             if all(k in r.timings_ms for r in passing.values())]
-    costs = {}
-    for name, rec in passing.items():
-        t = rec.timings_ms
-        costs[name] = float(np.mean([t[k] for k in keys])) if t and keys \
-            else float(rec.bytes)   # untimed (--no-timing): the smallest passing file
-    if not costs:
-        return None
+    if not keys:                    # untimed (--no-timing): the smallest passing file
+        return min(passing, key=lambda n: (passing[n].bytes or 0, n))
+    costs = {n: float(np.mean([r.timings_ms[k] for k in keys])) for n, r in passing.items()}
     fastest = min(costs.values())
-    # within 10% of the fastest counts as a tie (timing noise): the smallest file of those wins
+    # the static layout first within a precision: it never copies the cache, which the concat
+    # graph does in every forward (a cost a timing at past <= 1024 barely shows)
     near = [n for n, c in costs.items() if c <= 1.10 * fastest]
-    best = min(near, key=lambda n: (passing[n].bytes or 0, n))
-    return best
+
+    def tie_key(n: str):
+        precision, layout = S.split_variant(n)
+        size = (manifest.variants.get(precision) or passing[n]).bytes or 0
+        return (size, layout != "static", n)
+
+    return min(near, key=tie_key)
 
 
 def _finish(folder: Path, manifest: Manifest) -> None:
