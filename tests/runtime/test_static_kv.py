@@ -117,3 +117,18 @@ def test_over_budget_drafts_are_cut_not_verified_whole():
     assert cut.tokens == [1, 2, 5, 6] and cut.parents == [-1, 0, -1, 2]
     assert [int(p[0]) for p in cut.probs] == [0, 1, 4, 5]
     cut.validate(DraftBudget(max_nodes=4, max_depth=2, width=2, tree=True))
+
+
+def test_gemma3_sliding_windows_on_the_static_cache_are_lossless_in_tree_mode(cache_dir):
+    """Tiny Gemma 3 slides over 8 positions: 40 new tokens after a 40-token prompt run far past
+    the window, in the static layout, with trees."""
+    from conftest import build_tiny
+
+    m = load(build_tiny("gemma3", cache_dir), variant="int4-static")
+    assert m.contract.kv_layout == "static" and any(m.contract.sliding_window)
+    prompt = PROMPTS[1]
+    base = m.generate(prompt, max_new_tokens=40)
+    for method in ("pld", "suffix_decoding", "lookahead"):
+        for tree in (False, True):
+            r = m.generate(prompt, method=method, tree=tree, max_new_tokens=40)
+            assert r.tokens == base.tokens, (method, tree)
