@@ -3,7 +3,7 @@
 from .base import Recipe, recipe_for, register, registered, supported_architectures
 
 # Importing a family module registers it.
-from . import llama, qwen, gemma3, smolvlm  # noqa: E402,F401
+from . import llama, qwen, gemma3, smolvlm, mistral, phi3, smollm3  # noqa: E402,F401
 
 _load_all = True
 

@@ -31,22 +31,94 @@ def supported_architectures() -> list[str]:
 
 
 def recipe_for(config: Any) -> "Recipe":
-    """The recipe for a transformers config, by architecture name then model_type; refuse unknowns."""
+    """The recipe for a transformers config, by architecture name then model_type; refuse unknowns,
+    and refuse a known family whose config changes attention in a way its recipe does not map."""
     archs = list(getattr(config, "architectures", None) or [])
     mtype = getattr(config, "model_type", None)
     recipes = registered()
     for a in archs:
         for r in recipes.values():
             if a in r.architectures:
-                return r()
+                return r().checked(config)
     for r in recipes.values():
         if mtype in r.model_types:
-            return r()
+            return r().checked(config)
     what = ", ".join(archs) or str(mtype)
     raise UnsupportedArchitecture(
         f"unsupported architecture {what}; supported recipes: "
         + "; ".join(f"{n} ({', '.join(r.architectures)})" for n, r in sorted(recipes.items()))
     )
+
+
+# --- what a config says about attention, read from the config alone ----------------------------
+# Static RoPE variants: a fixed frequency transform the exporter traces as constants (and the static
+# KV flavour re-evaluates from the graph), exact at every position. "dynamic" and "longrope" instead
+# switch their frequencies by the length of the whole sequence at run time.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def text_config_of(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
+
+def config_windows(config: Any) -> list[int | None]:
+    """Per-layer sliding window (None = full attention) the way transformers' attention layers apply
+    it, from the config itself (never from a recipe hook): ``sliding_window`` (unless
+    ``use_sliding_window`` is false), on every layer, or on the ``sliding_attention`` layers of
+    ``layer_types`` when the config has them."""
+    tc = text_config_of(config)
+    n = tc.num_hidden_layers
+    window = getattr(tc, "sliding_window", None)
+    if not window or getattr(tc, "use_sliding_window", True) is False:
+        return [None] * n
+    types = getattr(tc, "layer_types", None)
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def rope_type(config: Any) -> str:
+    rs = getattr(text_config_of(config), "rope_scaling", None)
+    if not isinstance(rs, dict):
+        return "default"
+    return str(rs.get("rope_type", rs.get("type")) or "default")
+
+
+def original_rope_length(config: Any) -> int | None:
+    """The pretraining context a scaled RoPE extends (``original_max_position_embeddings``), if any."""
+    tc = text_config_of(config)
+    rs = getattr(tc, "rope_scaling", None)
+    n = (rs or {}).get("original_max_position_embeddings") if isinstance(rs, dict) else None
+    n = n or getattr(tc, "original_max_position_embeddings", None)
+    return int(n) if n and rope_type(config) != "default" else None
+
+
+def attention_features(config: Any) -> dict[str, str]:
+    """Every config attribute that changes what attention computes: feature -> the attribute as
+    found. A recipe maps some of them (``Recipe.handles``); any other one is refused at build time."""
+    tc = text_config_of(config)
+    f: dict[str, str] = {}
+    ws = config_windows(config)
+    if any(ws):
+        f["sliding_window"] = f"sliding_window={max(w for w in ws if w)}"
+    for t in sorted(set(getattr(tc, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}):
+        f[f"layer_type:{t}"] = f"layer_types contains {t!r}"
+    if getattr(tc, "attention_chunk_size", None):
+        f["chunked_attention"] = f"attention_chunk_size={tc.attention_chunk_size}"
+    rt = rope_type(config)
+    if rt != "default":
+        f[f"rope:{rt}"] = f"rope_scaling.rope_type={rt!r}"
+    if getattr(tc, "attn_logit_softcapping", None):
+        f["attn_softcapping"] = f"attn_logit_softcapping={tc.attn_logit_softcapping}"
+    nope = getattr(tc, "no_rope_layers", None)
+    if nope and not all(nope):
+        f["nope_layers"] = f"no_rope_layers (RoPE off on {sum(1 for x in nope if not x)} of {len(nope)} layers)"
+    prf = getattr(tc, "partial_rotary_factor", None)
+    if prf is not None and float(prf) != 1.0:
+        f["partial_rotary"] = f"partial_rotary_factor={prf}"
+    if getattr(tc, "rope_local_base_freq", None):
+        f["local_rope_base"] = f"rope_local_base_freq={tc.rope_local_base_freq}"
+    return f
 
 
 class Recipe:
@@ -56,6 +128,43 @@ class Recipe:
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
+    # Attention features (see ``attention_features``) this recipe maps into the export; a config
+    # with any other one is refused by name. Plain causal attention with default RoPE needs none.
+    handles: ClassVar[frozenset[str]] = frozenset()
+    vlm: ClassVar[bool] = False
+
+    # --- contract ----------------------------------------------------------------------
+    def unmapped(self, config: Any) -> dict[str, str]:
+        return {k: v for k, v in attention_features(config).items() if k not in self.handles}
+
+    def checked(self, config: Any) -> "Recipe":
+        """Refuse, naming the attribute, a config that changes attention in a way this recipe does
+        not map (the build would pass its gates at short lengths and answer differently past them),
+        and a recipe whose window hook disagrees with the config."""
+        bad = self.unmapped(config)
+        if bad:
+            raise UnsupportedArchitecture(
+                f"{self.name} recipe: the config sets {'; '.join(bad.values())}, which changes attention and "
+                f"which this recipe does not map; refusing rather than exporting a model that answers "
+                f"differently (supported here: {', '.join(sorted(self.handles)) or 'plain causal attention'})")
+        mine, cfg = self.sliding_windows(config), config_windows(config)
+        if list(mine) != list(cfg):
+            raise UnsupportedArchitecture(f"{self.name} recipe: its sliding windows {mine} differ from the "
+                                          f"config's {cfg}; refusing")
+        if len({w for w in cfg if w}) > 1:
+            raise UnsupportedArchitecture(f"{self.name} recipe: several sliding-window lengths "
+                                          f"{sorted({w for w in cfg if w})} in one model are not supported")
+        return self
+
+    def supports(self) -> dict[str, str]:
+        """What ``dejavuu-build recipes`` and the README list for this family."""
+        ropes = sorted(h.split(":", 1)[1] for h in self.handles if h.startswith("rope:"))
+        return {"tree": "yes",
+                "sliding_window": "yes" if "sliding_window" in self.handles else "-",
+                "rope": ", ".join(["default"] + ropes),
+                "other": ", ".join(sorted(h for h in self.handles
+                                          if h != "sliding_window" and not h.startswith("rope:"))) or "-",
+                "vlm": "yes" if self.vlm else "-"}
 
     # --- model -------------------------------------------------------------------------
     def text_causal_lm(self, model: Any) -> Any:
@@ -66,14 +175,8 @@ class Recipe:
         return config
 
     def sliding_windows(self, config: Any) -> list[int | None]:
-        """Per-layer sliding window (None = full attention)."""
-        tc = self.text_config(config)
-        window = getattr(tc, "sliding_window", None)
-        types = getattr(tc, "layer_types", None)
-        n = tc.num_hidden_layers
-        if not window or not types:
-            return [None] * n
-        return [int(window) if t == "sliding_attention" else None for t in types]
+        """Per-layer sliding window (None = full attention), as the config declares it."""
+        return config_windows(self.text_config(config))
 
     def mask_argument(self, bias: Any, sliding: Any | None) -> Any:
         """What to pass as ``attention_mask`` so the family uses our masks unchanged."""
@@ -96,6 +199,11 @@ class Recipe:
     def tiny_config(self) -> Any:
         """A tiny random config of this family, for in-process tests."""
         raise NotImplementedError
+
+    def tiny_cases(self) -> dict[str, Any]:
+        """Tiny configs that together exercise every feature this recipe ``handles``: the base one
+        under "", plus one per extra feature (a RoPE variant, a window) the base one lacks."""
+        return {"": self.tiny_config()}
 
     def tiny_model(self, seed: int = 0) -> Any:
         import torch

@@ -8,7 +8,8 @@ class Gemma3Recipe(Recipe):
     name = "gemma3"
     architectures = ("Gemma3ForCausalLM",)
     model_types = ("gemma3_text", "gemma3")
-    description = "Gemma 3 text (sliding-window + global layers, scaled embeddings)"
+    description = "Gemma 3 text (sliding-window + global layers, local RoPE base, scaled embeddings)"
+    handles = frozenset({"sliding_window", "local_rope_base"})
 
     def text_config(self, config):
         return getattr(config, "text_config", None) or config

@@ -1,4 +1,4 @@
-"""Llama family: SmolLM2 and the SmolVLM2 text backbone."""
+"""Llama family: SmolLM2, Llama 3.x (its "llama3" RoPE scaling) and the SmolVLM2 text backbone."""
 
 from .base import Recipe, register
 
@@ -8,7 +8,9 @@ class LlamaRecipe(Recipe):
     name = "llama"
     architectures = ("LlamaForCausalLM",)
     model_types = ("llama",)
-    description = "Llama-style decoders (SmolLM2, the SmolVLM2 text backbone)"
+    description = "Llama-style decoders (SmolLM2, Llama 3.x with llama3 RoPE scaling, the SmolVLM2 text backbone)"
+    # llama3 scaling is a fixed transform of the RoPE frequencies: traced as constants, exact at any position.
+    handles = frozenset({"rope:llama3"})
 
     def tiny_config(self):
         from transformers import LlamaConfig
@@ -17,3 +19,11 @@ class LlamaRecipe(Recipe):
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                            tie_word_embeddings=True, rope_theta=10000.0, architectures=["LlamaForCausalLM"],
                            eos_token_id=2, bos_token_id=1)
+
+    def tiny_cases(self):
+        # Llama 3.2-like RoPE scaling over an original length of 32, so tests run past it.
+        l3 = self.tiny_config()
+        l3.rope_scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32}
+        l3.rope_theta = 500000.0
+        return {"": self.tiny_config(), "llama3": l3}
