@@ -64,7 +64,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if softcap is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by the fused export")
     _check_window(module, attention_mask, sliding_window)
-    if _MASKS.active and _MASKS.qk_scale != 1.0:
+    if _MASKS.active and _MASKS.qk_scale != 1.0 and getattr(module, "use_rope", True):   # not NoPE layers
         scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * _MASKS.qk_scale
     gqa = key.shape[1] != query.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
