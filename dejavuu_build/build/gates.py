@@ -77,8 +77,16 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
     prev = cfg._attn_implementation
     cfg._attn_implementation = "eager"
     try:
-        windows = [w for w in recipe.sliding_windows(model.config) if w]
-        min_chain = max(min_chain, (max(windows) + 24) if windows else 0)
+        # Cross every window the config itself declares (not the recipe's hook, which could miss
+        # one), and the original RoPE length of a RoPE that switches there by sequence length.
+        from ..recipes.base import STATIC_ROPE_TYPES, config_windows, original_rope_length, rope_type
+
+        spans = [w for w in config_windows(model.config) if w]
+        orig = original_rope_length(model.config)
+        limit = int(getattr(recipe.text_config(model.config), "max_position_embeddings", 0) or 0)
+        if orig and rope_type(model.config) not in STATIC_ROPE_TYPES and (not limit or orig + 24 <= limit):
+            spans.append(orig)
+        min_chain = max(min_chain, (max(spans) + 24) if spans else 0)
 
         def run(ids: np.ndarray):
             t = torch.tensor(ids, dtype=torch.long)[None]
