@@ -333,7 +333,7 @@ class DrafterPool:
 
         def make(store=None):
             try:
-                return make_drafter("baseline" if method == RAW_BASELINE else method, datastore=store)
+                return make_drafter("baseline" if method == RAW_BASELINE else base_method(method), datastore=store)
             except (TypeError, ValueError) as e:
                 raise BenchError(f"method {method}: {e}") from None
 
@@ -393,7 +393,9 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
     recs: list[dict] = []
     baseline: list[list[int]] = []
     for method in cfg.methods:
-        drafter = pool.get(base_method(method), p.category)
+        # "<m>+tree" gets a drafter of its own: drafters that learn from earlier outputs (suffix
+        # decoding's global tree) must not see the chain run's answer to this very prompt
+        drafter = pool.get(method, p.category)
         raw = method == RAW_BASELINE
         tree = cfg.tree or method.endswith(TREE_SUFFIX)
         messages: list[dict] = []
