@@ -192,11 +192,17 @@ def inspect(path):
 
 @main.command()
 def recipes():
-    """List the supported model families."""
+    """List the supported model families and what each supports (tree mode, sliding windows, RoPE
+    variants, VLM); any other attention-changing config attribute is refused at build time."""
     from ..recipes import registered
 
+    rows = [("family", "architectures", "tree", "sliding window", "RoPE", "other", "VLM")]
     for name, r in sorted(registered().items()):
-        click.echo(f"{name:8s} {', '.join(r.architectures):60s} {r.description}")
+        s = r().supports()
+        rows.append((name, ", ".join(r.architectures), s["tree"], s["sliding_window"], s["rope"], s["other"], s["vlm"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 @main.command()

@@ -57,6 +57,11 @@ def recipe_for(config: Any) -> "Recipe":
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
+FEATURE_LABELS = {"local_rope_base": "local-layer RoPE base", "nope_layers": "NoPE layers",
+                  "attn_softcapping": "attention softcapping", "partial_rotary": "partial RoPE",
+                  "chunked_attention": "chunked attention"}
+
+
 def text_config_of(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
@@ -162,7 +167,7 @@ class Recipe:
         return {"tree": "yes",
                 "sliding_window": "yes" if "sliding_window" in self.handles else "-",
                 "rope": ", ".join(["default"] + ropes),
-                "other": ", ".join(sorted(h for h in self.handles
+                "other": ", ".join(sorted(FEATURE_LABELS.get(h, h) for h in self.handles
                                           if h != "sliding_window" and not h.startswith("rope:"))) or "-",
                 "vlm": "yes" if self.vlm else "-"}
 

@@ -29,6 +29,11 @@ class Phi3Recipe(Recipe):
         capped.max_position_embeddings = original_rope_length(config) or config.max_position_embeddings
         return capped
 
+    def supports(self):
+        s = super().supports()
+        s["rope"] = s["rope"].replace("longrope", "longrope (context capped at its original length)")
+        return s
+
     def mask_argument(self, bias, sliding):
         return bias if sliding is None else sliding     # one mask for all layers, as in Mistral
 

@@ -87,3 +87,22 @@ def test_config_windows_follow_transformers_rules():
     from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
     assert all(SmolLM3Attention(s, i).sliding_window is None for i in range(4))
+
+
+def test_cli_recipes_and_readme_table_list_what_each_family_supports():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from dejavuu_build.build.cli import main
+
+    out = CliRunner().invoke(main, ["recipes"], catch_exceptions=False).output
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for name, cls in registered().items():
+        s = cls().supports()
+        row = f"| {name} | {', '.join(cls.architectures)} | {s['tree']} | {s['sliding_window']} | {s['rope']} | " \
+              f"{s['other']} | {s['vlm']} |"
+        assert row in readme, f"README model table out of date for {name}: {row}"
+        line = next(x for x in out.splitlines() if x.startswith(name + " "))
+        assert all(v in line for v in s.values()), (line, s)
+    assert "llama3" in out and "longrope" in out and "NoPE layers" in out
