@@ -81,9 +81,10 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
         # one), and the original RoPE length of a RoPE that switches there by sequence length.
         from ..recipes.base import STATIC_ROPE_TYPES, config_windows, original_rope_length, rope_type
 
-        spans = [w for w in config_windows(model.config) if w]
-        orig = original_rope_length(model.config)
         limit = int(getattr(recipe.text_config(model.config), "max_position_embeddings", 0) or 0)
+        # a window as long as the context never narrows anything (Phi-3.5: 262144 over 4096 positions)
+        spans = [w for w in config_windows(model.config) if w and (not limit or w < limit)]
+        orig = original_rope_length(model.config)
         if orig and rope_type(model.config) not in STATIC_ROPE_TYPES and (not limit or orig + 24 <= limit):
             spans.append(orig)
         min_chain = max(min_chain, (max(spans) + 24) if spans else 0)

@@ -176,3 +176,22 @@ def test_gate_chain_crosses_the_config_window_even_if_the_recipe_misses_it():
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     ref = compute_reference(model, Blind(), None, new_tokens=1, min_chain=0)
     assert ref.chain_split > 70
+
+
+def test_gate_chain_ignores_a_window_longer_than_the_context():
+    """Phi-3.5 declares sliding_window=262144 over a (capped) 4096-position context: the window
+    can never narrow anything, and the gate must not try to run a 262k-token reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dejavuu_build.build.gates import compute_reference
+    from dejavuu_build.recipes.phi3 import Phi3Recipe
+
+    cfg = Phi3Recipe().tiny_longrope_config()
+    cfg.sliding_window, cfg.num_hidden_layers = 262144, 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    r = Phi3Recipe()
+    r.text_causal_lm(model)
+    ref = compute_reference(model, r, None, new_tokens=1, min_chain=0)
+    assert len(ref.chain_ids) < original_rope_length(cfg)
