@@ -114,6 +114,9 @@ class DecoderWrapper(nn.Module):
         scales = {float(m.attention_scaling) for m in rots}
         if len(scales) != 1 or scales == {1.0}:
             return []
+        nope = getattr(self.lm.config, "no_rope_layers", None)
+        if nope and not all(nope) and not any(hasattr(m, "use_rope") for m in self.lm.modules()):
+            return []     # NoPE layers we could not tell apart: leave the scaling on cos/sin
         return rots
 
     def forward(self, primary, position_ids, attention_bias, *past):
