@@ -195,3 +195,40 @@ def test_gate_chain_ignores_a_window_longer_than_the_context():
     r.text_causal_lm(model)
     ref = compute_reference(model, r, None, new_tokens=1, min_chain=0)
     assert len(ref.chain_ids) < original_rope_length(cfg)
+
+
+def _without(feature: str, cfg) -> dict | None:
+    """from_pretrained overrides that turn one attention feature off (None: not separable)."""
+    tc = getattr(cfg, "text_config", None) or cfg
+    if feature == "sliding_window":
+        return {"sliding_window": 1 << 16}
+    if feature.startswith("rope:"):
+        return {"rope_scaling": None}
+    if feature == "nope_layers":
+        return {"no_rope_layers": [1] * tc.num_hidden_layers}
+    if feature == "local_rope_base":
+        return {"rope_local_base_freq": tc.rope_theta}
+    return None
+
+
+FEATURE_CASES = [(r, c, f) for r, c in CASES for f in attention_features(registered()[r]().tiny_cases()[c])]
+
+
+@pytest.mark.parametrize("recipe,case,feature", FEATURE_CASES, ids=[f"{r}-{c or 'base'}-{f}" for r, c, f in FEATURE_CASES])
+def test_each_feature_matters_at_the_parity_length(recipe, case, feature, cache_dir):
+    """The parity cases are sensitive to what they claim to test: transformers without the
+    feature (window, RoPE variant, NoPE, local RoPE base) is far from the reference the export
+    matched to 1e-4."""
+    import torch
+
+    folder = build_case(recipe, case, cache_dir)
+    kw = _without(feature, registered()[recipe]().tiny_cases()[case])
+    assert kw is not None, f"no way to switch {feature} off: add one to _without"
+    from transformers import AutoModelForCausalLM
+
+    src = S.read_manifest(folder).source["path"]
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw).eval()
+    ref = Reference.load(folder / REFERENCE_FILE)
+    with torch.no_grad():
+        lg = m(torch.tensor(np.asarray(ref.chain_ids)[None])).logits[0].numpy()
+    assert np.abs(lg - ref.chain_logits).max() > 1e-3, feature
