@@ -51,23 +51,14 @@ class Phi3Recipe(Recipe):
         return model
 
     def tiny_config(self):
+        """Phi-3.5-mini-like: fused projections, a window of 12 and LongRoPE over an original length
+        of 128 (so the tiny model tests the window, the short factors and the cap at once)."""
         from transformers import Phi3Config
 
+        half = 64 // 4 // 2
         return Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          original_max_position_embeddings=512, sliding_window=12, tie_word_embeddings=False,
+                          original_max_position_embeddings=128, sliding_window=12, tie_word_embeddings=False,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                                        "long_factor": [2.0 + 0.5 * i for i in range(half)]},
                           architectures=["Phi3ForCausalLM"], eos_token_id=2, bos_token_id=1, pad_token_id=0)
-
-    def tiny_cases(self):
-        return {"": self.tiny_config(), "longrope": self.tiny_longrope_config()}
-
-    def tiny_longrope_config(self):
-        """Phi-3.5-like: LongRoPE over an original length of 128 (a tiny-model test of the cap)."""
-        cfg = self.tiny_config()
-        half = cfg.hidden_size // cfg.num_attention_heads // 2
-        cfg.max_position_embeddings = 512
-        cfg.original_max_position_embeddings = 128
-        cfg.rope_scaling = {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
-                            "long_factor": [2.0 + 0.5 * i for i in range(half)]}
-        return cfg
-

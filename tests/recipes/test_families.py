@@ -140,8 +140,8 @@ def test_longrope_is_capped_at_its_original_length(cache_dir):
     from dejavuu_build.errors import GenerationError
     from dejavuu_build.runtime import load
 
-    folder = build_case("phi3", "longrope", cache_dir)
-    cfg = registered()["phi3"]().tiny_cases()["longrope"]
+    folder = build_case("phi3", "", cache_dir)
+    cfg = registered()["phi3"]().tiny_config()
     n = original_rope_length(cfg)
     assert n == 128 and cfg.max_position_embeddings == 512
     assert S.read_contract(folder).max_positions == n
@@ -187,7 +187,7 @@ def test_gate_chain_ignores_a_window_longer_than_the_context():
     from dejavuu_build.build.gates import compute_reference
     from dejavuu_build.recipes.phi3 import Phi3Recipe
 
-    cfg = Phi3Recipe().tiny_longrope_config()
+    cfg = Phi3Recipe().tiny_config()
     cfg.sliding_window, cfg.num_hidden_layers = 262144, 1
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
