@@ -18,7 +18,7 @@ from ..schema import LOGITS, Contract
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .kv import KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
-from .tree import aligned_layout, causal_inputs, step_inputs, with_root
+from .tree import aligned_layout, causal_inputs, slot_tokens, step_inputs, with_root
 
 
 @dataclass
@@ -325,10 +325,8 @@ class Engine:
             slot = [slot[i] for i in keep]
             draft = Draft([step_tokens[i] for i in range(1, len(keep))], [p - 1 for p in parents[1:]],
                           [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None)
-        slot_tokens = [step_tokens[0]] * len(slot_parents)
-        for i, s_ in enumerate(slot):
-            slot_tokens[s_] = step_tokens[i]
-        logits_s, hidden_s, present = self.dec.forward(slot_tokens, slot_parents, kv, copy=False)
+        logits_s, hidden_s, present = self.dec.forward(slot_tokens(step_tokens, slot, len(slot_parents)),
+                                                       slot_parents, kv, copy=False)
         logits = logits_s[slot]
         hidden = hidden_s[slot] if hidden_s is not None else None
         return draft, step_tokens, parents, slot, logits, hidden, present, len(slot_parents)

@@ -98,3 +98,12 @@ def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int
             slot_parents[slot[i]] = slot[parents[i]]
     return slot, slot_parents
 
+
+
+def slot_tokens(tokens: list[int], slot: list[int], n_slots: int) -> list[int]:
+    """The token of every slot of an aligned layout: kept nodes at their slots, pads repeat the root."""
+    out = [tokens[0]] * n_slots
+    for i, s in enumerate(slot):
+        if s >= 0:
+            out[s] = tokens[i]
+    return out
