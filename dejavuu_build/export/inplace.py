@@ -192,10 +192,9 @@ def _heads(att, q3, head_dim: int) -> int:
     d = q3.shape[-1] if q3.shape is not None else None
     if isinstance(d, int):
         return d // head_dim
-    for v in (att.inputs[0],):
-        p = v.producer()
-        if p is not None and "num_heads" in p.attributes:
-            return int(p.attributes["num_heads"].value)
+    p = att.inputs[0].producer()
+    if p is not None and "num_heads" in p.attributes:
+        return int(p.attributes["num_heads"].value)
     raise ExportError(f"{att.name}: cannot tell the number of query heads")
 
 
