@@ -248,8 +248,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
         raw, _, _ = dec.forward(chunk[:1], None, kv)
         dec.pad_single = True
         rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
-        if hasattr(kv, "release"):
-            kv.release()
+        kv.release()
     return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
             "rows": [min(BATCH_ROWS), max(BATCH_ROWS)], "pasts": [len(p) for p, _ in cases],
             "raw_single_row_maxdiff": rawdiff}
@@ -288,8 +287,7 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
                     ts.append(time.perf_counter() - t0)
             out[f"n{n}_p{past_len}"] = round(1000 * float(np.min(ts)), 2)
         dec.pad_single = True
-        if hasattr(kv, "release"):
-            kv.release()
+        kv.release()
     return out
 
 

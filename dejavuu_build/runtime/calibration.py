@@ -83,15 +83,10 @@ def _chain_exact(dec) -> bool:
         for n in (2, 3, 5, 8):
             lb, _, _ = dec.forward(toks[past:past + n], None, kv)
             if not np.array_equal(lb, np.stack(inc[:n])):
-                _release(kv)
+                kv.release()
                 return False
-        _release(kv)
-    return True
-
-
-def _release(kv) -> None:
-    if hasattr(kv, "release"):
         kv.release()
+    return True
 
 
 def _periods(dec):
@@ -123,7 +118,7 @@ def _periods(dec):
             if 25 + 3 * g + 4 < _limit(dec) and all(exact(k * g, seed) for seed in (0, 1) for k in (1, 2)):
                 yield g
     finally:
-        _release(kv)
+        kv.release()
 
 
 def _tile(dec, period: int) -> tuple[bool, int | None]:
@@ -157,7 +152,7 @@ def _tile(dec, period: int) -> tuple[bool, int | None]:
         best = next((t for t in TILES if ok[t]), "none")
         return (best != "none"), (None if best == "none" else best)
     finally:
-        _release(kv)
+        kv.release()
 
 
 def calibrate(dec) -> Calibration:

@@ -163,7 +163,6 @@ class Decoder:
             present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
 
-
     def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int, copy: bool):
         """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
         states written straight into one reusable array, K/V rows written into the cache buffer.
@@ -219,7 +218,8 @@ class Engine:
                  eos_ids: Sequence[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
                  residual_fn=residual, validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
-        """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason)."""
+        """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason).
+        Drafts are validated on every step; ``validate_drafts`` is kept for callers that pass it."""
         st = GenerationStats(prompt_tokens=len(prompt_ids))
         t_all = time.perf_counter()
         budget = budget or DraftBudget()
@@ -235,13 +235,12 @@ class Engine:
         kv = self.dec.new_cache()
         try:
             return self._generate(tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos,
-                                  should_stop, on_tokens, prefill_embeds, residual_fn, validate_drafts)
+                                  should_stop, on_tokens, prefill_embeds, residual_fn)
         finally:
-            if isinstance(kv, StaticKV):
-                kv.release()
+            kv.release()
 
     def _generate(self, tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos, should_stop,
-                  on_tokens, prefill_embeds, residual_fn, validate_drafts):
+                  on_tokens, prefill_embeds, residual_fn):
         drafter.begin(tokens)
         t0 = time.perf_counter()
         for i in range(0, len(tokens), PREFILL_CHUNK):   # chunks bound the logits buffer of a long prompt

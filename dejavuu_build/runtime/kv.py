@@ -37,17 +37,13 @@ class KVCache:
         self.arrays = dict(zip(self.names, new))
         self.length = L + len(keep)
 
-    def child(self, present: list[np.ndarray], n_new: int, keep: list[int]) -> "KVCache":
-        """A new cache with ``keep`` committed; this one is left as it was."""
-        c = KVCache(self.names, next(iter(self.arrays.values())))
-        c.arrays, c.length = dict(self.arrays), self.length
-        c.commit(present, n_new, keep)
-        return c
-
     def truncate(self, length: int) -> None:
         if length < self.length:
             self.arrays = {n: np.ascontiguousarray(a[:, :, :length]) for n, a in self.arrays.items()}
             self.length = length
+
+    def release(self) -> None:
+        """Nothing to hand back (the arrays are the graph's own outputs); StaticKV has buffers."""
 
 
 class StaticKV:
@@ -78,14 +74,6 @@ class StaticKV:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
-
-    def child(self, present, n_new: int, keep: list[int]) -> "StaticKV":
-        """A copy with ``keep`` committed (copies the cache: for validation, not the hot path)."""
-        c = self.dec.new_cache()
-        c.buf[:, :, :, :self.length + n_new] = self.buf[:, :, :, :self.length + n_new]
-        c.length = self.length
-        c.commit(None, n_new, keep)
-        return c
 
     def release(self) -> None:
         """Hand the buffers back to the decoder for the next generation."""
