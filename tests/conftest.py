@@ -46,6 +46,19 @@ def build_tiny(recipe: str, cache_dir: Path, *, variants=("fp32", "int8", "int4"
     return _built[name]
 
 
+def clone_entry(src: Path, name: str) -> Path:
+    """A copy of a built entry under another cache name (for tests that damage or replace it)."""
+    import shutil
+
+    from dejavuu_build.cache import cache_root
+
+    dst = cache_root() / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(cache_dir) -> Path:
     return build_tiny("llama", cache_dir)

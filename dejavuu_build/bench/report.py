@@ -165,14 +165,19 @@ def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Seque
 
 
 # ---------------------------------------------------------------------------------- outputs
+def write_rows(paths: dict[str, Path], rows: Sequence, row_type: type, meta: dict) -> None:
+    """``paths["csv"]`` (one line per dataclass row) and ``paths["json"]`` (run metadata + rows)."""
+    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(row_type)])
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
+    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+
+
 def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     """``results.csv``, ``results.json`` (rows + run metadata + gate) and ``speedup.png``."""
     paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "speedup.png"}
-    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
-        w.writeheader()
-        w.writerows(asdict(r) for r in report.rows)
-    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in report.rows]}, indent=2) + "\n")
+    write_rows(paths, report.rows, Row, meta)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"
         plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline")

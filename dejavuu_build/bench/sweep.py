@@ -24,10 +24,9 @@ Per-step host overhead is decode time not spent inside onnxruntime's run:
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -265,12 +264,10 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
 
 
 def write_sweep(report: SweepReport, out: Path, meta: dict) -> dict:
+    from .report import write_rows
+
     paths = {k: out / v for k, v in SWEEP_FILES.items()}
-    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(SweepRow)])
-        w.writeheader()
-        w.writerows(asdict(r) for r in report.rows)
-    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in report.rows]}, indent=2) + "\n")
+    write_rows(paths, report.rows, SweepRow, meta)
     try:
         plot_sweep(report, paths["png"], title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): "
                                                f"plain decoding vs context")

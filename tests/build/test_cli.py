@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from dejavuu_build.build.cli import main
 from dejavuu_build.schema import variant_file
 
-from conftest import build_tiny
+from conftest import build_tiny, clone_entry
 
 
 def run(*args):
@@ -107,18 +107,6 @@ def test_datastore_and_generate_with_it(cache_dir, tmp_path):
     assert r.exit_code == 2 and "empty" in r.output
 
 
-def _clone(src, name):
-    import shutil
-
-    from dejavuu_build.cache import cache_root
-
-    dst = cache_root() / name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _one_line_error(r, *needles):
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and "unexpected" not in r.output, r.output
@@ -132,7 +120,7 @@ def _one_line_error(r, *needles):
 def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_dir, tmp_path):
     from dejavuu_build import cache, schema as S
 
-    victim = _clone(tiny_llama, "victim")
+    victim = clone_entry(tiny_llama, "victim")
     before = (victim / S.MANIFEST_FILE).read_text()
     q = tmp_path / "q.jsonl"
     q.write_text('{"turns": ["abc abc abc"]}\n')
@@ -164,7 +152,7 @@ def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_di
 def test_verify_and_generate_refuse_an_emptied_manifest(tiny_llama):
     from dejavuu_build import schema as S
 
-    folder = _clone(tiny_llama, "emptied")
+    folder = clone_entry(tiny_llama, "emptied")
     d = json.loads((folder / S.MANIFEST_FILE).read_text())
     d["files"] = {}
     (folder / S.MANIFEST_FILE).write_text(json.dumps(d))

@@ -20,16 +20,25 @@ def tiny(tiny_llama):
     return load(tiny_llama, variant="int4")
 
 
+@pytest.fixture(scope="module")
+def by_layout(tiny, tiny_llama):
+    """The concat-layout int4 and its static, in-place KV twin."""
+    return {"int4": tiny, "int4-static": load(tiny_llama, variant="int4-static")}
+
+
+@pytest.mark.parametrize("variant", ["int4", "int4-static"])
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_is_lossless(tiny, method):
+def test_every_method_is_lossless(by_layout, variant, method):
+    m = by_layout[variant]
+    assert m.tree_period is not None          # trees really run as trees here
     for prompt in PROMPTS:
         for temp in (0.0, 0.9):
-            base = tiny.generate(prompt, max_new_tokens=40, temperature=temp, seed=11)
+            base = m.generate(prompt, max_new_tokens=40, temperature=temp, seed=11)
             for tree in (False, True):
-                r = tiny.generate(prompt, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=11,
-                                  validate_drafts=True)
-                assert r.tokens == base.tokens, (method, tree, temp, prompt)
-                assert r.stats.tokens == len(r.tokens)
+                r = m.generate(prompt, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=11,
+                               validate_drafts=True)
+                assert r.tokens == base.tokens, (variant, method, tree, temp, prompt)
+                assert r.stats.tokens == len(r.tokens) and r.tree == tree
 
 
 def test_drafting_actually_accepts(tiny):

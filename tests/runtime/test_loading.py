@@ -11,7 +11,7 @@ from dejavuu_build import schema as S
 from dejavuu_build.errors import CacheError, IntegrityError
 from dejavuu_build.runtime import load
 
-from conftest import build_tiny
+from conftest import build_tiny, clone_entry
 
 
 def test_runtime_never_imports_torch(tiny_llama, cache_dir):
@@ -104,22 +104,10 @@ def build_tiny_for(src, tmp_path):
 
 
 # ---------------------------------------------------------------- item 4: load exactly what was named
-def _clone(src, name):
-    import shutil
-
-    from dejavuu_build.cache import cache_root
-
-    dst = cache_root() / name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst)
-    return dst
-
-
 def test_an_onnx_file_outside_the_manifest_is_refused(tiny_llama):
     import shutil
 
-    folder = _clone(tiny_llama, "evil-file")
+    folder = clone_entry(tiny_llama, "evil-file")
     shutil.copy(folder / S.variant_file("fp32"), folder / "evil.onnx")
     with pytest.raises(CacheError, match="evil.onnx is not one of"):
         load(folder / "evil.onnx", verify=False)
