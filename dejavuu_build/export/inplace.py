@@ -63,21 +63,15 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         g.insert_before(anchor, nd)
         return nd
 
-    def init(name, arr):
-        v = ir.Value(name=name, const_value=ir.tensor(arr, name=name), shape=ir.Shape(arr.shape),
-                     type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
-        g.register_initializer(v)
-        return v
-
     # total = P + N from the bias's last dim; seqlens_k = total - 1 (int32), as GQA wants them.
     first = g.node(0)
     total64 = new("Shape", [bias], "/kv_static/Shape", first, {"start": 3, "end": 4}).outputs[0]
     total32 = new("Cast", [total64], "/kv_static/Cast", first, {"to": ir.DataType.INT32}).outputs[0]
-    seqlens = new("Sub", [total32, init("kv_static.one", np.array([1], np.int32))], "/kv_static/SeqlensK",
-                  first).outputs[0]
-    total = new("Squeeze", [total32, init("kv_static.axis0", np.array([0], np.int64))], "/kv_static/Total",
-                first).outputs[0]
-    flat = init("kv_static.flat", np.array([0, 0, -1], np.int64))
+    one = _initializer(g, "kv_static.one", np.array([1], np.int32))
+    seqlens = new("Sub", [total32, one], "/kv_static/SeqlensK", first).outputs[0]
+    axis0 = _initializer(g, "kv_static.axis0", np.array([0], np.int64))
+    total = new("Squeeze", [total32, axis0], "/kv_static/Total", first).outputs[0]
+    flat = _initializer(g, "kv_static.flat", np.array([0, 0, -1], np.int64))
     cos_sin: dict[str, tuple] = {}
 
     for att in attn_nodes:
@@ -108,7 +102,8 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             keys = (cq.tobytes(), sq.tobytes())      # one table per distinct content (layers share them)
             if keys not in cos_sin:
                 i = len(cos_sin)
-                cos_sin[keys] = (init(f"kv_static.cos_cache.{i}", cq), init(f"kv_static.sin_cache.{i}", sq))
+                cos_sin[keys] = (_initializer(g, f"kv_static.cos_cache.{i}", cq),
+                                 _initializer(g, f"kv_static.sin_cache.{i}", sq))
             cos, sin = cos_sin[keys]
             attrs.update(do_rotary=1, rotary_interleaved=int(rq.attributes["interleaved"].value)
                          if "interleaved" in rq.attributes else 0)
@@ -137,7 +132,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         if r_user is not None and r_user.op_type == "Reshape":
             r_user.outputs[0].replace_all_uses_with(out3)
         else:
-            shp = init(f"{base}/kv_static/unpack", np.array([0, 0, heads, head_dim], np.int64))
+            shp = _initializer(g, f"{base}/kv_static/unpack", np.array([0, 0, heads, head_dim], np.int64))
             r = new("Reshape", [out3, shp], f"{base}/kv_static/out_R", att)
             t = new("Transpose", [r.outputs[0]], f"{base}/kv_static/out_T", att, {"perm": [0, 2, 1, 3]})
             att.outputs[0].replace_all_uses_with(t.outputs[0])
@@ -169,6 +164,16 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes", len(attn_nodes), capacity,
                 len(out.graph.node))
     return out
+
+
+def _initializer(g, name: str, arr: np.ndarray):
+    """Register ``arr`` as a graph initializer named ``name``; returns its value."""
+    import onnx_ir as ir
+
+    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name), shape=ir.Shape(arr.shape),
+                 type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
+    g.register_initializer(v)
+    return v
 
 
 def _drop(g, nodes) -> None:
@@ -261,10 +266,7 @@ def _fuse_siblings(g) -> None:
                     ws.append(None)
                     continue
                 arr = np.concatenate([n.inputs[j].const_value.numpy() for n in nodes], axis=0)
-                v = ir.Value(name=f"{name}.w{j}", const_value=ir.tensor(arr, name=f"{name}.w{j}"),
-                             shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
-                g.register_initializer(v)
-                ws.append(v)
+                ws.append(_initializer(g, f"{name}.w{j}", arr))
             attrs = {k: v.value for k, v in anchor.attributes.items()}
             attrs["N"] = int(sum(ns))
             fused = ir.node("MatMulNBits", [anchor.inputs[0], *ws], attributes=attrs, domain=MS_DOMAIN,
@@ -273,14 +275,10 @@ def _fuse_siblings(g) -> None:
             arrs = [n.inputs[1].const_value.numpy() for n in nodes]
             ns = [a.shape[1] for a in arrs]
             arr = np.concatenate(arrs, axis=1)
-            v = ir.Value(name=f"{name}.weight_T", const_value=ir.tensor(arr, name=f"{name}.weight_T"),
-                         shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
-            g.register_initializer(v)
-            fused = ir.node("MatMul", [anchor.inputs[0], v], name=f"{name}/MatMul")
+            fused = ir.node("MatMul", [anchor.inputs[0], _initializer(g, f"{name}.weight_T", arr)],
+                            name=f"{name}/MatMul")
         g.insert_before(anchor, fused)
-        sizes = ir.Value(name=f"{name}.split", const_value=ir.tensor(np.array(ns, np.int64), name=f"{name}.split"),
-                         shape=ir.Shape([len(ns)]), type=ir.TensorType(ir.DataType.INT64))
-        g.register_initializer(sizes)
+        sizes = _initializer(g, f"{name}.split", np.array(ns, np.int64))
         split = ir.node("Split", [fused.outputs[0], sizes], attributes={"axis": -1}, num_outputs=len(nodes),
                         name=f"{name}/Split")
         g.insert_before(anchor, split)
