@@ -1,0 +1,138 @@
+"""`dejavuu-build serve` and `dejavuu-build bench-serve`.
+
+Only click is imported here: FastAPI, uvicorn and Ray are optional extras (`[serve]`,
+`[cluster]`), imported when a command runs, with a one-line message when missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import click
+
+from ..errors import DejavuuError
+from ..runtime.cli import friendly
+
+
+@dataclass
+class ServeConfig:
+    """Everything a server (or one Ray replica) needs to build itself."""
+
+    name: str
+    variant: str | None = None
+    threads: int | None = None
+    method: str = "auto"
+    tree: bool = False
+    max_batch: int = 8
+    max_queue: int = 32
+    batch: bool = True
+    memory: bool = True
+    memory_tokens: int = 2_000_000
+    memory_key: str | None = None
+    datastore: str | None = None
+    served_name: str | None = None
+    width: int = 2
+    max_depth: int = 8
+    max_nodes: int | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def need(module: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DejavuuError(f"this needs {module}: pip install 'dejavuu-build[{extra}]'") from None
+
+
+def build_app(cfg: ServeConfig):
+    """(app, scheduler) for ``cfg``: load the model, start the scheduler, make the FastAPI app."""
+    need("fastapi", "serve")
+    from ..runtime.drafters import METHODS
+    from ..runtime.model import _check_settings, load, load_datastore
+    from .app import create_app
+    from .memory import Memory
+    from .scheduler import Scheduler
+
+    if cfg.method not in METHODS:
+        raise DejavuuError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
+    _check_settings(temperature=0.0, top_p=1.0, top_k=0, seed=0, width=cfg.width, max_depth=cfg.max_depth,
+                    max_nodes=cfg.max_nodes, max_new_tokens=1, stop=[])
+    model = load(cfg.name, variant=cfg.variant, threads=cfg.threads)
+    model.calibration      # measured (or read from its cache) now, not inside the first request
+    memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
+    ds = load_datastore(cfg.datastore) if cfg.datastore else None
+    sched = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, batch=cfg.batch, memory=memory,
+                      datastore=ds, width=cfg.width, max_depth=cfg.max_depth, max_nodes=cfg.max_nodes)
+    served = cfg.served_name or model.folder.name
+    app = create_app(model, sched, served_name=served, method=cfg.method, tree=cfg.tree, memory_key=cfg.memory_key)
+    return app, sched
+
+
+@click.command()
+@click.argument("name")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--method", default="auto", show_default=True, help="Default drafting method (requests may override).")
+@click.option("--tree", is_flag=True, help="Verify draft trees by default (requests may override).")
+@click.option("--variant", default=None, help="Variant to serve [default: the manifest's default].")
+@click.option("--threads", default=None, type=int, help="ORT threads, 1 to the CPU count [default: 2].")
+@click.option("--max-batch", default=8, show_default=True, type=int, help="Requests decoded together.")
+@click.option("--max-queue", default=32, show_default=True, type=int, help="Requests waiting beyond those; more get 429.")
+@click.option("--no-batch", is_flag=True, help="One request at a time (no batched graph).")
+@click.option("--no-memory", is_flag=True, help="No cross-request drafter memory.")
+@click.option("--memory-tokens", default=2_000_000, show_default=True, type=int, help="Drafter memory bound per namespace.")
+@click.option("--memory-key", default=None, help="Drafter memory namespace [default: the served name].")
+@click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
+@click.option("--served-name", default=None, help="Model name in the API [default: NAME's folder name].")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (pip install 'dejavuu-build[cluster]').")
+@click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: runtime replicas.")
+@friendly
+def serve(name, host, port, method, tree, variant, threads, max_batch, max_queue, no_batch, no_memory, memory_tokens,
+          memory_key, datastore, served_name, use_ray, replicas):
+    """Serve NAME over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+    from ..log import logger
+
+    cfg = ServeConfig(name=name, variant=variant, threads=threads, method=method, tree=tree, max_batch=max_batch,
+                      max_queue=max_queue, batch=not no_batch, memory=not no_memory, memory_tokens=memory_tokens,
+                      memory_key=memory_key, datastore=datastore, served_name=served_name)
+    if not 0 < port < 65536:
+        raise DejavuuError(f"--port must be in 1..65535, got {port}")
+    if use_ray:
+        from .ray_app import run_ray
+
+        run_ray(cfg, host=host, port=port, replicas=replicas)
+        return
+    uvicorn = need("uvicorn", "serve")
+    app, sched = build_app(cfg)
+    logger.info("serving %s on http://%s:%d/v1 (%s, method %s%s)", name, host, port,
+                f"batched, up to {sched.max_batch} requests per forward" if sched.batched else "one request at a time",
+                method, ", tree" if tree else "")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        sched.close()
+
+
+@click.command("bench-serve")
+@click.option("--url", default=None, help="A running server's base URL (http://host:port); else NAME is started.")
+@click.option("--model", "name", default="smollm2-135m", show_default=True, help="Build to serve (without --url).")
+@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Client counts to sweep.")
+@click.option("--methods", default="baseline,suffix_decoding", show_default=True,
+              help="Methods to compare (baseline = plain decoding).")
+@click.option("--requests", "n_requests", default=16, show_default=True, type=int, help="Requests per point.")
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--data", default=None, type=click.Path(), help="Spec-Bench question.jsonl [default: the workspace copy].")
+@click.option("--multi-turn", is_flag=True, help="Also measure MT-Bench second turns with and without drafter memory.")
+@click.option("--out", default=None, type=click.Path(), help="Write the rows as JSON here.")
+@friendly
+def bench_serve(url, name, concurrency, methods, n_requests, max_tokens, data, multi_turn, out):
+    """Throughput, latency and time to first token against concurrency, ours vs plain decoding."""
+    from .bench import run_bench
+
+    run_bench(url=url, name=name, concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
+              methods=[m.strip() for m in methods.split(",") if m.strip()], n_requests=n_requests,
+              max_tokens=max_tokens, data=data, multi_turn=multi_turn, out=out)

@@ -1,0 +1,402 @@
+"""The scheduler: one worker thread that owns the model and steps every active request together.
+
+Each loop: admit waiting requests into free batch slots, prefill the new ones (one prompt chunk
+per forward, so a long prompt never stalls the others for long), then draft for every decoding
+request and verify all their drafts in ONE forward of the batched graph (serve.batch). Each
+request's tokens equal what it gives alone, because every request is fed the rows the
+single-request decoder would feed it. Admission is bounded (``QueueFull`` -> HTTP 429); a
+cancelled request (client gone) leaves at the next step boundary and its KV slot and drafter
+are dropped at once.
+
+Where the batched graph cannot be made or is not bit-exact on this machine, requests run one
+at a time through ``Model.generate`` (still exact, no batching), with a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import DejavuuError, GenerationError
+from ..log import logger
+from ..runtime.drafters.base import DraftBudget
+from ..runtime.sampling import Sampler
+from .batch import BatchDecoder, BatchUnavailable, Job, Rows
+from .memory import MEMORY_METHODS, Memory, with_memory
+
+
+class QueueFull(DejavuuError):
+    """More requests are waiting than the server admits (HTTP 429)."""
+
+
+class Cancelled(DejavuuError):
+    """The request was cancelled (its client disconnected)."""
+
+
+@dataclass
+class Params:
+    """One request's generation settings (validated by the API layer and Model's checks)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    method: str = "auto"
+    tree: bool = False
+    namespace: str = "default"
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    prompt_tokens: int
+    stop_reason: str
+    stats: object
+    method: str
+    tree: bool
+    batched: bool
+
+
+class Request:
+    """A submitted request: the worker calls ``on_tokens`` with each step's committed ids and
+    ``on_done`` once with a Result or an exception (both from the worker thread)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ids: list[int], params: Params, on_tokens: Callable[[list[int]], None],
+                 on_done: Callable[[object], None], prefill_embeds: np.ndarray | None = None):
+        self.id = next(self._ids)
+        self.ids, self.params = ids, params
+        self.on_tokens, self.on_done = on_tokens, on_done
+        self.prefill_embeds = prefill_embeds
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+        self.job: Job | None = None
+        self.slot = -1
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this request at its next step boundary."""
+        self.cancelled = True
+
+
+class Metrics:
+    """Plain counters the /metrics endpoint renders (written by the worker thread only)."""
+
+    def __init__(self):
+        self.requests = {"ok": 0, "error": 0, "cancelled": 0, "rejected": 0}
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.forwards = 0
+        self.forward_s = 0.0
+        self.batch_rows = 0
+        self.shared_forwards = 0       # forwards that verified two or more requests at once
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
+        self.recent: deque[tuple[float, int]] = deque()     # (time, tokens) for tokens/s over 10 s
+
+    def add_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        self.completion_tokens += n
+        self.recent.append((now, n))
+        while self.recent and self.recent[0][0] < now - 10.0:
+            self.recent.popleft()
+
+    def tokens_per_s(self) -> float:
+        now = time.perf_counter()
+        while self.recent and self.recent[0][0] < now - 10.0:
+            self.recent.popleft()
+        return sum(n for _, n in self.recent) / 10.0
+
+
+class Scheduler:
+    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, batch: bool = True,
+                 memory: Memory | None = None, datastore=None, cache: Path | None = None,
+                 width: int = 2, max_depth: int = 8, max_nodes: int | None = None):
+        from ..cache import cache_root
+
+        if max_batch < 1 or max_queue < 0:
+            raise DejavuuError("max_batch must be >= 1 and max_queue >= 0")
+        self.model = model
+        self.max_queue = max_queue
+        self.memory = memory
+        self.datastore = datastore
+        self.width, self.max_depth, self.max_nodes = width, max_depth, max_nodes
+        self.metrics = Metrics()
+        self.batch: BatchDecoder | None = None
+        self.why_sequential = "batching off (--no-batch)"
+        if batch:
+            try:
+                self.batch = BatchDecoder(model, max_batch, (cache or cache_root()) / ".serve")
+                if not check_exact(model, self.batch):
+                    self.batch = None
+                    self.why_sequential = "the batched graph's rows are not bit-identical to single requests here"
+            except BatchUnavailable as e:
+                self.why_sequential = str(e)
+        if self.batch is None:
+            logger.warning("serving one request at a time (%s)", self.why_sequential)
+        self.max_batch = max_batch if self.batch else 1
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dejavuu-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    @property
+    def batched(self) -> bool:
+        return self.batch is not None
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def submit(self, req: Request) -> Request:
+        with self._cv:
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._active)):
+                self.metrics.requests["rejected"] += 1
+                raise QueueFull(f"{len(self._waiting)} requests are waiting: try again later")
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._stop:
+                    pending = list(self._waiting) + self._active
+                    self._waiting.clear()
+                    break
+            try:
+                if self.batch is None:
+                    self._run_one()
+                else:
+                    self._admit()
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug must fail the requests in flight, not the server
+                logger.exception("scheduler step failed")
+                for r in list(self._active):
+                    self._fail(r, e)
+        for r in pending:
+            self._finish_error(r, Cancelled("the server is shutting down"))
+
+    def _make_job(self, req: Request) -> Job:
+        """Model.generate's setup for one request (drafter, budget, exactness fallbacks), as a Job."""
+        m, p = self.model, req.params
+        sampler = Sampler(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        drafter = m._drafter(p.method, self.datastore, {}, sampler)
+        if self.memory is not None and p.method in MEMORY_METHODS:
+            drafter = with_memory(p.method, drafter, self.memory.index(p.namespace), self.datastore)
+        use_tree = p.tree and m.tree_capable and m.tree_period is not None
+        budget = DraftBudget(max_nodes=self.max_nodes or (16 if use_tree else self.max_depth),
+                             max_depth=self.max_depth, width=self.width if use_tree else 1, tree=use_tree)
+        if p.method != "baseline" and not m.calibration.chain_exact:
+            budget, use_tree = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False), False
+        stop_fn = m._stop_fn(p.stop) if p.stop else None
+
+        def on_tokens(ids, req=req):
+            self.metrics.add_tokens(len(ids))
+            req.on_tokens(ids)
+
+        job = Job(req.ids, drafter=drafter, sampler=sampler, max_new_tokens=p.max_new_tokens, budget=budget,
+                  period=m.tree_period if use_tree else None, tile=m.calibration.tile if use_tree else None,
+                  eos_ids=m.eos_ids, should_stop=stop_fn, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
+                  capacity=self.batch.capacity if self.batch else 0)
+        job.use_tree = use_tree
+        return job
+
+    def _admit(self) -> None:
+        while True:
+            with self._cv:
+                if not self._waiting or len(self._active) >= self.max_batch:
+                    return
+                req = self._waiting.popleft()
+            if req.cancelled:
+                self._finish_error(req, Cancelled("cancelled before it started"))
+                continue
+            try:
+                req.job = self._make_job(req)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                self._finish_error(req, e)
+                continue
+            req.slot = self.batch.acquire(req)
+            self._active.append(req)
+            self.metrics.prompt_tokens += len(req.ids)
+
+    def _step(self) -> None:
+        for r in [r for r in self._active if r.cancelled]:
+            self._release(r)
+            self._finish_error(r, Cancelled("the client went away"))
+        for r in [r for r in self._active if r.job.prefilling]:
+            (logits, hidden), = self.batch.forward(r.slot, [r.job.prefill_rows()])
+            self._count_forward(1)
+            r.job.after_prefill(self.batch, r.slot, logits, hidden)
+            if r.job.done:
+                self._complete(r)
+        decoding = sorted((r for r in self._active if not r.job.prefilling), key=lambda r: r.slot)
+        if not decoding:
+            return
+        planned = []
+        for r in decoding:
+            try:
+                planned.append((r, r.job.plan(self.batch.lengths[r.slot])))
+            except Exception as e:  # noqa: BLE001 - a drafter failure fails its own request only
+                self._fail(r, e)
+        if not planned:
+            return
+        decoding = [r for r, _ in planned]
+        rows: list[Rows | None] = [None] * self.batch.active
+        for r, x in planned:          # slots are read after any release above moved them
+            rows[r.slot] = x
+        t0 = time.perf_counter()
+        outs = self.batch.forward(0, rows)
+        verify_s = time.perf_counter() - t0
+        self._count_forward(sum(len(x.tokens) for x in rows if x is not None))
+        self.metrics.shared_forwards += len(planned) > 1
+        for r in decoding:
+            logits, hidden = outs[r.slot]
+            job = r.job
+            before = (job.stats.drafted, job.stats.accepted)
+            job.after_step(self.batch, r.slot, logits, hidden, verify_s, self.batch.last_run_s)
+            name = r.params.method
+            self.metrics.drafted[name] = self.metrics.drafted.get(name, 0) + job.stats.drafted - before[0]
+            self.metrics.accepted[name] = self.metrics.accepted.get(name, 0) + job.stats.accepted - before[1]
+            self.metrics.steps[name] = self.metrics.steps.get(name, 0) + 1
+        for r in decoding:
+            if r.job.done:
+                self._complete(r)
+
+    def _count_forward(self, rows: int) -> None:
+        self.metrics.forwards += 1
+        self.metrics.forward_s += self.batch.last_run_s
+        self.metrics.batch_rows += rows
+
+    def _release(self, r: Request) -> None:
+        moved = self.batch.release(r.slot)
+        if moved is not None:
+            moved.slot = r.slot
+        r.slot = -1
+        self._active.remove(r)
+
+    def _complete(self, r: Request) -> None:
+        self._release(r)
+        job = r.job
+        if self.memory is not None:
+            self.memory.add(r.params.namespace, job.tokens)
+        self.metrics.requests["ok"] += 1
+        r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.use_tree, True))
+
+    def _fail(self, r: Request, e: BaseException) -> None:
+        if r in self._active:
+            self._release(r)
+        self._finish_error(r, e)
+
+    def _finish_error(self, r: Request, e: BaseException) -> None:
+        self.metrics.requests["cancelled" if isinstance(e, Cancelled) else "error"] += 1
+        r.on_done(e)
+
+    # ------------------------------------------------------------------ sequential fallback
+    def _run_one(self) -> None:
+        with self._cv:
+            if not self._waiting:
+                return
+            req = self._waiting.popleft()
+            self._active.append(req)
+        try:
+            if req.cancelled:
+                raise Cancelled("cancelled before it started")
+            p = req.params
+            self.metrics.prompt_tokens += len(req.ids)
+
+            def on_tokens(ids):
+                if req.cancelled:
+                    raise Cancelled("the client went away")
+                self.metrics.add_tokens(len(ids))
+                req.on_tokens(ids)
+
+            drafter = p.method
+            if self.memory is not None and p.method in MEMORY_METHODS:
+                sampler = Sampler(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+                drafter = with_memory(p.method, self.model._drafter(p.method, self.datastore, {}, sampler),
+                                      self.memory.index(p.namespace), self.datastore)
+            res = self.model.generate(req.ids, method=drafter, tree=p.tree, max_new_tokens=p.max_new_tokens,
+                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                                      stop=p.stop, datastore=self.datastore, width=self.width,
+                                      max_depth=self.max_depth, max_nodes=self.max_nodes, on_tokens=on_tokens)
+            if self.memory is not None:
+                self.memory.add(p.namespace, list(req.ids) + res.tokens)
+            self.metrics.requests["ok"] += 1
+            s = res.stats
+            self.metrics.drafted[p.method] = self.metrics.drafted.get(p.method, 0) + s.drafted
+            self.metrics.accepted[p.method] = self.metrics.accepted.get(p.method, 0) + s.accepted
+            self.metrics.steps[p.method] = self.metrics.steps.get(p.method, 0) + s.steps
+            req.on_done(Result(res.tokens, res.prompt_tokens, res.stop_reason, s, p.method, res.tree, False))
+        except BaseException as e:  # noqa: BLE001 - reported to the request
+            self._finish_error(req, e)
+        finally:
+            self._active.remove(req)
+
+
+def check_exact(model, batch: BatchDecoder) -> bool:
+    """Whether the batched graph's rows equal the single-request decoder's bit for bit here: two
+    requests at different pasts, steps of 1, 3 and 5 rows side by side. Measured once at start."""
+    rng = np.random.default_rng(0)
+    V = model.contract.vocab_size
+    k = min(2, batch.max_batch)
+    prompts = [rng.integers(0, V, n).tolist() for n in (11, 23)][:k]
+    steps = [[1, 3, 5], [5, 1, 3]][:k]
+    dec = model.decoder
+    want = []
+    for p, st in zip(prompts, steps):
+        kv = dec.new_cache()
+        try:
+            _, _, pr = dec.forward(p, None, kv)
+            kv.commit(pr, len(p), list(range(len(p))))
+            outs = []
+            for n in st:
+                toks = rng.integers(0, V, n).tolist()
+                lg, _, pr = dec.forward(toks, None, kv)
+                kv.commit(pr, n, list(range(n)))
+                outs.append((toks, lg.copy()))
+            want.append(outs)
+        finally:
+            kv.release()
+    slots = [batch.acquire(None) for _ in prompts]
+    try:
+        for s, p in zip(slots, prompts):
+            (lg, _), = batch.forward(s, [Rows(p, None)])
+            batch.commit(s, len(p), list(range(len(p))))
+        for j in range(3):
+            rows = [Rows(want[b][j][0], None) for b in range(k)]
+            outs = batch.forward(slots[0], rows)
+            for b in range(k):
+                if not np.array_equal(outs[b][0], want[b][j][1]):
+                    logger.debug("batched row mismatch: request %d step %d, max diff %.3g", b, j,
+                                 float(np.abs(outs[b][0] - want[b][j][1]).max()))
+                    return False
+                batch.commit(slots[b], len(rows[b].tokens), list(range(len(rows[b].tokens))))
+        return True
+    finally:
+        for s in reversed(slots):
+            batch.release(s)

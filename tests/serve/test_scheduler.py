@@ -1,0 +1,119 @@
+"""The scheduler in-process on a tiny random build: requests decoded together in one forward
+give exactly the tokens each gives alone (every method, chain and tree, greedy and seeded
+sampling); cancellation frees the slot; the drafter memory is bounded and namespaced."""
+
+import threading
+
+import pytest
+
+from dejavuu_build.runtime import load
+from dejavuu_build.runtime.drafters.base import DraftBudget
+from dejavuu_build.serve.memory import Memory, MemorySuffixDecoding
+from dejavuu_build.serve.scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
+
+PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3",
+           "hello hello hello", "xyz", "a b c d e f g a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return load(tiny_llama, variant="int4-static")
+
+
+def run_all(sched, jobs):
+    """Submit every (ids, Params) at once; wait for all; return the results in order."""
+    out, done = [None] * len(jobs), threading.Event()
+    left = [len(jobs)]
+    lock = threading.Lock()
+
+    def finish(i):
+        def on_done(r):
+            out[i] = r
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        return on_done
+
+    for i, (ids, prm) in enumerate(jobs):
+        sched.submit(Request(ids, prm, lambda t: None, finish(i)))
+    assert done.wait(120)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_requests_equal_each_alone(model, temperature):
+    sched = Scheduler(model, max_batch=8, memory=Memory())
+    try:
+        assert sched.batched, sched.why_sequential
+        methods = ["baseline", "pld", "suffix_decoding", "asam", "auto", "token_recycling", "lookahead", "pld"]
+        jobs = []
+        for i, m in enumerate(methods):
+            prm = Params(max_new_tokens=30 + 5 * i, temperature=temperature, seed=7 + i, method=m, tree=i % 2 == 1)
+            jobs.append((model.encode(PROMPTS[i % len(PROMPTS)]), prm))
+        got = run_all(sched, jobs)
+        for (ids, prm), r in zip(jobs, got):
+            assert isinstance(r, Result), r
+            alone = model.generate(ids, method="baseline", max_new_tokens=prm.max_new_tokens,
+                                   temperature=temperature, seed=prm.seed)
+            assert r.tokens == alone.tokens, (prm.method, prm.tree)
+            assert r.batched and r.stop_reason == alone.stop_reason
+        assert sched.metrics.shared_forwards > 0          # requests really shared forwards
+        assert sched.batch.active == 0                     # every slot came back
+    finally:
+        sched.close()
+
+
+def test_cancel_frees_the_slot_and_others_continue(model):
+    sched = Scheduler(model, max_batch=4)
+    try:
+        started = threading.Event()
+        res = {}
+        victim = Request(model.encode(PROMPTS[0]), Params(max_new_tokens=400, method="baseline"),
+                         lambda t: started.set(), lambda r: res.setdefault("victim", r))
+        sched.submit(victim)
+        assert started.wait(30)
+        victim.cancel()
+        other_ids = model.encode(PROMPTS[1])
+        (other,) = run_all(sched, [(other_ids, Params(max_new_tokens=20, method="pld"))])
+        assert isinstance(res["victim"], Cancelled)
+        assert other.tokens == model.generate(other_ids, max_new_tokens=20).tokens
+        assert sched.batch.active == 0 and sched.active_count() == 0
+        assert sched.metrics.requests["cancelled"] == 1
+    finally:
+        sched.close()
+
+
+def test_queue_bound(model):
+    sched = Scheduler(model, max_batch=1, max_queue=1)
+    gate = threading.Event()
+    try:
+        # the first request blocks the worker inside its token callback until the gate opens
+        sched.submit(Request(model.encode(PROMPTS[0]), Params(max_new_tokens=5), lambda t: gate.wait(30),
+                             lambda r: None))
+        sched.submit(Request(model.encode(PROMPTS[1]), Params(max_new_tokens=5), lambda t: None, lambda r: None))
+        with pytest.raises(QueueFull):
+            for _ in range(3):
+                sched.submit(Request(model.encode(PROMPTS[2]), Params(max_new_tokens=5), lambda t: None,
+                                     lambda r: None))
+    finally:
+        gate.set()
+        sched.close()
+
+
+def test_memory_is_bounded_and_namespaced():
+    mem = Memory(max_tokens=200, max_namespaces=2)
+    doc = list(range(100, 160))
+    mem.add("a", doc)
+    drafter = MemorySuffixDecoding(mem.index("a"))
+    drafter.begin([7, 8, 100, 101, 102])
+    draft = drafter.propose([7, 8, 100, 101, 102], DraftBudget(max_nodes=4, max_depth=4))
+    assert draft.tokens == [103, 104, 105]   # namespace a's document, as long as the match (spec_factor 1)
+    other = MemorySuffixDecoding(mem.index("b"))
+    other.begin([7, 8, 100, 101, 102])
+    assert other.propose([7, 8, 100, 101, 102], DraftBudget(max_nodes=4, max_depth=4)).tokens == []
+    for k in range(10):                                  # 10 x 61 tokens > 200: the oldest go
+        mem.add("a", list(range(1000 + 100 * k, 1060 + 100 * k)))
+    assert mem.tokens("a") <= 200 and mem.evicted_tokens > 0
+    mem.index("c")                                       # a third namespace evicts the least recent
+    assert len(mem.namespaces) == 2 and "b" not in mem.namespaces
