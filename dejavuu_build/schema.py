@@ -126,6 +126,7 @@ class VariantRecord:
     verify_cost_ratio: float | None = None           # N8 / N1 at past 256
     kv_layout: str = "concat"                        # see Contract.kv_layout
     kv_capacity: int = 0
+    timing_rounds_ms: list = field(default_factory=list)   # per interleaved round: mean forward ms
 
 
 def variant_contract(contract: "Contract", record: "VariantRecord | None") -> "Contract":
@@ -152,6 +153,7 @@ class Manifest:
     quantize: dict = field(default_factory=dict)     # seconds
     variants: dict[str, VariantRecord] = field(default_factory=dict)
     default_variant: str | None = None
+    default_reason: dict = field(default_factory=dict)     # the rule, the noise, the margin, the candidates
     files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
 
     def to_json(self) -> dict:

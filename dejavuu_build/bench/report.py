@@ -45,6 +45,8 @@ class Row:
     overhead_ms_per_step: float
     match_pct: float
     x_genai: float | None = None     # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
+    top1_vs_fp32: float | None = None  # the variant's quality gate: teacher-forced top-1 agreement with fp32
+    kl_vs_fp32: float | None = None    # and mean KL(fp32 || variant); None: the peer, or not measured
 
 
 @dataclass
@@ -61,10 +63,15 @@ class Report:
     def has_peer(self) -> bool:
         return any(r.x_genai is not None for r in self.rows)
 
+    @property
+    def has_quality(self) -> bool:
+        return any(r.top1_vs_fp32 is not None for r in self.rows)
+
     def table(self) -> str:
-        peer = self.has_peer
+        peer, qual = self.has_peer, self.has_quality
         head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
                 + (f"{'× genai':>8} " if peer else "")
+                + (f"{'top-1/KL vs fp32':>17} " if qual else "")
                 + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -72,9 +79,11 @@ class Report:
             speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
             xg = "-" if r.x_genai is None else f"{r.x_genai:.2f}x"
             accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
+            qv = "-" if r.top1_vs_fp32 is None else f"{r.top1_vs_fp32:.3f}/{r.kl_vs_fp32:.4f}"
             lines.append(f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
                          f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
                          + (f"{xg:>8} " if peer else "")
+                         + (f"{qv:>17} " if qual else "")
                          + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
                          f"{r.match_pct:>6.1f}%")
         return "\n".join(lines)
@@ -174,9 +183,31 @@ def write_rows(paths: dict[str, Path], rows: Sequence, row_type: type, meta: dic
     paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
 
 
+def variant_quality(folder: str | Path, variant: str) -> dict | None:
+    """The quality gate the build recorded for ``variant`` (top-1 and KL vs fp32), if any."""
+    from ..schema import read_manifest
+
+    try:
+        rec = read_manifest(folder).variants.get(variant)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return (rec.gates.get("quality") if rec else None) or None
+
+
+def add_quality(report: Report, quality: dict | None) -> None:
+    """Our variant's quality next to its speed, on every row of ours (never on the peer's)."""
+    if not quality:
+        return
+    for r in report.rows:
+        if r.method != PEER:
+            r.top1_vs_fp32, r.kl_vs_fp32 = quality["top1"], quality["mean_kl"]
+
+
 def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     """``results.csv``, ``results.json`` (rows + run metadata + gate) and ``speedup.png``."""
     paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "speedup.png"}
+    if "model_folder" in meta and "model_variant" in meta:
+        add_quality(report, variant_quality(meta["model_folder"], meta["model_variant"]))
     write_rows(paths, report.rows, Row, meta)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"

@@ -37,7 +37,8 @@ class _Group(click.Group):
     """The one command group. Commands whose module imports this one (bench: for ``_friendly``) are
     imported when listed or used; an import failure then propagates (loud), never a dropped command."""
 
-    lazy = {"bench": "dejavuu_build.bench.cli:bench"}
+    lazy = {"bench": "dejavuu_build.bench.cli:bench", "serve": "dejavuu_build.serve.cli:serve",
+            "bench-serve": "dejavuu_build.serve.cli:bench_serve"}
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))

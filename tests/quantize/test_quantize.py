@@ -68,28 +68,47 @@ def test_quantized_matmul_equals_its_dequantized_weights(tmp_path):
     src = tmp_path / "m.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), str(src))
     for bits in (4, 8):
-        plan = QuantPlan(body_bits=bits, body_block=32, lm_head_bits=8, lm_head_block=16, accuracy_level=0)
-        rep = quantize_model(src, tmp_path / f"q{bits}.onnx", plan)
-        assert rep["tied_embeddings"] is False and rep["quantized_nodes"] == 3
-        q, s = _quantize_rows(w.T, bits, 32)
-        deq_w = ((q.astype(np.float32) - 2 ** (bits - 1)) * s[..., None]).reshape(n, k).T
-        qe, se = _quantize_rows(emb_w, 8, 32)
-        deq_e = ((qe.astype(np.float32) - 128) * se[..., None]).reshape(emb_w.shape)
-        qh, sh = _quantize_rows(head_w.T, 8, 16)                 # the lm-head: 8 bits, block 16
-        deq_h = ((qh.astype(np.float32) - 128) * sh[..., None]).reshape(7, n).T
-        ids = np.array([[1, 4, 9]])
-        h_ref = deq_e[ids[0]] @ deq_w
-        # Compare the body output through an extra output: run a graph cut at "h".
-        mq = onnx.load(str(tmp_path / f"q{bits}.onnx"))
-        mq.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, None))
-        sess = ort.InferenceSession(mq.SerializeToString())
-        logits, h = sess.run(None, {"input_ids": ids})
-        np.testing.assert_allclose(h[0], h_ref, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(logits[0], h[0] @ deq_h, rtol=1e-4, atol=1e-4)
-        assert np.abs(deq_h - head_w).max() <= np.abs(head_w).max() / 127
-        assert np.abs(deq_w - w).max() <= np.abs(w).max() / (2 ** (bits - 1) - 1)
+        for sym in (True, False):
+            plan = QuantPlan(body_bits=bits, body_block=32, lm_head_bits=8, lm_head_block=16, accuracy_level=0,
+                             symmetric=sym)
+            out = tmp_path / f"q{bits}{sym}.onnx"
+            rep = quantize_model(src, out, plan)
+            assert rep["tied_embeddings"] is False and rep["quantized_nodes"] == 3
+            deq_w = _quantize_rows(w.T, bits, 32, symmetric=sym or bits == 8).dequantize().T
+            deq_e = _quantize_rows(emb_w, 8, 32).dequantize()
+            deq_h = _quantize_rows(head_w.T, 8, 16).dequantize().T          # the lm-head: 8 bits, block 16
+            ids = np.array([[1, 4, 9]])
+            h_ref = deq_e[ids[0]] @ deq_w
+            # Compare the body output through an extra output: run a graph cut at "h".
+            mq = onnx.load(str(out))
+            mq.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, None))
+            body = next(n for n in mq.graph.node if n.name == "/model/layers.0/mlp/MatMulNBits")
+            assert (len(body.input) == 4) == (bits == 4 and not sym)      # a zero point per block when asymmetric
+            sess = ort.InferenceSession(mq.SerializeToString())
+            logits, h = sess.run(None, {"input_ids": ids})
+            np.testing.assert_allclose(h[0], h_ref, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(logits[0], h[0] @ deq_h, rtol=1e-4, atol=1e-4)
+            assert np.abs(deq_h - head_w).max() <= np.abs(head_w).max() / 127
+            assert np.abs(deq_w - w).max() <= np.abs(w).max() / (2 ** (bits - 1) - 1)
+
+
+def test_asymmetric_rounding_beats_symmetric_on_shifted_weights():
+    """Weights whose blocks are not centred on zero (what a zero point is for)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((64, 128)) * 0.1 + rng.uniform(-0.3, 0.3, (64, 4)).repeat(32, axis=1)).astype(np.float32)
+    err = {sym: float(np.square(_quantize_rows(w, 4, 32, symmetric=sym).dequantize() - w).mean()) for sym in (True, False)}
+    assert err[False] < 0.7 * err[True]
 
 
 def test_block_fitting():
     assert fit_block(576, 128) == 64 and fit_block(1536, 32) == 32 and fit_block(24, 32) is None
     assert PLANS["int4"].lm_head_bits == 8 and PLANS["int4"].body_bits == 4
+
+
+def test_quantizing_twice_gives_the_same_bytes(tiny_llama, tmp_path):
+    from dejavuu_build.schema import sha256_file
+
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    for out in (a, b):
+        quantize_model(tiny_llama / variant_file("fp32"), out, PLANS["int4"], tied=True)
+    assert sha256_file(a) == sha256_file(b) == read_manifest(tiny_llama).variants["int4"].sha256
