@@ -247,8 +247,10 @@ def _fuse_siblings(g) -> None:
             if len(nd.inputs) > 4 or any(x is not None and x.const_value is None for x in nd.inputs[1:]):
                 continue
             a = {k: v.value for k, v in nd.attributes.items() if k != "N"}
+            # zero points (uint8 levels or float), like weights and scales, are rows per output
+            # column: concatenated along N with them, but only between nodes of the same kinds
             groups[("nbits", nd.inputs[0].name, tuple(sorted(a.items())),
-                    tuple(x is not None for x in nd.inputs[1:]))].append(nd)
+                    tuple(None if x is None else str(x.const_value.dtype) for x in nd.inputs[1:]))].append(nd)
         elif nd.op_type == "MatMul" and nd.inputs[1].const_value is not None and \
                 len(nd.inputs[1].const_value.shape) == 2:
             groups[("matmul", nd.inputs[0].name, nd.inputs[1].const_value.shape[0])].append(nd)

@@ -36,6 +36,8 @@ class GenerationStats:
     overhead_s: float = 0.0
     total_s: float = 0.0
     accept_hist: list[int] = field(default_factory=list)   # accepted draft tokens per step
+    filled: int = 0             # steps whose empty draft took the pad row's place (Engine ``fill``)
+    fill_accepted: int = 0      # ... and whose filled token was accepted
 
     @property
     def mean_accepted(self) -> float:
@@ -204,14 +206,55 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
 PREFILL_CHUNK = 512   # prompt rows per prefill forward (the logits of 512 rows of a 49k vocabulary: 100 MB)
 
 
+def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, period: int | None, tile: int | None,
+                width: int, capacity: int, past: int):
+    """Place a draft tree (root included in ``step_tokens``/``parents``) in the period-aligned slot
+    layout of tree.aligned_layout, within ``period * width`` slots and the cache's room; nodes the
+    layout prunes are dropped. Returns (draft, step_tokens, parents, slot per node, slot parents)."""
+    max_slots = period * max(1, width) if period else len(step_tokens)
+    if capacity:
+        max_slots = min(max_slots, capacity - past)
+    slot, slot_parents = aligned_layout(parents, period, max_slots, past=past, tile=tile)
+    keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
+    if len(keep) < len(step_tokens):
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [-1 if parents[i] < 0 else new_index[parents[i]] for i in keep]
+        step_tokens = [step_tokens[i] for i in keep]
+        slot = [slot[i] for i in keep]
+        draft = Draft([step_tokens[i] for i in range(1, len(keep))], [p - 1 for p in parents[1:]],
+                      [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None)
+    return draft, step_tokens, parents, slot, slot_parents
+
+
+class Successors(dict):
+    """token id -> the token the verifier last ranked first after it: one guess per token.
+
+    Why: a step whose drafter proposes nothing still runs two rows (Decoder.forward pads a
+    single token so that its arithmetic matches a batched verify), and the pad row costs as much
+    as a real one. Putting this guess there instead verifies one more token for free; a wrong
+    guess is rejected like any draft, so output is unchanged. Every verified row teaches it (its
+    input token -> its argmax), after the prompt's own bigrams seeded it. One table per request:
+    what other requests taught belongs to the drafters' cross-request memory, namespaced where
+    tenants must be kept apart."""
+
+    def seed(self, prompt: Sequence[int]) -> None:
+        self.update(zip(prompt[:-1], prompt[1:]))
+
+    def learn(self, tokens: Sequence[int], argmax: np.ndarray) -> None:
+        self.update(zip(tokens, argmax.tolist()))
+
+
 class Engine:
-    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None, tile: int | None = None):
+    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None, tile: int | None = None,
+                 fill: Successors | None = None):
         """``period`` and ``tile`` come from runtime.calibration: the layout that keeps tree rows
-        bit-identical to chains on this machine."""
+        bit-identical to chains on this machine. ``fill``: where an empty draft takes its one
+        guess from (see Successors); None keeps empty steps plain (the exactness reference)."""
         self.dec = decoder
         self.tree_capable = tree_capable and period is not None
         self.period = period
         self.tile = tile
+        self.fill = fill
 
     def generate(self, prompt_ids: Sequence[int], *, drafter: Drafter, sampler: Sampler,
                  max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
@@ -242,6 +285,8 @@ class Engine:
     def _generate(self, tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos, should_stop,
                   on_tokens, prefill_embeds, residual_fn):
         drafter.begin(tokens)
+        if self.fill is not None:
+            self.fill.seed(tokens)
         t0 = time.perf_counter()
         for i in range(0, len(tokens), PREFILL_CHUNK):   # chunks bound the logits buffer of a long prompt
             part = tokens[i:i + PREFILL_CHUNK]
@@ -273,6 +318,10 @@ class Engine:
             except (ValueError, TypeError, AttributeError) as e:
                 raise GenerationError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} proposed an "
                                       f"invalid draft: {e}") from None
+            own = len(draft)                         # the drafter's nodes (a fill is the engine's)
+            if not own and self.fill is not None and b.max_depth > 0 and tokens[-1] in self.fill:
+                draft = Draft([self.fill[tokens[-1]]], [-1])
+                st.filled += 1
             step_tokens = [tokens[-1]] + draft.tokens
             parents = with_root(draft.parents)
             t2 = time.perf_counter()
@@ -285,7 +334,12 @@ class Engine:
             t3 = time.perf_counter()
             st.verify_s += t3 - t2
             st.forward_s += self.dec.last_run_s
-            committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn)
+            argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None   # one pass, all rows
+            committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn,
+                                           argmax if sampler.greedy else None)
+            if self.fill is not None:
+                self.fill.learn(step_tokens, argmax)
+                st.fill_accepted += int(own == 0 and len(path) > 1)
             kv.commit(present, n_slots, [slots[i] for i in path])
             st.kv_s += time.perf_counter() - t3
             st.steps += 1
@@ -297,10 +351,10 @@ class Engine:
             new += committed
             if on_tokens and committed:
                 on_tokens(committed)
-            drafter.feedback(Feedback(
-                committed=committed, drafted=len(draft), accepted=len(path) - 1,
-                accepted_path=[i - 1 for i in path[1:]],
-                topk_ids=_topk_rows(logits, 8) if drafter.wants_topk else None,
+            drafter.feedback(Feedback(                # about the drafter's own nodes, never a fill
+                committed=committed, drafted=own, accepted=len(path) - 1 if own else 0,
+                accepted_path=[i - 1 for i in path[1:]] if own else [],
+                topk_ids=_topk_rows(logits if own else logits[:1], 8) if drafter.wants_topk else None,
                 hidden=hidden[path] if drafter.wants_hidden and hidden is not None else None,
                 draft_seconds=t2 - t1, verify_seconds=t3 - t2))
         drafter.end()
@@ -312,18 +366,9 @@ class Engine:
     def _verify_tree(self, draft: Draft, step_tokens, parents, kv: KVCache, budget: DraftBudget):
         """One forward over the draft tree in the period-aligned layout (see tree.aligned_layout);
         nodes pruned by the slot budget are dropped from the draft."""
-        max_slots = self.period * max(1, budget.width) if self.period else len(step_tokens)
-        if self.dec.capacity:
-            max_slots = min(max_slots, self.dec.capacity - kv.length)
-        slot, slot_parents = aligned_layout(parents, self.period, max_slots, past=kv.length, tile=self.tile)
-        keep = [i for i, s_ in enumerate(slot) if s_ >= 0]
-        if len(keep) < len(step_tokens):
-            new_index = {old: new for new, old in enumerate(keep)}
-            parents = [-1 if parents[i] < 0 else new_index[parents[i]] for i in keep]
-            step_tokens = [step_tokens[i] for i in keep]
-            slot = [slot[i] for i in keep]
-            draft = Draft([step_tokens[i] for i in range(1, len(keep))], [p - 1 for p in parents[1:]],
-                          [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None)
+        draft, step_tokens, parents, slot, slot_parents = tree_layout(
+            draft, step_tokens, parents, period=self.period, tile=self.tile, width=budget.width,
+            capacity=self.dec.capacity, past=kv.length)
         logits_s, hidden_s, present = self.dec.forward(slot_tokens(step_tokens, slot, len(slot_parents)),
                                                        slot_parents, kv, copy=False)
         logits = logits_s[slot]
@@ -331,14 +376,17 @@ class Engine:
         return draft, step_tokens, parents, slot, logits, hidden, present, len(slot_parents)
 
     @staticmethod
-    def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn):
-        """Walk the tree from the root, committing the target's token at each position."""
+    def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn,
+                argmax: np.ndarray | None = None):
+        """Walk the tree from the root, committing the target's token at each position
+        (``argmax``: every row's, precomputed for greedy decoding)."""
         children: dict[int, list[int]] = {}
         for i, p in enumerate(parents[1:], start=1):
             children.setdefault(p, []).append(i)
         node, path, committed = 0, [0], []
         ratio = draft.probs is not None and not sampler.greedy
-        argmax = logits.argmax(-1) if sampler.greedy else None   # one pass over all rows
+        if argmax is None and sampler.greedy:
+            argmax = logits.argmax(-1)
         while True:
             kids = children.get(node, [])
             if ratio and len(kids) == 1:

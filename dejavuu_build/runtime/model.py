@@ -18,7 +18,7 @@ from ..cache import cache_root, is_path_like, locate, member, read_entry, verify
 from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
 from .drafters.base import DraftBudget, Drafter
-from .engine import Decoder, Engine, GenerationStats
+from .engine import Decoder, Engine, GenerationStats, Successors
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
 from .tokenizer import IncrementalDecoder, TextTokenizer
@@ -113,6 +113,7 @@ class Model:
     _warned_tree: bool = False
     _calibration: object | None = None      # runtime.calibration.Calibration, measured on first use
     _warned_exact: bool = False
+    fill: bool = True                       # empty drafts verify a successor guess in the pad row
 
     @property
     def tree_capable(self) -> bool:
@@ -190,7 +191,8 @@ class Model:
             use_tree = False
         engine = Engine(self.decoder, tree_capable=self.tree_capable,
                         period=self.tree_period if use_tree else None,
-                        tile=self.calibration.tile if use_tree else None)
+                        tile=self.calibration.tile if use_tree else None,
+                        fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
         new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
                                              tree=use_tree, budget=budget, eos_ids=self.eos_ids,
                                              should_stop=should_stop, on_tokens=on_tokens,

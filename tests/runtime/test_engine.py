@@ -214,3 +214,28 @@ def test_stream_with_stop_strings_equals_generate(tiny):
     pieces = list(tiny.stream(PROMPTS[1], stop=[stop, "\x00never"], **kw))
     assert r.stop_reason == "stop_string" and stop not in r.text
     assert "".join(pieces) == r.text == text[:text.index(stop)] != ""
+
+
+class Silent(Drafter):
+    """Never drafts: every step is a lone token, whose pad row the engine fills with a guess."""
+
+    name = "silent"
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.9])
+def test_empty_drafts_fill_the_pad_row_losslessly(by_layout, temp):
+    for m in by_layout.values():
+        for prompt in PROMPTS:
+            base = m.generate(prompt, max_new_tokens=40, temperature=temp, seed=5)
+            r = m.generate(prompt, method=Silent(), max_new_tokens=40, temperature=temp, seed=5)
+            assert r.tokens == base.tokens
+            assert base.stats.filled == 0 and base.stats.steps == 39   # plain decoding stays plain
+            assert r.stats.filled > 0
+
+
+def test_filled_guesses_are_accepted(tiny):
+    """Greedy on a prompt the tiny model loops on: its own argmax after a token is a good guess."""
+    base = tiny.generate(PROMPTS[2], max_new_tokens=40)
+    r = tiny.generate(PROMPTS[2], method=Silent(), max_new_tokens=40)
+    assert r.tokens == base.tokens
+    assert r.stats.fill_accepted > 0 and r.stats.steps == 39 - r.stats.accepted

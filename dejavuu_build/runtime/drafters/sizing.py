@@ -151,34 +151,29 @@ class VerifyCostModel:
 class CostAwareSizer(CalibratedSizer):
     """Pick the draft size that maximises expected tokens per second.
 
-    ``(1 + E[accepted | n]) / (draft + a + b*n)`` with ``alpha`` from the calibration and
-    ``a, b`` fitted to ``Feedback.verify_seconds``. Wins when verification cost grows with the
-    number of drafted tokens (compute-bound CPU inference, big trees); falls back to the
-    calibrated cap until a few timings have been seen.
+    ``(1 + E[accepted | n]) / (draft + a + b*n)``, n >= 1, with ``alpha`` from the calibration
+    and ``a, b`` fitted to ``Feedback.verify_seconds``. Wins when verification cost grows with
+    the number of drafted tokens (compute-bound CPU inference, big trees); falls back to the
+    calibrated cap until a few timings have been seen. Never less than one node: the runtime
+    runs a lone token as two rows (Decoder.forward), so one draft token costs what none does
+    (which also keeps ``alpha`` current where drafting once looked hopeless).
     """
 
-    def __init__(self, explore_every: int = 16, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.cost = VerifyCostModel()
-        self.explore_every = explore_every
-        self._idle = 0
 
     def size(self, budget: DraftBudget, match_len: int) -> tuple[int, int]:
         nodes, depth = super().size(budget, match_len)
-        if not self.cost.ready:
+        if not self.cost.ready or budget.max_nodes < 1:
             return nodes, depth
         alpha = self.alpha(match_len)
         a, b = self.cost.coefficients()
         fixed = a + self.cost.draft_seconds
-        best_n = max(range(budget.max_nodes + 1),
+        best_n = max(range(1, budget.max_nodes + 1),
                      key=lambda n: (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * n))
-        if best_n == 0:
-            self._idle += 1
-            if self._idle % self.explore_every:
-                return 0, 0
-            best_n = 1  # an occasional probe keeps alpha current, or drafting could never resume
         return best_n, min(best_n, budget.max_depth)
 
     def learn(self, fb: Feedback, verified: Draft) -> None:
         super().learn(fb, verified)
-        self.cost.observe(fb.drafted, fb.verify_seconds, fb.draft_seconds)
+        self.cost.observe(max(fb.drafted, 1), fb.verify_seconds, fb.draft_seconds)   # 0 runs as 1 (pad row)

@@ -288,3 +288,21 @@ def test_auto_keeps_members_in_sync_and_feeds_token_recycling():
         assert member._hist == ctx, member.name
     recycler = d.members[d.member_names.index("token_recycling")]
     assert len(recycler._table) > 3
+
+
+def test_cost_aware_sizer_never_drafts_nothing():
+    """A lone token runs as two rows, so one draft node is free: even when every node costs
+    more than it can return, the sizer keeps one (and longer drafts where they pay)."""
+    from dejavuu_build.runtime.drafters.sizing import CostAwareSizer
+
+    def size(b, accepted):
+        s = CostAwareSizer()
+        for i in range(24):
+            n = i % 8 + 1
+            verified = Draft.chain([1] * n)
+            s.learn(Feedback(committed=[1] * (min(accepted, n) + 1), drafted=n, accepted=min(accepted, n),
+                             verify_seconds=1e-3 + b * n), verified)
+        return s.size(DraftBudget(8, 8), match_len=5)[0]
+
+    assert size(b=1.0, accepted=0) == 1          # hopeless and expensive: still the free node
+    assert size(b=1e-6, accepted=8) == 8         # always accepted and cheap: the whole budget
