@@ -263,117 +263,35 @@ class Engine:
                  residual_fn=residual, validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
         """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason).
         Drafts are validated on every step; ``validate_drafts`` is kept for callers that pass it."""
-        st = GenerationStats(prompt_tokens=len(prompt_ids))
-        t_all = time.perf_counter()
         budget = budget or DraftBudget()
         if budget.tree and not (tree and self.tree_capable):
             budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
-        eos = set(int(e) for e in eos_ids)
         tokens = [int(t) for t in prompt_ids]
         cap = self.dec.capacity
         if cap and len(tokens) + max_new_tokens + 1 > cap:   # +1: the pad row of a one-token step
             raise GenerationError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
                                   f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "
                                   f"max_new_tokens or rebuild with a larger --max-context")
+        job = Job(tokens, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens, budget=budget,
+                  period=self.period if budget.tree else None, tile=self.tile if budget.tree else None,
+                  eos_ids=eos_ids, should_stop=should_stop, on_tokens=on_tokens, prefill_embeds=prefill_embeds,
+                  capacity=cap, fill=self.fill, residual_fn=residual_fn)
         kv = self.dec.new_cache()
         try:
-            return self._generate(tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos,
-                                  should_stop, on_tokens, prefill_embeds, residual_fn)
+            while job.prefilling:    # chunks bound the logits buffer of a long prompt
+                rows = job.prefill_rows()
+                logits, hidden, present = self.dec.forward(
+                    rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
+                job.after_prefill(lambda n, keep: kv.commit(present, n, keep), logits, hidden)
+            while not job.done:
+                rows = job.plan(kv.length)
+                t0 = time.perf_counter()
+                logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False)
+                job.after_step(lambda n, keep: kv.commit(present, n, keep), logits, hidden,
+                               time.perf_counter() - t0, self.dec.last_run_s)
         finally:
             kv.release()
-
-    def _generate(self, tokens, kv, st, t_all, drafter, sampler, max_new_tokens, tree, budget, eos, should_stop,
-                  on_tokens, prefill_embeds, residual_fn):
-        drafter.begin(tokens)
-        if self.fill is not None:
-            self.fill.seed(tokens)
-        t0 = time.perf_counter()
-        for i in range(0, len(tokens), PREFILL_CHUNK):   # chunks bound the logits buffer of a long prompt
-            part = tokens[i:i + PREFILL_CHUNK]
-            logits, hidden, present = self.dec.forward(
-                part, None, kv, embeds=None if prefill_embeds is None else prefill_embeds[:, i:i + PREFILL_CHUNK],
-                copy=False)
-            kv.commit(present, len(part), list(range(len(part))))
-        first = sampler.pick(logits[-1], len(tokens))
-        st.prefill_s = time.perf_counter() - t0
-        new = [first]
-        tokens.append(first)
-        drafter.feedback(Feedback(committed=[first], drafted=0, accepted=0,
-                                  topk_ids=_topk_rows(logits[-1:], 8) if drafter.wants_topk else None,
-                                  hidden=hidden[-1:].copy() if drafter.wants_hidden and hidden is not None else None))
-        if on_tokens:
-            on_tokens([first])
-        _, reason = self._truncate([], [first], eos, max_new_tokens, should_stop)
-        while reason is None:
-            remaining = max_new_tokens - len(new)
-            b = DraftBudget(min(budget.max_nodes, 8 * remaining), min(budget.max_depth, remaining - 1),
-                            budget.width, budget.tree)
-            t1 = time.perf_counter()
-            draft = drafter.propose(tokens, b) if b.max_depth > 0 else Draft()
-            st.draft_s += time.perf_counter() - t1
-            try:   # always (microseconds): a malformed draft would verify wrong positions, not fail
-                draft.validate()                     # topology first: parents before children
-                draft = draft.within(b)
-                draft.validate(b)
-            except (ValueError, TypeError, AttributeError) as e:
-                raise GenerationError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} proposed an "
-                                      f"invalid draft: {e}") from None
-            own = len(draft)                         # the drafter's nodes (a fill is the engine's)
-            if not own and self.fill is not None and b.max_depth > 0 and tokens[-1] in self.fill:
-                draft = Draft([self.fill[tokens[-1]]], [-1])
-                st.filled += 1
-            step_tokens = [tokens[-1]] + draft.tokens
-            parents = with_root(draft.parents)
-            t2 = time.perf_counter()
-            if draft.is_chain():
-                logits, hidden, present = self.dec.forward(step_tokens, None, kv, copy=False)
-                slots, n_slots = list(range(len(step_tokens))), len(step_tokens)
-            else:
-                draft, step_tokens, parents, slots, logits, hidden, present, n_slots = self._verify_tree(
-                    draft, step_tokens, parents, kv, b)
-            t3 = time.perf_counter()
-            st.verify_s += t3 - t2
-            st.forward_s += self.dec.last_run_s
-            argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None   # one pass, all rows
-            committed, path = self._accept(step_tokens, parents, draft, logits, sampler, len(tokens), residual_fn,
-                                           argmax if sampler.greedy else None)
-            if self.fill is not None:
-                self.fill.learn(step_tokens, argmax)
-                st.fill_accepted += int(own == 0 and len(path) > 1)
-            kv.commit(present, n_slots, [slots[i] for i in path])
-            st.kv_s += time.perf_counter() - t3
-            st.steps += 1
-            st.drafted += len(draft)
-            st.accepted += len(path) - 1
-            st.accept_hist.append(len(path) - 1)
-            committed, reason = self._truncate(new, committed, eos, max_new_tokens, should_stop)
-            tokens += committed
-            new += committed
-            if on_tokens and committed:
-                on_tokens(committed)
-            drafter.feedback(Feedback(                # about the drafter's own nodes, never a fill
-                committed=committed, drafted=own, accepted=len(path) - 1 if own else 0,
-                accepted_path=[i - 1 for i in path[1:]] if own else [],
-                topk_ids=_topk_rows(logits if own else logits[:1], 8) if drafter.wants_topk else None,
-                hidden=hidden[path] if drafter.wants_hidden and hidden is not None else None,
-                draft_seconds=t2 - t1, verify_seconds=t3 - t2))
-        drafter.end()
-        st.tokens = len(new)
-        st.total_s = time.perf_counter() - t_all
-        st.overhead_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s)
-        return new, st, reason
-
-    def _verify_tree(self, draft: Draft, step_tokens, parents, kv: KVCache, budget: DraftBudget):
-        """One forward over the draft tree in the period-aligned layout (see tree.aligned_layout);
-        nodes pruned by the slot budget are dropped from the draft."""
-        draft, step_tokens, parents, slot, slot_parents = tree_layout(
-            draft, step_tokens, parents, period=self.period, tile=self.tile, width=budget.width,
-            capacity=self.dec.capacity, past=kv.length)
-        logits_s, hidden_s, present = self.dec.forward(slot_tokens(step_tokens, slot, len(slot_parents)),
-                                                       slot_parents, kv, copy=False)
-        logits = logits_s[slot]
-        hidden = hidden_s[slot] if hidden_s is not None else None
-        return draft, step_tokens, parents, slot, logits, hidden, present, len(slot_parents)
+        return job.new, job.stats, job.reason
 
     @staticmethod
     def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn,
@@ -420,3 +338,161 @@ class Engine:
         if reason is None and len(new) + len(committed) >= max_new:
             reason = "max_new_tokens"
         return committed, reason
+
+
+@dataclass
+class Rows:
+    """What one request feeds a forward: graph rows (tokens, parents per row or None for a chain)
+    and, for inputs_embeds decoders, the rows' embeddings."""
+
+    tokens: list[int]
+    parents: list[int] | None
+    embeds: np.ndarray | None = None     # [rows, hidden]
+
+
+class Job:
+    """One request's decoding as a step machine: prefill chunks, then per step ``plan`` (draft,
+    validate, lay out the rows) -> the caller's forward -> ``after_step`` (accept, commit KV, feed
+    back). Engine.generate drives one with its own decoder; the server's scheduler drives many
+    and puts all their rows into one batched forward, so both decode a request identically.
+    ``commit(n_rows, keep)`` keeps the rows ``keep`` of the ``n_rows`` just fed in the caller's KV."""
+
+    def __init__(self, ids: Sequence[int], *, drafter: Drafter, sampler: Sampler, max_new_tokens: int,
+                 budget: DraftBudget, period: int | None, tile: int | None, eos_ids: Sequence[int] = (),
+                 should_stop: Callable[[list[int]], int | None] | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
+                 capacity: int = 0, fill: Successors | None = None, residual_fn=residual):
+        self.tokens = [int(t) for t in ids]
+        self.prompt_len = len(self.tokens)
+        self.drafter, self.sampler, self.max_new = drafter, sampler, max_new_tokens
+        self.budget, self.period, self.tile = budget, period, tile
+        self.eos = set(int(e) for e in eos_ids)
+        self.should_stop, self.on_tokens = should_stop, on_tokens
+        self.prefill_embeds = prefill_embeds
+        self.capacity = capacity
+        self.fill, self.residual_fn = fill, residual_fn
+        self.new: list[int] = []
+        self.reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(self.tokens))
+        self.t_start = time.perf_counter()
+        self.prefilled = 0
+        self._step: tuple | None = None
+        self._draft_dt = 0.0
+        drafter.begin(self.tokens)
+        if fill is not None:
+            fill.seed(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_rows(self) -> Rows:
+        """The next prompt chunk (PREFILL_CHUNK rows: the same boundaries however it is driven)."""
+        i = self.prefilled
+        part = self.tokens[i:i + PREFILL_CHUNK]
+        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i:i + PREFILL_CHUNK]
+        return Rows(part, None, emb)
+
+    def after_prefill(self, commit: Callable[[int, list[int]], None], logits, hidden) -> None:
+        n = len(self.prefill_rows().tokens)
+        commit(n, list(range(n)))
+        self.prefilled += n
+        if self.prefilled < self.prompt_len:
+            return
+        first = self.sampler.pick(logits[-1], self.prompt_len)
+        self.stats.prefill_s = time.perf_counter() - self.t_start
+        self.new.append(first)
+        self.tokens.append(first)
+        d = self.drafter
+        d.feedback(Feedback(committed=[first], drafted=0, accepted=0,
+                            topk_ids=_topk_rows(logits[-1:], 8) if d.wants_topk else None,
+                            hidden=hidden[-1:].copy() if d.wants_hidden and hidden is not None else None))
+        if self.on_tokens:
+            self.on_tokens([first])
+        _, self.reason = Engine._truncate([], [first], self.eos, self.max_new, self.should_stop)
+        if self.reason:
+            self._finish()
+
+    # ------------------------------------------------------------------ decode steps
+    def plan(self, kv_length: int) -> Rows:
+        """Draft, validate and lay out this step's rows (a tree in its period-aligned slots)."""
+        remaining = self.max_new - len(self.new)
+        bud = self.budget
+        b = DraftBudget(min(bud.max_nodes, 8 * remaining), min(bud.max_depth, remaining - 1), bud.width, bud.tree)
+        t1 = time.perf_counter()
+        draft = self.drafter.propose(self.tokens, b) if b.max_depth > 0 else Draft()
+        self._draft_dt = time.perf_counter() - t1
+        self.stats.draft_s += self._draft_dt
+        try:   # always (microseconds): a malformed draft would verify wrong positions, not fail
+            draft.validate()                     # topology first: parents before children
+            draft = draft.within(b)
+            draft.validate(b)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise GenerationError(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r} proposed "
+                                  f"an invalid draft: {e}") from None
+        own = len(draft)                         # the drafter's nodes (a fill is the engine's)
+        if not own and self.fill is not None and b.max_depth > 0 and self.tokens[-1] in self.fill:
+            draft = Draft([self.fill[self.tokens[-1]]], [-1])
+            self.stats.filled += 1
+        step_tokens = [self.tokens[-1]] + draft.tokens
+        parents = with_root(draft.parents)
+        if draft.is_chain():
+            self._step = (draft, own, step_tokens, parents, list(range(len(step_tokens))), len(step_tokens), None)
+            return Rows(step_tokens, None)
+        draft, step_tokens, parents, slot, slot_parents = tree_layout(
+            draft, step_tokens, parents, period=self.period, tile=self.tile, width=b.width,
+            capacity=self.capacity, past=kv_length)
+        self._step = (draft, len(draft), step_tokens, parents, slot, len(slot_parents), slot)
+        return Rows(slot_tokens(step_tokens, slot, len(slot_parents)), slot_parents)
+
+    def after_step(self, commit: Callable[[int, list[int]], None], logits_s, hidden_s, verify_s: float,
+                   forward_s: float) -> None:
+        """Accept the longest agreeing path of the rows ``plan`` laid out, given their outputs."""
+        draft, own, step_tokens, parents, slots, n_slots, tree_slot = self._step
+        logits = logits_s[tree_slot] if tree_slot is not None else logits_s
+        hidden = None
+        if hidden_s is not None:
+            hidden = hidden_s[tree_slot] if tree_slot is not None else hidden_s
+        t3 = time.perf_counter()
+        st, sampler = self.stats, self.sampler
+        st.verify_s += verify_s
+        st.forward_s += forward_s
+        argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None   # one pass, all rows
+        committed, path = Engine._accept(step_tokens, parents, draft, logits, sampler, len(self.tokens),
+                                         self.residual_fn, argmax if sampler.greedy else None)
+        if self.fill is not None:
+            self.fill.learn(step_tokens, argmax)
+            st.fill_accepted += int(own == 0 and len(path) > 1)
+        commit(n_slots, [slots[i] for i in path])
+        st.kv_s += time.perf_counter() - t3
+        st.steps += 1
+        st.drafted += len(draft)
+        st.accepted += len(path) - 1
+        st.accept_hist.append(len(path) - 1)
+        committed, self.reason = Engine._truncate(self.new, committed, self.eos, self.max_new, self.should_stop)
+        self.tokens += committed
+        self.new += committed
+        if self.on_tokens and committed:
+            self.on_tokens(committed)
+        d = self.drafter
+        d.feedback(Feedback(                     # about the drafter's own nodes, never a fill
+            committed=committed, drafted=own, accepted=len(path) - 1 if own else 0,
+            accepted_path=[i - 1 for i in path[1:]] if own else [],
+            topk_ids=_topk_rows(logits if own else logits[:1], 8) if d.wants_topk else None,
+            hidden=hidden[path] if d.wants_hidden and hidden is not None else None,
+            draft_seconds=self._draft_dt, verify_seconds=verify_s))
+        self._step = None
+        if self.reason:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.drafter.end()
+        st = self.stats
+        st.tokens = len(self.new)
+        st.total_s = time.perf_counter() - self.t_start
+        st.overhead_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s)

@@ -101,6 +101,19 @@ class GenerationResult:
 
 
 @dataclass
+class RequestPlan:
+    """One request's decoding set-up (`Model.plan`)."""
+    sampler: Sampler
+    drafter: Drafter
+    budget: DraftBudget
+    tree: bool
+    period: int | None
+    tile: int | None
+    should_stop: object | None       # Callable[[list[int]], int | None]
+    fill: Successors | None
+
+
+@dataclass
 class Model:
     folder: Path
     variant: str
@@ -167,8 +180,34 @@ class Model:
             raise GenerationError(f"prompt ({len(ids)} tokens{', images included' if images else ''}) + max_new_tokens "
                                   f"({max_new_tokens}) exceeds the model's {limit} positions: shorten the prompt, "
                                   f"use fewer images or lower max_new_tokens")
+        plan = self.plan(method, tree=tree, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                         stop=stop, datastore=datastore, width=width, max_nodes=max_nodes, max_depth=max_depth,
+                         drafter_params=drafter_params)
+        engine = Engine(self.decoder, tree_capable=self.tree_capable, period=plan.period, tile=plan.tile,
+                        fill=plan.fill)
+        new, stats, reason = engine.generate(ids, drafter=plan.drafter, sampler=plan.sampler,
+                                             max_new_tokens=max_new_tokens, tree=plan.tree, budget=plan.budget,
+                                             eos_ids=self.eos_ids, should_stop=plan.should_stop, on_tokens=on_tokens,
+                                             validate_drafts=validate_drafts, prefill_embeds=prefill_embeds,
+                                             **({"residual_fn": residual_fn} if residual_fn else {}))
+        text = self.tokenizer.decode(new) if self.tokenizer else ""
+        if stop and reason == "stop_string":
+            for s_ in stop:
+                if s_ in text:
+                    text = text[:text.index(s_)]
+        name = method if isinstance(method, str) else getattr(method, "name", "custom")
+        return GenerationResult(text, new, len(ids), stats, reason, name, plan.tree)
+
+    def plan(self, method: str | Drafter = "baseline", *, tree: bool = False, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), datastore=None,
+             width: int = 2, max_nodes: int | None = None, max_depth: int = 8,
+             drafter_params: dict | None = None) -> "RequestPlan":
+        """How one request decodes on this machine: its sampler, drafter, draft budget and the
+        exactness fallbacks (chains when the CPU has no exact tree layout, plain steps when a batched
+        verify is not bit-identical), each announced once. `generate` and the server's scheduler
+        both start from it, so a served request decodes exactly as the same `generate` call."""
         sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        drafter = self._drafter(method, datastore, drafter_params, sampler)
+        drafter = self._drafter(method, datastore, dict(drafter_params or {}), sampler)
         if tree and not self.tree_capable and not self._warned_tree:
             logger.warning("this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
                            self.contract.mask_kind)
@@ -180,7 +219,6 @@ class Model:
             use_tree = False
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)
-        should_stop = self._stop_fn(stop) if stop else None
         speculative = not (isinstance(method, str) and method in ("baseline", "baseline_n1"))
         if speculative and not self.calibration.chain_exact:
             if not self._warned_exact:
@@ -189,22 +227,12 @@ class Model:
                 self._warned_exact = True
             budget = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False)
             use_tree = False
-        engine = Engine(self.decoder, tree_capable=self.tree_capable,
-                        period=self.tree_period if use_tree else None,
-                        tile=self.calibration.tile if use_tree else None,
-                        fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
-        new, stats, reason = engine.generate(ids, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens,
-                                             tree=use_tree, budget=budget, eos_ids=self.eos_ids,
-                                             should_stop=should_stop, on_tokens=on_tokens,
-                                             validate_drafts=validate_drafts, prefill_embeds=prefill_embeds,
-                                             **({"residual_fn": residual_fn} if residual_fn else {}))
-        text = self.tokenizer.decode(new) if self.tokenizer else ""
-        if stop and reason == "stop_string":
-            for s_ in stop:
-                if s_ in text:
-                    text = text[:text.index(s_)]
-        name = method if isinstance(method, str) else getattr(method, "name", "custom")
-        return GenerationResult(text, new, len(ids), stats, reason, name, use_tree)
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        return RequestPlan(sampler=sampler, drafter=drafter, budget=budget, tree=use_tree,
+                           period=self.tree_period if use_tree else None,
+                           tile=self.calibration.tile if use_tree else None,
+                           should_stop=self._stop_fn(stop) if stop else None,
+                           fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
 
     @property
     def calibration(self):

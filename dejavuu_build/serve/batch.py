@@ -8,42 +8,28 @@ fed exactly the rows the single-request decoder would feed it — a one-token st
 rows, a tree its period-aligned slots — so each row's logits are bit-identical to decoding that
 request alone (rows are independent for any row count >= 2; ``check_exact`` measures it).
 
-``Job`` is one request as a step machine: the draft -> verify -> accept loop of
-runtime.engine.Engine cut at the forward, so the scheduler can put many jobs' verify rows into
-one call. It reuses the engine's acceptance, truncation and tree layout.
+Each request is a runtime.engine.Job (the engine's own step machine), so the scheduler can put
+many requests' verify rows into one call and still decode each as Engine.generate would.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ..errors import GenerationError
 from ..log import logger
-from ..runtime.drafters.base import Draft, DraftBudget, Drafter, Feedback
-from ..runtime.engine import PREFILL_CHUNK, Engine, GenerationStats, _topk_rows, tree_layout
-from ..runtime.sampling import Sampler, residual
-from ..runtime.tree import NEG, slot_tokens, step_inputs, with_root
+from ..runtime.engine import Rows
+from ..runtime.tree import NEG, step_inputs
 from .graph import (GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, batched_graph,
                     batched_path)
 
 
 class BatchUnavailable(GenerationError):
     """This decoder cannot run batched (no static KV layout, or rows not exact on this machine)."""
-
-
-@dataclass
-class Rows:
-    """What one request feeds a forward: graph rows (tokens, parents per row or None for a chain)
-    and, for inputs_embeds decoders, the rows' embeddings."""
-
-    tokens: list[int]
-    parents: list[int] | None
-    embeds: np.ndarray | None = None     # [rows, hidden]
 
 
 class BatchDecoder:
@@ -197,134 +183,3 @@ class BatchDecoder:
             rows = self.buf[:, slot]          # a view: [2 * layers, kv_heads, capacity, head_dim]
             rows[:, :, L:L + k] = rows[:, :, src]
         self.lengths[slot] = L + k
-
-
-class Job:
-    """One request's decoding as a step machine (Engine.generate cut at each forward)."""
-
-    def __init__(self, ids: list[int], *, drafter: Drafter, sampler: Sampler, max_new_tokens: int,
-                 budget: DraftBudget, period: int | None, tile: int | None, eos_ids: Sequence[int] = (),
-                 should_stop: Callable[[list[int]], int | None] | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 capacity: int = 0):
-        self.tokens = [int(t) for t in ids]
-        self.prompt_len = len(self.tokens)
-        self.drafter, self.sampler, self.max_new = drafter, sampler, max_new_tokens
-        self.budget, self.period, self.tile = budget, period, tile
-        self.eos = set(int(e) for e in eos_ids)
-        self.should_stop, self.on_tokens = should_stop, on_tokens
-        self.prefill_embeds = prefill_embeds
-        self.capacity = capacity
-        self.new: list[int] = []
-        self.reason: str | None = None
-        self.stats = GenerationStats(prompt_tokens=len(self.tokens))
-        self.t_start = time.perf_counter()
-        self.prefilled = 0
-        self._step: tuple | None = None
-        self._draft_dt = 0.0
-        drafter.begin(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.reason is not None
-
-    # ------------------------------------------------------------------ prefill
-    def prefill_rows(self) -> Rows:
-        """The next prompt chunk (the engine's PREFILL_CHUNK boundaries, so rows match exactly)."""
-        i = self.prefilled
-        part = self.tokens[i:i + PREFILL_CHUNK]
-        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i:i + PREFILL_CHUNK]
-        return Rows(part, None, emb)
-
-    def after_prefill(self, batch: BatchDecoder, slot: int, logits, hidden) -> None:
-        n = len(self.prefill_rows().tokens)
-        batch.commit(slot, n, list(range(n)))
-        self.prefilled += n
-        if self.prefilled < self.prompt_len:
-            return
-        first = self.sampler.pick(logits[-1], self.prompt_len)
-        self.stats.prefill_s = time.perf_counter() - self.t_start
-        self.new.append(first)
-        self.tokens.append(first)
-        d = self.drafter
-        d.feedback(Feedback(committed=[first], drafted=0, accepted=0,
-                            topk_ids=_topk_rows(logits[-1:], 8) if d.wants_topk else None,
-                            hidden=hidden[-1:].copy() if d.wants_hidden and hidden is not None else None))
-        if self.on_tokens:
-            self.on_tokens([first])
-        _, self.reason = Engine._truncate([], [first], self.eos, self.max_new, self.should_stop)
-        if self.reason:
-            self._finish()
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < self.prompt_len
-
-    # ------------------------------------------------------------------ decode steps
-    def plan(self, kv_length: int) -> Rows:
-        """Draft, validate and lay out this step's rows (the engine's loop body up to the forward)."""
-        remaining = self.max_new - len(self.new)
-        bud = self.budget
-        b = DraftBudget(min(bud.max_nodes, 8 * remaining), min(bud.max_depth, remaining - 1), bud.width, bud.tree)
-        t1 = time.perf_counter()
-        draft = self.drafter.propose(self.tokens, b) if b.max_depth > 0 else Draft()
-        self._draft_dt = time.perf_counter() - t1
-        self.stats.draft_s += self._draft_dt
-        try:
-            draft.validate()
-            draft = draft.within(b)
-            draft.validate(b)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise GenerationError(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r} proposed "
-                                  f"an invalid draft: {e}") from None
-        step_tokens = [self.tokens[-1]] + draft.tokens
-        parents = with_root(draft.parents)
-        if draft.is_chain():
-            slots, n_slots = list(range(len(step_tokens))), len(step_tokens)
-            self._step = (draft, step_tokens, parents, slots, n_slots, None)
-            return Rows(step_tokens, None)
-        draft, step_tokens, parents, slot, slot_parents = tree_layout(
-            draft, step_tokens, parents, period=self.period, tile=self.tile, width=b.width,
-            capacity=self.capacity, past=kv_length)
-        self._step = (draft, step_tokens, parents, slot, len(slot_parents), slot)
-        return Rows(slot_tokens(step_tokens, slot, len(slot_parents)), slot_parents)
-
-    def after_step(self, batch: BatchDecoder, slot_index: int, logits_s, hidden_s, verify_s: float,
-                   forward_s: float) -> None:
-        draft, step_tokens, parents, slots, n_slots, tree_slot = self._step
-        logits = logits_s[tree_slot] if tree_slot is not None else logits_s
-        hidden = None
-        if hidden_s is not None:
-            hidden = hidden_s[tree_slot] if tree_slot is not None else hidden_s
-        t3 = time.perf_counter()
-        st = self.stats
-        st.verify_s += verify_s
-        st.forward_s += forward_s
-        committed, path = Engine._accept(step_tokens, parents, draft, logits, self.sampler, len(self.tokens), residual)
-        batch.commit(slot_index, n_slots, [slots[i] for i in path])
-        st.kv_s += time.perf_counter() - t3
-        st.steps += 1
-        st.drafted += len(draft)
-        st.accepted += len(path) - 1
-        st.accept_hist.append(len(path) - 1)
-        committed, self.reason = Engine._truncate(self.new, committed, self.eos, self.max_new, self.should_stop)
-        self.tokens += committed
-        self.new += committed
-        if self.on_tokens and committed:
-            self.on_tokens(committed)
-        d = self.drafter
-        d.feedback(Feedback(committed=committed, drafted=len(draft), accepted=len(path) - 1,
-                            accepted_path=[i - 1 for i in path[1:]],
-                            topk_ids=_topk_rows(logits, 8) if d.wants_topk else None,
-                            hidden=hidden[path] if d.wants_hidden and hidden is not None else None,
-                            draft_seconds=self._draft_dt, verify_seconds=verify_s))
-        self._step = None
-        if self.reason:
-            self._finish()
-
-    def _finish(self) -> None:
-        self.drafter.end()
-        st = self.stats
-        st.tokens = len(self.new)
-        st.total_s = time.perf_counter() - self.t_start
-        st.overhead_s = max(0.0, st.total_s - st.prefill_s - st.draft_s - st.verify_s)

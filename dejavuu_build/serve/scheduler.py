@@ -24,11 +24,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import DejavuuError, GenerationError
+from ..errors import DejavuuError
 from ..log import logger
-from ..runtime.drafters.base import DraftBudget
-from ..runtime.sampling import Sampler
-from .batch import BatchDecoder, BatchUnavailable, Job, Rows
+from ..runtime.engine import Job, Rows
+from .batch import BatchDecoder, BatchUnavailable
 from .memory import MEMORY_METHODS, Memory, with_memory
 
 
@@ -202,28 +201,24 @@ class Scheduler:
             self._finish_error(r, Cancelled("the server is shutting down"))
 
     def _make_job(self, req: Request) -> Job:
-        """Model.generate's setup for one request (drafter, budget, exactness fallbacks), as a Job."""
+        """The request as a Job, set up by Model.plan exactly as `generate` sets it up."""
         m, p = self.model, req.params
-        sampler = Sampler(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
-        drafter = m._drafter(p.method, self.datastore, {}, sampler)
+        plan = m.plan(p.method, tree=p.tree, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                      stop=p.stop, datastore=self.datastore, width=self.width, max_nodes=self.max_nodes,
+                      max_depth=self.max_depth)
+        drafter = plan.drafter
         if self.memory is not None and p.method in MEMORY_METHODS:
             drafter = with_memory(p.method, drafter, self.memory.index(p.namespace), self.datastore)
-        use_tree = p.tree and m.tree_capable and m.tree_period is not None
-        budget = DraftBudget(max_nodes=self.max_nodes or (16 if use_tree else self.max_depth),
-                             max_depth=self.max_depth, width=self.width if use_tree else 1, tree=use_tree)
-        if p.method != "baseline" and not m.calibration.chain_exact:
-            budget, use_tree = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False), False
-        stop_fn = m._stop_fn(p.stop) if p.stop else None
 
         def on_tokens(ids, req=req):
             self.metrics.add_tokens(len(ids))
             req.on_tokens(ids)
 
-        job = Job(req.ids, drafter=drafter, sampler=sampler, max_new_tokens=p.max_new_tokens, budget=budget,
-                  period=m.tree_period if use_tree else None, tile=m.calibration.tile if use_tree else None,
-                  eos_ids=m.eos_ids, should_stop=stop_fn, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
-                  capacity=self.batch.capacity if self.batch else 0)
-        job.use_tree = use_tree
+        job = Job(req.ids, drafter=drafter, sampler=plan.sampler, max_new_tokens=p.max_new_tokens,
+                  budget=plan.budget, period=plan.period, tile=plan.tile, eos_ids=m.eos_ids,
+                  should_stop=plan.should_stop, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
+                  capacity=self.batch.capacity if self.batch else 0, fill=plan.fill)
+        job.use_tree = plan.tree
         return job
 
     def _admit(self) -> None:
@@ -251,7 +246,7 @@ class Scheduler:
         for r in [r for r in self._active if r.job.prefilling]:
             (logits, hidden), = self.batch.forward(r.slot, [r.job.prefill_rows()])
             self._count_forward(1)
-            r.job.after_prefill(self.batch, r.slot, logits, hidden)
+            r.job.after_prefill(lambda n, keep, s=r.slot: self.batch.commit(s, n, keep), logits, hidden)
             if r.job.done:
                 self._complete(r)
         decoding = sorted((r for r in self._active if not r.job.prefilling), key=lambda r: r.slot)
@@ -278,7 +273,8 @@ class Scheduler:
             logits, hidden = outs[r.slot]
             job = r.job
             before = (job.stats.drafted, job.stats.accepted)
-            job.after_step(self.batch, r.slot, logits, hidden, verify_s, self.batch.last_run_s)
+            job.after_step(lambda n, keep, s=r.slot: self.batch.commit(s, n, keep), logits, hidden, verify_s,
+                           self.batch.last_run_s)
             name = r.params.method
             self.metrics.drafted[name] = self.metrics.drafted.get(name, 0) + job.stats.drafted - before[0]
             self.metrics.accepted[name] = self.metrics.accepted.get(name, 0) + job.stats.accepted - before[1]
@@ -337,9 +333,9 @@ class Scheduler:
 
             drafter = p.method
             if self.memory is not None and p.method in MEMORY_METHODS:
-                sampler = Sampler(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
-                drafter = with_memory(p.method, self.model._drafter(p.method, self.datastore, {}, sampler),
-                                      self.memory.index(p.namespace), self.datastore)
+                own = self.model.plan(p.method, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                      seed=p.seed, datastore=self.datastore).drafter
+                drafter = with_memory(p.method, own, self.memory.index(p.namespace), self.datastore)
             res = self.model.generate(req.ids, method=drafter, tree=p.tree, max_new_tokens=p.max_new_tokens,
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                                       stop=p.stop, datastore=self.datastore, width=self.width,
