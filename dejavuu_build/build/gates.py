@@ -23,7 +23,7 @@ import numpy as np
 from ..log import logger
 from ..runtime.session import empty_past
 from ..runtime.tree import causal_inputs, step_inputs
-from ..schema import Contract
+from ..schema import ROW_SLOTS, SLOT_ROWS, Contract
 
 # Teacher-forced top-1 floors against torch's greedy continuations of the 4 gate prompts (96
 # positions on a real build): a coarse check that each variant runs the model at all.
@@ -205,6 +205,7 @@ class Runner:
         self.c = contract
         self.embed = embed  # callable ids -> embeds, for inputs_embeds decoders
         self.out_names = [o.name for o in session.get_outputs()]
+        self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}   # static flavour: rows = slots here
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
         feeds = dict(past)
@@ -214,6 +215,8 @@ class Runner:
             feeds["input_ids"] = ids[None].astype(np.int64)
         feeds["position_ids"] = pos
         feeds["attention_bias"] = bias
+        if self.sparse:
+            feeds[SLOT_ROWS] = feeds[ROW_SLOTS] = np.arange(len(ids), dtype=np.int64)
         out = dict(zip(self.out_names, self.s.run(None, feeds)))
         present = {self.c.kv_input_pattern.format(i=i, kv=kv): out[self.c.kv_output_pattern.format(i=i, kv=kv)]
                    for i in range(self.c.num_layers) for kv in ("key", "value")}

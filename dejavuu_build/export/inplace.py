@@ -13,8 +13,18 @@ Why by hand: onnxruntime's optimizers rewrite neither standard ``Attention`` wit
 bias nor a concat KV cache into an in-place one (checked on 1.32), and the exporter cannot emit
 a contrib op. The pass works on onnx-ir.
 
+Rows and slots: the graph takes R token rows but attends over S slots. ``slot_rows [S]`` gives
+the row each slot reads (pads: any row; its keys are masked) and ``row_slots [R]`` the slot of
+each row. Projections, norms, MLPs and the lm-head run on the R rows; each GQA gathers its q/k/v
+into the S slots and its output back to the rows. Why: an exact tree needs its branches at
+period-aligned slots (runtime.tree.aligned_layout), and the pad slots between them then cost
+attention only instead of a whole forward row each. A chain passes the identity.
+
 Graph I/O after the pass (names unchanged):
-    attention_bias [1, 1, N, P+N]  still past+new wide: the past length P is read off its shape
+    input_ids [1, R] | inputs_embeds [1, R, H]; logits, hidden_states [1, R, ...]
+    slot_rows [S], row_slots [R]   int64, as above
+    position_ids [1, S]
+    attention_bias [1, 1, S, P+S]  still past+new wide: the past length P is read off its shape
     past_key_values.{i}.key|value  [1, KV, capacity, D]   (the shared buffer)
     present.{i}.key|value          [1, KV, capacity, D]   (the same buffer, bound in place)
 GQA applies its own causal mask among the new rows on top of the bias, so tree nodes must come
@@ -73,6 +83,12 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     total = new("Squeeze", [total32, axis0], "/kv_static/Total", first).outputs[0]
     flat = _initializer(g, "kv_static.flat", np.array([0, 0, -1], np.int64))
     cos_sin: dict[str, tuple] = {}
+    slot_gathers: list = []
+    # Rows (tokens) and slots (attention positions) are decoupled: row-wise work runs on the real
+    # rows only; each GQA gathers its q/k/v rows into the slot layout and gathers its output back.
+    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
+    row_slots = ir.Value(name=S.ROW_SLOTS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
+    g.inputs.extend([slot_rows, row_slots])
 
     for att in attn_nodes:
         q4, k_all, v_all = att.inputs[0], att.inputs[1], att.inputs[2]
@@ -119,11 +135,18 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         attrs.setdefault("scale", float(1.0 / np.sqrt(head_dim)))
         qkv = _packed_qkv(g, q3, k3, v3) if fuse else None
         ins = [qkv, None, None] if qkv is not None else [q3, k3, v3]
+        to_slots = [None if x is None else new("Gather", [x, slot_rows], f"{base}/kv_static/to_slots_{j}", att,
+                                               {"axis": 1}) for j, x in enumerate(ins)]
+        slot_gathers += [x for x in to_slots if x is not None]
+        ins = [None if x is None else x.outputs[0] for x in to_slots]
         gqa = new("GroupQueryAttention", ins + [past_k, past_v, seqlens, total, cos, sin,
                                                position_ids if rotary else None, att_bias],
                   f"{base}/GroupQueryAttention", att, attrs, MS_DOMAIN, 3)
-        out3 = gqa.outputs[0]
-        out3.name = f"{base}/gqa_out"
+        gqa.outputs[0].name = f"{base}/gqa_out"
+        to_rows = new("Gather", [gqa.outputs[0], row_slots], f"{base}/kv_static/to_rows", att, {"axis": 1})
+        slot_gathers.append(to_rows)
+        out3 = to_rows.outputs[0]
+        out3.name = f"{base}/gqa_rows"
         # Attention gave [B, H, N, D]; its consumer is Transpose(0,2,1,3) + Reshape to [B, N, H*D],
         # which GQA's output already is.
         t_user = _only_user(att.outputs[0])
@@ -148,6 +171,15 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             p.shape = ir.Shape([1, kv_heads, capacity, head_dim])
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
+    sparse = _slot_inputs_reach_attention_only(g, (bias, position_ids))
+    if sparse:
+        position_ids.shape = ir.Shape([1, "slots"])
+        bias.shape = ir.Shape([1, 1, "slots", "total"])
+        primary = inputs.get(S.INPUT_IDS) or inputs.get(S.INPUTS_EMBEDS)
+        if primary is not None and primary.shape is not None:
+            primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
+    else:
+        _undo_slot_gathers(g, slot_gathers, (slot_rows, row_slots))
     graph_outs = set(g.outputs)
     for name, v in list(g.initializers.items()):   # the unfused weights, now unused
         if not list(v.uses()) and v not in graph_outs:
@@ -161,9 +193,30 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
 
     if tensor_bytes(out) < EXTERNAL_DATA_BYTES:   # the checker serialises: only under 2 GB
         onnx.checker.check_model(out)
-    logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes", len(attn_nodes), capacity,
-                len(out.graph.node))
+    logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes, tree pad slots %s",
+                len(attn_nodes), capacity, len(out.graph.node),
+                "cost attention only" if sparse else "are whole rows (the graph shapes a mask by the rows)")
     return out
+
+
+def _slot_inputs_reach_attention_only(g, slot_shaped) -> bool:
+    """Rows may differ from slots only if the slot-shaped inputs (bias, positions) feed nothing
+    but GroupQueryAttention and the bias's Shape: a graph that shapes its own mask from them
+    (Gemma 3's sliding windows) mixes them with row-shaped tensors, and keeps rows = slots."""
+    for v in slot_shaped:
+        for use in v.uses():
+            nd = use.node
+            if not (nd.op_type == "GroupQueryAttention" or nd.name == "/kv_static/Shape"):
+                return False
+    return True
+
+
+def _undo_slot_gathers(g, gathers, inputs) -> None:
+    for nd in gathers:
+        nd.outputs[0].replace_all_uses_with(nd.inputs[0])
+    _drop(g, gathers)
+    for v in inputs:
+        g.inputs.remove(v)
 
 
 def _initializer(g, name: str, arr: np.ndarray):

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..log import logger
-from .tree import aligned_layout, slot_tokens, with_root
+from .tree import aligned_layout, with_root
 
 PERIODS = (4, 8, 16, 32, 64)
 TILES = (None, 256, 128, 64, 32, 16)        # tried in this order: the least pruning first
@@ -147,8 +147,9 @@ def _tile(dec, period: int) -> tuple[bool, int | None]:
                     chains[node] = out[d]
             for tile in (t for t in TILES if ok[t]):
                 slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
-                out, _, _ = dec.forward(slot_tokens(step, slot, len(slot_parents)), slot_parents, kv)
-                ok[tile] = all(s_ < 0 or np.array_equal(out[s_], chains[i]) for i, s_ in enumerate(slot) if i)
+                kept = [i for i, s_ in enumerate(slot) if s_ >= 0]     # as the engine feeds it
+                out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
+                ok[tile] = all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
         best = next((t for t in TILES if ok[t]), "none")
         return (best != "none"), (None if best == "none" else best)
     finally:

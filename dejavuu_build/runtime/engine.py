@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..schema import LOGITS, Contract
+from ..schema import LOGITS, ROW_SLOTS, SLOT_ROWS, Contract
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .kv import KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
@@ -98,6 +98,9 @@ class Decoder:
         self.capacity = contract.kv_capacity if self.static else 0
         self._free: list = []           # released static buffers, reused by the next generation
         self._out_buf = np.zeros(0, dtype=np.float32)
+        # rows decoupled from attention slots (export.inplace): pad slots cost attention only
+        self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}
+        self._arange = np.zeros(0, dtype=np.int64)
 
     def new_cache(self) -> KVCache | StaticKV:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
@@ -118,8 +121,12 @@ class Decoder:
         return StaticKV(self, buf, binding)
 
     def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
-                embeds: np.ndarray | None = None, copy: bool = True):
+                embeds: np.ndarray | None = None, copy: bool = True, slots: Sequence[int] | None = None):
         """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
+
+        ``slots``: a tree in an aligned slot layout (Job.plan): ``parents`` then covers the slots
+        (pads: -1) and ``slots[i]`` is token i's slot; outputs come back per token. A graph with
+        rows decoupled from slots (export.inplace) runs the tokens only; others run every slot.
 
         A single token is padded to two graph rows: ORT's kernels take another path for one
         row (GEMV) than for several, and int8-activation kernels amplify that last-bit
@@ -128,6 +135,11 @@ class Decoder:
         what makes speculative decoding exactly equal to plain decoding. The pad sits after the
         real row, which never attends to it, and its output and KV are dropped.
         """
+        if slots is not None and not self.sparse:
+            slots = list(slots)
+            logits, hidden, present = self.forward(slot_tokens(list(tokens), slots, len(parents)), parents, kv,
+                                                   embeds, copy=copy)
+            return logits[slots], (hidden[slots] if hidden is not None else None), present
         n = len(tokens)
         past = kv.length
         pad = n == 1 and self.pad_single
@@ -141,7 +153,7 @@ class Decoder:
             feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(toks[None])
         else:
             feeds["input_ids"] = toks[None]
-        m = len(toks)
+        m = len(parents) if slots is not None else len(toks)     # attention slots (graph rows if dense)
         if self.c.mask_kind == "additive_4d":
             pos, bias = causal_inputs(m, past) if parents is None else step_inputs(parents, past)
             feeds[self.c.mask_input] = bias
@@ -153,8 +165,15 @@ class Decoder:
                 feeds[self.c.mask_input] = np.ones((1, past + m), dtype=np.int64)
         if self.c.position_input:
             feeds[self.c.position_input] = pos
+        if self.sparse:
+            if slots is None:
+                feeds[SLOT_ROWS] = feeds[ROW_SLOTS] = self._identity(m)
+            else:
+                slot_rows = np.zeros(m, np.int64)
+                slot_rows[list(slots)] = np.arange(n)
+                feeds[SLOT_ROWS], feeds[ROW_SLOTS] = slot_rows, np.asarray(slots, np.int64)
         if self.static:
-            return self._run_static(feeds, kv, n, m, copy)
+            return self._run_static(feeds, kv, n, m, len(toks), copy)
         t0 = time.perf_counter()
         out = self.s.run(self.outputs, feeds)
         self.last_run_s = time.perf_counter() - t0
@@ -165,7 +184,12 @@ class Decoder:
             present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
 
-    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int, copy: bool):
+    def _identity(self, m: int) -> np.ndarray:
+        if len(self._arange) < m:
+            self._arange = np.arange(max(m, 2 * len(self._arange)), dtype=np.int64)
+        return self._arange[:m]
+
+    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int, rows: int, copy: bool):
         """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
         states written straight into one reusable array, K/V rows written into the cache buffer.
         With ``copy=False`` the returned rows are views, valid until the next forward (the engine's
@@ -180,14 +204,15 @@ class Decoder:
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
         V, H = self.c.vocab_size, (self.c.hidden_size if self.has_hidden else 0)
-        need = m * (V + H)
+        r = rows if self.sparse else m               # output rows
+        need = r * (V + H)
         if self._out_buf.size < need:
             self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
-        logits = self._out_buf[:m * V].reshape(1, m, V)
+        logits = self._out_buf[:r * V].reshape(1, r, V)
         b.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         hidden = None
         if self.has_hidden:
-            hidden = self._out_buf[m * V:need].reshape(1, m, H)
+            hidden = self._out_buf[r * V:need].reshape(1, r, H)
             b.bind_ortvalue_output(self.c.hidden_output, ort.OrtValue.ortvalue_from_numpy(hidden))
         t0 = time.perf_counter()
         self.s.run_with_iobinding(b)
@@ -286,7 +311,7 @@ class Engine:
             while not job.done:
                 rows = job.plan(kv.length)
                 t0 = time.perf_counter()
-                logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False)
+                logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False, slots=rows.slots)
                 job.after_step(lambda n, keep: kv.commit(present, n, keep), logits, hidden,
                                time.perf_counter() - t0, self.dec.last_run_s)
         finally:
@@ -348,6 +373,7 @@ class Rows:
     tokens: list[int]
     parents: list[int] | None
     embeds: np.ndarray | None = None     # [rows, hidden]
+    slots: list[int] | None = None       # a tree's aligned layout: token i's slot; parents then per slot
 
 
 class Job:
@@ -442,22 +468,19 @@ class Job:
         step_tokens = [self.tokens[-1]] + draft.tokens
         parents = with_root(draft.parents)
         if draft.is_chain():
-            self._step = (draft, own, step_tokens, parents, list(range(len(step_tokens))), len(step_tokens), None)
+            self._step = (draft, own, step_tokens, parents, list(range(len(step_tokens))), len(step_tokens))
             return Rows(step_tokens, None)
         draft, step_tokens, parents, slot, slot_parents = tree_layout(
             draft, step_tokens, parents, period=self.period, tile=self.tile, width=b.width,
             capacity=self.capacity, past=kv_length)
-        self._step = (draft, len(draft), step_tokens, parents, slot, len(slot_parents), slot)
-        return Rows(slot_tokens(step_tokens, slot, len(slot_parents)), slot_parents)
+        self._step = (draft, len(draft), step_tokens, parents, slot, len(slot_parents))
+        return Rows(step_tokens, slot_parents, slots=slot)
 
-    def after_step(self, commit: Callable[[int, list[int]], None], logits_s, hidden_s, verify_s: float,
+    def after_step(self, commit: Callable[[int, list[int]], None], logits, hidden, verify_s: float,
                    forward_s: float) -> None:
-        """Accept the longest agreeing path of the rows ``plan`` laid out, given their outputs."""
-        draft, own, step_tokens, parents, slots, n_slots, tree_slot = self._step
-        logits = logits_s[tree_slot] if tree_slot is not None else logits_s
-        hidden = None
-        if hidden_s is not None:
-            hidden = hidden_s[tree_slot] if tree_slot is not None else hidden_s
+        """Accept the longest agreeing path of the rows ``plan`` laid out, given their outputs
+        (one row per token: a tree's slots are the forward's business)."""
+        draft, own, step_tokens, parents, slots, n_slots = self._step
         t3 = time.perf_counter()
         st, sampler = self.stats, self.sampler
         st.verify_s += verify_s

@@ -110,16 +110,17 @@ class BatchDecoder:
         B = len(rows)
         fed = []
         for r in rows:
-            if r is not None and len(r.tokens) == 1:   # as Decoder.forward: one token -> two rows
+            if r is not None and len(r.tokens) == 1 and r.slots is None:   # as Decoder.forward: one -> two rows
                 r = Rows(r.tokens * 2, [-1, -1], None if r.embeds is None else np.concatenate([r.embeds] * 2))
             fed.append(r)
-        S = max([2] + [len(r.tokens) for r in fed if r is not None])
+        widths = [0 if r is None else len(r.parents) if r.slots is not None else len(r.tokens) for r in fed]
+        S = max([2] + widths)                 # attention slots per entry (a tree's aligned layout)
         lens = [self.lengths[lo + b] for b in range(B)]
         for b, r in enumerate(fed):
             if r is not None and lens[b] + S > self.capacity:
                 raise GenerationError(f"the KV cache holds {self.capacity} positions and this step needs "
                                       f"{lens[b] + S}: use a shorter prompt or fewer new tokens")
-        width = max(1, max(lens[b] + (len(r.tokens) if r is not None else 0) for b, r in enumerate(fed)))
+        width = max(1, max(lens[b] + widths[b] for b in range(B)))
         counts = [len(r.tokens) if r is not None else 0 for r in fed]
         T = sum(counts)
         ids = np.zeros((1, T), np.int64)
@@ -137,15 +138,17 @@ class BatchDecoder:
             if r is None:
                 seqlens[b] = max(P - 1, 0)
                 continue
-            n, o = counts[b], int(offsets[b])
+            n, o, w = counts[b], int(offsets[b]), widths[b]
             parents = r.parents if r.parents is not None else list(range(-1, n - 1))
+            slots = np.arange(n) if r.slots is None else np.asarray(r.slots, np.int64)
             p, m = step_inputs(parents, P)
             ids[0, o:o + n] = r.tokens
-            pos[b, :n] = p[0]
-            pad_index[b, :n] = np.arange(o, o + n)
-            unpad_index[0, o:o + n] = b * S + np.arange(n)
-            bias[b, 0, :n, :P + n] = m[0, 0]
-            seqlens[b], qlens[b] = P + n - 1, n
+            pos[b, :w] = p[0]
+            pad_index[b, :w] = o                   # pad slots read the root row (their keys are masked)
+            pad_index[b, slots] = o + np.arange(n)
+            unpad_index[0, o:o + n] = b * S + slots
+            bias[b, 0, :w, :P + w] = m[0, 0]
+            seqlens[b], qlens[b] = P + w - 1, w
             if embeds is not None:
                 embeds[0, o:o + n] = r.embeds if r.embeds is not None else self.model.decoder.embed(
                     np.asarray(r.tokens, np.int64)[None])[0]

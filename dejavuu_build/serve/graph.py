@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ContractError
+from ..schema import ROW_SLOTS, SLOT_ROWS
 
 SEQLENS_K = "seqlens_k"            # [B] int32: tokens in each entry's cache after this step, minus one
 QUERY_SEQLENS = "query_seqlens"    # [B] int32: valid (unpadded) rows of each entry this step
@@ -29,7 +30,7 @@ UNPAD_INDEX = "unpad_index"        # [1, T] int64: padded row (b * S + s) of eac
 GQA_POSITIONS = "padded_position_ids"   # [B, S] int64: positions in the padded layout
 _GQA_SEQLENS, _GQA_POSITIONS, _GQA_BIAS, _GQA_QUERY_SEQLENS = 5, 9, 10, 16
 _BATCH = "batch"
-GRAPH_VERSION = 2                  # part of the cache key: bump when the pass changes
+GRAPH_VERSION = 3                  # part of the cache key: bump when the pass changes
 
 
 def batched_graph(src: Path, dst: Path) -> None:
@@ -69,12 +70,30 @@ def batched_graph(src: Path, dst: Path) -> None:
     g.initializer.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "batched.axis0"))
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     row_shapes: dict[int, str] = {}
+    # The static graph's own row/slot gathers (export.inplace) do for one request what pad_index /
+    # unpad_index do for the batch: they are bypassed and the batched gathers take their place.
+    producer = {o: nd for nd in g.node for o in nd.output}
+    users: dict[str, list] = {}
+    for nd in g.node:
+        for i in nd.input:
+            users.setdefault(i, []).append(nd)
+    slot_gathers = set()
     body = []
     for n in g.node:
+        if id(n) in slot_gathers:
+            continue
         if n not in gqa:
             body.append(n)
             continue
         ins = list(n.input) + [""] * max(0, _GQA_QUERY_SEQLENS + 1 - len(n.input))
+        for j in (0, 1, 2):
+            src = producer.get(ins[j])
+            if src is not None and src.op_type == "Gather" and src.input[1] == SLOT_ROWS:
+                ins[j] = src.input[0]
+        back = users.get(n.output[0], [])
+        if len(back) == 1 and back[0].op_type == "Gather" and back[0].input[1] == ROW_SLOTS:
+            slot_gathers.add(id(back[0]))
+            n.output[0] = back[0].output[0]
         if ins[_GQA_QUERY_SEQLENS]:
             raise ContractError(f"{n.name} already takes query_seqlens")
         for j in (0, 1, 2):                   # packed qkv, or separate q, k, v: [1, T, d] -> [B, S, d]

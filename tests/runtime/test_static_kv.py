@@ -28,6 +28,39 @@ def test_trees_accept_more_than_one_path(static):
     assert r.tokens == base.tokens and r.stats.steps < base.stats.steps
 
 
+def test_tree_pad_slots_cost_attention_only(static):
+    """The static graph runs a tree's tokens only: its period-aligned pad slots exist in attention
+    alone. Each token's logits equal, bit for bit, the same layout run with every slot a row."""
+    from dejavuu_build.runtime.tree import aligned_layout, slot_tokens
+
+    dec = static.decoder
+    assert dec.sparse
+    ids = static.encode(PROMPTS[0])
+    kv = dec.new_cache()
+    try:
+        _, _, pres = dec.forward(ids, None, kv)
+        kv.commit(pres, len(ids), list(range(len(ids))))
+        parents = [-1, 0, 1, 0, 3, 3]                 # root; branch a-b; branch c-(d, e)
+        slot, slot_parents = aligned_layout(parents, 8, 32, past=kv.length)
+        assert all(s_ >= 0 for s_ in slot) and len(slot_parents) > len(parents)   # pads between branches
+        toks = [ids[-1], 11, 12, 13, 14, 15]
+        fed = []
+        bind = kv.binding.bind_cpu_input
+        kv.binding.bind_cpu_input = lambda name, arr: (fed.append((name, arr.shape)), bind(name, arr))
+        try:
+            sparse = dec.forward(toks, slot_parents, kv, slots=slot)
+            dense = dec.forward(slot_tokens(toks, slot, len(slot_parents)), slot_parents, kv)   # a row per slot
+        finally:
+            kv.binding.bind_cpu_input = bind
+        rows = [shape for name, shape in fed if name == "input_ids"]
+        assert rows == [(1, len(toks)), (1, len(slot_parents))]
+        assert sparse[0].shape == (len(toks), static.contract.vocab_size)
+        np.testing.assert_array_equal(sparse[0], dense[0][slot])
+        np.testing.assert_array_equal(sparse[1], dense[1][slot])
+    finally:
+        kv.release()
+
+
 def test_commit_moves_only_accepted_rows():
     rng = np.random.default_rng(0)
     buf = rng.standard_normal((4, 1, 2, 32, 8)).astype(np.float32)
