@@ -219,7 +219,8 @@ class Model:
             use_tree = False
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)
-        speculative = not (isinstance(method, str) and method in ("baseline", "baseline_n1"))
+        # plain decoding (by name, or the bare Drafter the bench passes) never drafts nor fills
+        speculative = method not in ("baseline", "baseline_n1") if isinstance(method, str) else type(method) is not Drafter
         if speculative and not self.calibration.chain_exact:
             if not self._warned_exact:
                 logger.warning("on this machine a batched verify is not bit-identical to single steps: decoding "

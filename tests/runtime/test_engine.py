@@ -231,6 +231,8 @@ def test_empty_drafts_fill_the_pad_row_losslessly(by_layout, temp):
             assert r.tokens == base.tokens
             assert base.stats.filled == 0 and base.stats.steps == 39   # plain decoding stays plain
             assert r.stats.filled > 0
+            bare = m.generate(prompt, method=Drafter(), max_new_tokens=40, temperature=temp, seed=5)
+            assert bare.stats.filled == 0 and bare.stats.steps == 39   # ... also as the bench passes it
 
 
 def test_filled_guesses_are_accepted(tiny):
