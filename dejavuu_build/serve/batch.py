@@ -5,7 +5,8 @@ row per active request, all rows in one array ``[2 * layers, max_batch, kv_heads
 head_dim]`` so the active requests' rows are a contiguous prefix that is bound in place. A step
 feeds each request's rows right-padded to the longest (``query_seqlens``), and every request is
 fed exactly the rows the single-request decoder would feed it — a one-token step becomes two
-rows, a tree its period-aligned slots — so each row's logits are bit-identical to decoding that
+rows, a tree's tokens sit at their period-aligned attention slots (pad slots read the root row
+and exist in attention only) — so each row's logits are bit-identical to decoding that
 request alone (rows are independent for any row count >= 2; ``check_exact`` measures it).
 
 Each request is a runtime.engine.Job (the engine's own step machine), so the scheduler can put
