@@ -160,11 +160,13 @@ class Model:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
                  max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, residual_fn=None,
-                 images: Sequence | None = None, **drafter_params) -> GenerationResult:
+                 images: Sequence | None = None, prefill_embeds: np.ndarray | None = None,
+                 **drafter_params) -> GenerationResult:
+        """``prefill_embeds``: the prompt ids' embeddings with image features already spliced in
+        (``vision.prefill``), for callers that prepared them once (the server)."""
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width,
                         max_depth=max_depth, max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=stop)
-        prefill_embeds = None
         if images:
             if self.vision is None:
                 raise GenerationError(f"{self.folder.name} takes no images: build a VLM with `dejavuu-build vlm`")
@@ -173,6 +175,9 @@ class Model:
             ids, prefill_embeds = self.vision.prefill(prompt, images, self.tokenizer, self.decoder.embed)
         else:
             ids = self.encode(prompt)
+            if prefill_embeds is not None and prefill_embeds.shape[:2] != (1, len(ids)):
+                raise GenerationError(f"prefill_embeds must be [1, {len(ids)}, hidden] for this prompt, "
+                                      f"got {list(prefill_embeds.shape)}")
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1")
         limit = self.contract.max_positions

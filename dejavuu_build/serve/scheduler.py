@@ -339,7 +339,8 @@ class Scheduler:
             res = self.model.generate(req.ids, method=drafter, tree=p.tree, max_new_tokens=p.max_new_tokens,
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                                       stop=p.stop, datastore=self.datastore, width=self.width,
-                                      max_depth=self.max_depth, max_nodes=self.max_nodes, on_tokens=on_tokens)
+                                      max_depth=self.max_depth, max_nodes=self.max_nodes, on_tokens=on_tokens,
+                                      prefill_embeds=req.prefill_embeds)
             if self.memory is not None:
                 self.memory.add(p.namespace, list(req.ids) + res.tokens)
             self.metrics.requests["ok"] += 1

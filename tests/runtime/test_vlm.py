@@ -81,3 +81,32 @@ def test_vlm_bad_input(vlm_build, images, tmp_path, tiny_llama):
         model.generate("Describe.", images=images * 40, max_new_tokens=8)
     with pytest.raises(GenerationError, match="placeholders"):
         model.generate("<image> and <image>", images=images[:1])
+
+
+def test_the_server_takes_openai_image_parts(vlm_build, images, tmp_path):
+    """`dejavuu-build serve` on a VLM build, through the openai client: a chat message with an
+    `image_url` part (a data: URL) answers what `generate` gives for the same image and text."""
+    import base64
+
+    openai = pytest.importorskip("openai")
+    from dejavuu_build.serve.bench import start_server
+
+    _, folder = vlm_build
+    model = load(folder, variant="fp32")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+    ref = model.generate(msgs, images=images[:1], method="pld", max_new_tokens=16)
+    url = "data:image/png;base64," + base64.b64encode(images[0].read_bytes()).decode()
+    proc, base = start_server(folder.name, "--variant", "fp32", "--method", "pld",
+                              log_path=str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=folder.name, max_tokens=16, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe this image."}]}])
+        assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.tokens)
+        with pytest.raises(openai.BadRequestError, match="data: URLs"):
+            client.chat.completions.create(model=folder.name, max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    finally:
+        proc.terminate()
+        proc.wait(30)
