@@ -4,7 +4,8 @@ slots and drafter memory are warm.
 
 Affinity is Ray Serve's consistent-hash request router over the ``x-session-id`` header (Ray's
 ``RAY_SERVE_SESSION_ID_HEADER_KEY``): the same session always lands on the same replica while the
-replica set is unchanged; requests without the header spread evenly. Every response carries
+replica set is unchanged; requests without the header spread evenly. Right after start-up the
+proxy may still be learning the set (seconds), and a session can move once then. Every response carries
 ``x-dejavuu-replica`` so clients (and the tests) can see where it ran.
 
 On a multi-node cluster: ``ray start --head`` on one machine, ``ray start --address HEAD:6379``

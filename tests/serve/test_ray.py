@@ -2,6 +2,10 @@
 (the x-session-id header) always lands on the same replica, and answers equal `Model.generate`.
 Ray start-up on this 2-core machine: ~10 s (marker `ray`; CI runs it)."""
 
+import itertools
+import time
+
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -20,6 +24,14 @@ def test_two_replicas_with_session_affinity(tiny_llama, tmp_path):
     proc, url = start_server(NAME, "--variant", VARIANT, "--ray", "--replicas", "2", "--method", "pld",
                              log_path=str(tmp_path / "ray.log"))
     try:
+        # The proxy learns the replica set asynchronously after the deployment is up: affinity is
+        # promised while the set is unchanged, so traffic starts once the proxy routes to both.
+        known, deadline = set(), time.monotonic() + 120
+        for i in itertools.count():
+            known.add(httpx.get(url + "/health", headers={"x-session-id": f"warm-{i}"}).headers[REPLICA_HEADER])
+            if len(known) == 2:
+                break
+            assert time.monotonic() < deadline, f"after {i + 1} requests the proxy routes to {known} only"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         seen: dict[str, set[str]] = {}
         for session in [f"user-{i}" for i in range(8)] * 2:
