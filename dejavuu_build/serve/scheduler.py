@@ -214,12 +214,10 @@ class Scheduler:
             self.metrics.add_tokens(len(ids))
             req.on_tokens(ids)
 
-        job = Job(req.ids, drafter=drafter, sampler=plan.sampler, max_new_tokens=p.max_new_tokens,
-                  budget=plan.budget, period=plan.period, tile=plan.tile, eos_ids=m.eos_ids,
-                  should_stop=plan.should_stop, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
-                  capacity=self.batch.capacity if self.batch else 0, fill=plan.fill)
-        job.use_tree = plan.tree
-        return job
+        return Job(req.ids, drafter=drafter, sampler=plan.sampler, max_new_tokens=p.max_new_tokens,
+                   budget=plan.budget, period=plan.period, tile=plan.tile, eos_ids=m.eos_ids,
+                   should_stop=plan.should_stop, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
+                   capacity=self.batch.capacity if self.batch else 0, fill=plan.fill)
 
     def _admit(self) -> None:
         while True:
@@ -301,7 +299,7 @@ class Scheduler:
         if self.memory is not None:
             self.memory.add(r.params.namespace, job.tokens)
         self.metrics.requests["ok"] += 1
-        r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.use_tree, True))
+        r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.budget.tree, True))
 
     def _fail(self, r: Request, e: BaseException) -> None:
         if r in self._active:
