@@ -23,6 +23,7 @@ POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
 SLOT_ROWS = "slot_rows"            # static flavour: the row each attention slot reads (export.inplace)
 ROW_SLOTS = "row_slots"            # ... and the slot of each row
+KV_WRITE_INDEX = "kv_write_index"  # rowwise flavour: the first buffer position a step writes (its past)
 LOGITS = "logits"
 HIDDEN_STATES = "hidden_states"
 PAST_KEY = "past_key_values.{i}.key"
@@ -31,8 +32,9 @@ PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
 VARIANTS = ("fp32", "int8", "int4")             # precisions
-KV_LAYOUTS = ("concat", "static")
+KV_LAYOUTS = ("concat", "static", "rowwise")
 STATIC_SUFFIX = "-static"                        # "int4-static": int4 with the in-place KV cache
+LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}   # "int4-rowwise": in place, one-row attention
 
 
 def variant_file(variant: str) -> str:
@@ -40,14 +42,20 @@ def variant_file(variant: str) -> str:
 
 
 def variant_name(precision: str, kv_layout: str = "concat") -> str:
-    return precision + (STATIC_SUFFIX if kv_layout == "static" else "")
+    return precision + LAYOUT_SUFFIXES.get(kv_layout, "")
 
 
 def split_variant(variant: str) -> tuple[str, str]:
     """(precision, kv layout) of a variant name: ``int4`` -> (int4, concat), ``int4-static`` -> (int4, static)."""
-    if variant.endswith(STATIC_SUFFIX):
-        return variant[:-len(STATIC_SUFFIX)], "static"
+    for layout, suffix in LAYOUT_SUFFIXES.items():
+        if variant.endswith(suffix):
+            return variant[:-len(suffix)], layout
     return variant, "concat"
+
+
+def in_place(kv_layout: str) -> bool:
+    """Layouts whose past and present are one buffer bound through I/O binding."""
+    return kv_layout in LAYOUT_SUFFIXES
 
 
 def variant_order(variant: str) -> tuple[int, int]:
@@ -97,8 +105,10 @@ class Contract:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     kv_dtype: str = "float32"
-    kv_layout: str = "concat"               # concat: present = past + new | static: in-place buffer
-    kv_capacity: int = 0                    # static: positions the buffer holds
+    # concat: present = past + new | static: in-place buffer, GroupQueryAttention | rowwise: in-place
+    # buffer grown in tiles, each query row attended on its own (export.inplace.to_rowwise_kv)
+    kv_layout: str = "concat"
+    kv_capacity: int = 0                    # static / rowwise: positions the buffer holds (at most)
 
     @property
     def tree_capable(self) -> bool:

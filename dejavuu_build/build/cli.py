@@ -67,9 +67,11 @@ def main(verbose: bool) -> None:
 @click.option("--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True)
 @click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
 @click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
-@click.option("--kv-layouts", default="concat,static", show_default=True,
-              help="KV cache layouts: concat (present = past + new, what other tools expect; always built) and "
-                   "static (in-place GroupQueryAttention buffer, the fast one: variants named <precision>-static).")
+@click.option("--kv-layouts", default="concat,static,rowwise", show_default=True,
+              help="KV cache layouts: concat (present = past + new, what other tools expect; always built), "
+                   "static (in-place GroupQueryAttention buffer: <precision>-static; exact trees) and rowwise "
+                   "(in place, every query row on one-row kernels, so one token is one row: <precision>-rowwise; "
+                   "chains only).")
 @click.option("--max-context", default=None, type=int,
               help="Positions the static KV buffer holds [default: the model's limit, at most 8192].")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical build is cached.")

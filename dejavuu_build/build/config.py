@@ -24,8 +24,8 @@ class TreeDecoderConfig:
     reference_tokens: int = 24
     vision: bool = False                       # `dejavuu-build vlm`: also the vision encoder + embeddings
     vision_position_ids: str = "trained"       # "trained" (what checkpoints learned) | "transformers" (4.55+)
-    kv_layouts: tuple[str, ...] = KV_LAYOUTS   # concat (present = past + new) and/or static (in-place buffer)
-    max_context: int | None = None             # static KV capacity [default: the model's limit, at most 8192]
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS   # concat (present = past + new), static and rowwise (in place)
+    max_context: int | None = None             # in-place KV capacity [default: the model's limit, at most 8192]
 
     def validate(self) -> None:
         from ..errors import DejavuuError

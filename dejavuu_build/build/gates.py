@@ -23,7 +23,7 @@ import numpy as np
 from ..log import logger
 from ..runtime.session import empty_past
 from ..runtime.tree import causal_inputs, step_inputs
-from ..schema import ROW_SLOTS, SLOT_ROWS, Contract
+from ..schema import KV_WRITE_INDEX, ROW_SLOTS, SLOT_ROWS, Contract, in_place
 
 # Teacher-forced top-1 floors against torch's greedy continuations of the 4 gate prompts (96
 # positions on a real build): a coarse check that each variant runs the model at all.
@@ -208,6 +208,8 @@ class Runner:
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}   # static flavour: rows = slots here
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
+        if self.c.kv_layout == "rowwise":
+            return self._forward_rowwise(ids, pos, bias, past)
         feeds = dict(past)
         if self.c.primary_input == "inputs_embeds":
             feeds["inputs_embeds"] = self.embed(ids[None])
@@ -225,6 +227,29 @@ class Runner:
     def prefill(self, ids: np.ndarray):
         pos, bias = causal_inputs(len(ids), 0)
         return self.forward(ids, pos, bias, empty_past(self.c))
+
+    def _forward_rowwise(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
+        """The same call on a rowwise graph: past arrays and the bias padded to a whole number of
+        buffer tiles (what the runtime binds), the present cut back to past + new."""
+        from ..runtime.engine import ROWWISE_TILE
+        from ..runtime.tree import NEG
+
+        n = len(ids)
+        total = bias.shape[-1]
+        size = -(-total // ROWWISE_TILE) * ROWWISE_TILE
+        feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, size - v.shape[2]), (0, 0))) for k, v in past.items()}
+        feeds["attention_bias"] = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, size - total)), constant_values=NEG)
+        feeds["position_ids"] = pos
+        feeds[SLOT_ROWS] = np.arange(n, dtype=np.int64)
+        feeds[KV_WRITE_INDEX] = np.array([total - n], np.int64)
+        if self.c.primary_input == "inputs_embeds":
+            feeds["inputs_embeds"] = self.embed(ids[None])
+        else:
+            feeds["input_ids"] = ids[None].astype(np.int64)
+        out = dict(zip(self.out_names, self.s.run(None, feeds)))
+        present = {self.c.kv_input_pattern.format(i=i, kv=kv): out[self.c.kv_output_pattern.format(i=i, kv=kv)][:, :, :total]
+                   for i in range(self.c.num_layers) for kv in ("key", "value")}
+        return out["logits"][0], out.get("hidden_states", np.zeros((1, 0)))[0], present
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -278,7 +303,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     from ..runtime.engine import Decoder
 
     dec = Decoder(r.s, r.c, r.embed)
-    limit = r.c.kv_capacity if r.c.kv_layout == "static" else (r.c.max_positions or 1 << 30)
+    limit = r.c.kv_capacity if in_place(r.c.kv_layout) else (r.c.max_positions or 1 << 30)
     n_max = max(BATCH_ROWS)
     stream = np.concatenate([np.concatenate([p, g]) for p, g in zip(ref.prompts, ref.greedy)] + [ref.chain_ids])
     long = np.resize(stream, max(BATCH_PASTS) + n_max)
@@ -304,7 +329,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
             maxdiff = max(maxdiff, float(np.abs(lb - inc[:n]).max()))
         dec.pad_single = False                       # the unpadded one-row path, for the record
         raw, _, _ = dec.forward(chunk[:1], None, kv)
-        dec.pad_single = True
+        dec.pad_single = not dec.rowwise
         rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
         kv.release()
     return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
@@ -331,11 +356,12 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
 def _timing_cases(dec, contract: Contract, rng) -> list[tuple]:
     """``(key, rows, tokens, embeds, kv)`` for 1, 2 and 8 new rows over a random past of 256 and
     1024 positions (where the decoder holds them); one cache per past, shared by its rows."""
-    limit = contract.kv_capacity if contract.kv_layout == "static" else (contract.max_positions or 1 << 30)
+    limit = contract.kv_capacity if in_place(contract.kv_layout) else (contract.max_positions or 1 << 30)
     cases = []
     for past_len in (p for p in (256, 1024) if p + 8 < limit):
         kv = dec.new_cache()
-        if contract.kv_layout == "static":
+        kv.ensure(past_len + 8)
+        if in_place(contract.kv_layout):
             kv.buf[:, :, :, :past_len] = rng.standard_normal(kv.buf[:, :, :, :past_len].shape).astype(np.float32)
         else:
             kv.arrays = {k: rng.standard_normal((1, contract.num_kv_heads, past_len, contract.head_dim))
@@ -358,7 +384,7 @@ def _fastest_ms(dec, n: int, toks, embeds, kv, repeats: int, skip: int) -> float
         dec.forward(toks, None, kv, embeds=embeds)
         if i >= skip:
             ts.append(time.perf_counter() - t0)
-    dec.pad_single = True
+    dec.pad_single = not dec.rowwise
     return 1000 * min(ts)
 
 
@@ -468,6 +494,12 @@ def gate_quality(fp32: Runner, runners: dict[str, Runner], qs: QualitySet, floor
 TIMING_KEYS = ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
 
 
+def timing_keys(dec) -> tuple[str, ...]:
+    """What a variant is judged on: a single-token step as the runtime runs it (two rows, or one
+    on a rowwise graph) and an 8-row verify, at pasts 256 and 1024."""
+    return tuple(k.replace("n2_", "n1_") for k in TIMING_KEYS) if dec.rowwise else TIMING_KEYS
+
+
 def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: int = 6) -> dict[str, dict]:
     """Forward timings of several variants, interleaved: every round times every variant at every
     (rows, past) once, fastest of ``repeats``; so load that comes and goes hits them all alike.
@@ -484,7 +516,7 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
         for _, n, toks, embeds, kv in cases:
             dec.pad_single = n != 1
             dec.forward(toks, None, kv, embeds=embeds)
-        dec.pad_single = True
+        dec.pad_single = not dec.rowwise
     best: dict[str, dict[str, float]] = {n: {} for n in sessions}
     per_round: dict[str, list[float]] = {n: [] for n in sessions}
     for _ in range(rounds):
@@ -493,7 +525,7 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
             for key, n, toks, embeds, kv in cases:
                 this[key] = _fastest_ms(dec, n, toks, embeds, kv, repeats, skip=1)
                 best[name][key] = round(min(best[name].get(key, 1e9), this[key]), 3)
-            keys = [k for k in TIMING_KEYS if k in this]
+            keys = [k for k in timing_keys(dec) if k in this]
             per_round[name].append(round(float(np.mean([this[k] for k in keys])), 3))
     for _, cases in plans.values():
         _release(cases)

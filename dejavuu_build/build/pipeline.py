@@ -13,7 +13,7 @@ import numpy as np
 from .. import schema as S
 from ..cache import (build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging,
                      verify_entry)
-from ..errors import CacheError, ValidationFailed
+from ..errors import CacheError, ExportError, ValidationFailed
 from ..log import logger, step
 from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json
 from .config import TreeDecoderConfig, cache_key, tool_versions
@@ -224,10 +224,11 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     if variants:
         manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
     layouts = manifest.build_config.get("kv_layouts", ["concat"])
-    if "static" in layouts:
-        capacity = static_capacity(manifest.build_config.get("max_context"), contract.max_positions)
-        for v in ([] if S.variant_name("fp32", "static") in manifest.variants else ["fp32"]) + variants:
-            _static_variant(folder, manifest, v, capacity)
+    capacity = static_capacity(manifest.build_config.get("max_context"), contract.max_positions)
+    for layout in (k for k in S.KV_LAYOUTS if k != "concat" and k in layouts):
+        for v in ([] if S.variant_name("fp32", layout) in manifest.variants else ["fp32"]) + variants:
+            if not _layout_variant(folder, manifest, v, capacity, layout):
+                break
     todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
     sessions: dict[str, tuple] = {}
     for v in todo:
@@ -249,7 +250,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     others = {v: Runner(s, c, embed) for v, (s, c) in sessions.items() if v != "fp32"}
     if others:
         with step("quality: teacher-forced top-1 and KL against fp32 over the quality set"):
-            limit = min(c.kv_capacity if c.kv_layout == "static" else (c.max_positions or 1 << 30)
+            limit = min(c.kv_capacity if S.in_place(c.kv_layout) else (c.max_positions or 1 << 30)
                         for _, c in sessions.values())
             qs = (ref.quality or quality_set(fp32, *quality_prompts(folder, contract.vocab_size))).fit(limit)
             for v, g in gate_quality(fp32, others, qs, QUALITY_FLOORS).items():
@@ -282,20 +283,33 @@ def static_capacity(max_context: int | None, max_positions: int) -> int:
     return int(min(max_positions or 8192, 8192))
 
 
-def _static_variant(folder: Path, manifest: Manifest, precision: str, capacity: int) -> None:
-    """``<precision>-static``: the in-place KV flavour of an already written variant file."""
+_LAYOUT_STEPS = {"static": "static KV flavour of {p} (GroupQueryAttention, capacity {c})",
+                 "rowwise": "rowwise KV flavour of {p} (one-row attention in place, capacity {c})"}
+
+
+def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: int, layout: str) -> bool:
+    """``<precision>-<layout>``: an in-place KV flavour of an already written variant file. False
+    when the graph has no such flavour (said once; the build goes on without it)."""
     import onnx
 
     from ..export.exporter import save_model
-    from ..export.inplace import to_static_kv
+    from ..export.inplace import to_rowwise_kv, to_static_kv
 
-    name = S.variant_name(precision, "static")
-    with step(f"static KV flavour of {precision} (GroupQueryAttention, capacity {capacity})"):
-        proto = to_static_kv(onnx.load(str(folder / variant_file(precision))), capacity)
+    name = S.variant_name(precision, layout)
+    rewrite = {"static": to_static_kv, "rowwise": to_rowwise_kv}[layout]
+    with step(_LAYOUT_STEPS[layout].format(p=precision, c=capacity)):
+        try:
+            proto = rewrite(onnx.load(str(folder / variant_file(precision))), capacity)
+        except ExportError as e:
+            if layout == "static":
+                raise
+            logger.info("  no %s flavour for this model: %s", layout, e)
+            return False
         save_model(proto, folder / variant_file(name))
     base = manifest.variants.get(precision)
     manifest.variants[name] = VariantRecord(file=variant_file(name), quant=dict(base.quant) if base else {},
-                                            kv_layout="static", kv_capacity=capacity)
+                                            kv_layout=layout, kv_capacity=capacity)
+    return True
 
 
 def _failed(rec: VariantRecord) -> str:
@@ -306,6 +320,9 @@ def _failed(rec: VariantRecord) -> str:
 # A faster variant displaces the preferred (smallest) one only when it is faster in EVERY
 # interleaved round by more than this, or by three times the rounds' own spread if that is larger.
 MIN_SPEEDUP = 0.10
+# Layout preference at equal precision: rowwise decodes a single token as one row (static pays a
+# pad row, concat also copies its cache); timing can still displace it by the rule below.
+PREFERRED_LAYOUTS = ("rowwise", "static", "concat")
 
 
 def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
@@ -321,11 +338,11 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     def pref(n: str):
         precision, layout = S.split_variant(n)
         size = (manifest.variants.get(precision) or passing[n]).bytes or 0
-        return (size, layout != "static", n)
+        return (size, PREFERRED_LAYOUTS.index(layout), n)
 
     first = min(passing, key=pref)
-    why: dict = {"rule": "passing variants (quality floors first), smallest precision and static layout "
-                         "preferred; a larger one only if faster in every interleaved round by more than "
+    why: dict = {"rule": "passing variants (quality floors first), smallest precision and in-place layout "
+                         "(rowwise, then static) preferred; a larger one only if faster in every interleaved round by more than "
                          f"max({MIN_SPEEDUP:.0%}, 3x noise)", "preferred": first, "passing": sorted(passing)}
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
     if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:

@@ -14,11 +14,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..schema import LOGITS, ROW_SLOTS, SLOT_ROWS, Contract
+from ..schema import KV_WRITE_INDEX, LOGITS, ROW_SLOTS, SLOT_ROWS, Contract, in_place
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
-from .kv import KVCache, StaticKV
+from .kv import GrowingKV, KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
-from .tree import aligned_layout, causal_inputs, slot_tokens, step_inputs, with_root
+from .tree import aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
+
+ROWWISE_TILE = 256   # the rowwise buffer grows in multiples of this many positions (GrowingKV)
 
 
 @dataclass
@@ -91,10 +93,12 @@ class Decoder:
         self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
                        for i in range(contract.num_layers) for kv in ("key", "value")]
         self.has_hidden = contract.hidden_output is not None
-        self.pad_single = True   # see forward(); False only to time true one-row decoding
+        # rowwise graphs run every row on one-row kernels: a single token needs no pad row
+        self.rowwise = contract.kv_layout == "rowwise"
+        self.pad_single = not self.rowwise   # see forward(); False only to time true one-row decoding
         self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
-        self.static = contract.kv_layout == "static"
+        self.static = in_place(contract.kv_layout)     # buffers bound as past and present
         self.capacity = contract.kv_capacity if self.static else 0
         self._free: list = []           # released static buffers, reused by the next generation
         self._out_buf = np.zeros(0, dtype=np.float32)
@@ -106,6 +110,9 @@ class Decoder:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
         if not self.static:
             return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
+        if self.rowwise:
+            buf, binding = self._free.pop() if self._free else (None, self.s.io_binding())
+            return GrowingKV(self, buf, binding, tile=ROWWISE_TILE, capacity=self.capacity)
         if self._free:
             buf, binding = self._free.pop()
         else:
@@ -135,6 +142,8 @@ class Decoder:
         what makes speculative decoding exactly equal to plain decoding. The pad sits after the
         real row, which never attends to it, and its output and KV are dropped.
         """
+        if self.rowwise:
+            return self._forward_rowwise(tokens, parents, kv, embeds, copy, slots)
         if slots is not None and not self.sparse:
             slots = list(slots)
             logits, hidden, present = self.forward(slot_tokens(list(tokens), slots, len(parents)), parents, kv,
@@ -184,6 +193,31 @@ class Decoder:
             present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
 
+    def _forward_rowwise(self, tokens, parents, kv: GrowingKV, embeds, copy: bool, slots):
+        """The rowwise graph: one row per token, whatever the step (no pad row). The step's K/V
+        go to ``len(parents)`` slots from ``kv.length`` on (a tree's aligned layout, pads
+        included: their keys are masked) and each row gets its own mask over the bound buffer."""
+        n, past = len(tokens), kv.length
+        m = len(parents) if slots is not None else n
+        if past + m > kv.capacity:
+            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {past + m}: "
+                                  f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
+        kv.ensure(past + m)
+        rows = list(slots) if slots is not None else None
+        pos, bias = row_bias(n, parents, past, kv.size, rows)
+        feeds = {self.c.mask_input: bias, self.c.position_input: pos, KV_WRITE_INDEX: np.array([past], np.int64)}
+        if rows is None:
+            feeds[SLOT_ROWS] = self._identity(m)
+        else:
+            slot_rows = np.zeros(m, np.int64)
+            slot_rows[rows] = np.arange(n)
+            feeds[SLOT_ROWS] = slot_rows
+        if self.c.primary_input == "inputs_embeds":
+            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(np.asarray(tokens, np.int64)[None])
+        else:
+            feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
+        return self._run_static(feeds, kv, n, m, n, copy)
+
     def _identity(self, m: int) -> np.ndarray:
         if len(self._arange) < m:
             self._arange = np.arange(max(m, 2 * len(self._arange)), dtype=np.int64)
@@ -204,7 +238,7 @@ class Decoder:
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
         V, H = self.c.vocab_size, (self.c.hidden_size if self.has_hidden else 0)
-        r = rows if self.sparse else m               # output rows
+        r = rows if self.sparse else m               # output rows (sparse and rowwise graphs: one per token)
         need = r * (V + H)
         if self._out_buf.size < need:
             self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)

@@ -37,6 +37,9 @@ class KVCache:
         self.arrays = dict(zip(self.names, new))
         self.length = L + len(keep)
 
+    def ensure(self, positions: int) -> None:
+        """Nothing to reserve: the graph returns past + new."""
+
     def truncate(self, length: int) -> None:
         if length < self.length:
             self.arrays = {n: np.ascontiguousarray(a[:, :, :length]) for n, a in self.arrays.items()}
@@ -75,8 +78,46 @@ class StaticKV:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def ensure(self, positions: int) -> None:
+        """The buffer holds ``positions`` already (its length is the capacity)."""
+
     def release(self) -> None:
         """Hand the buffers back to the decoder for the next generation."""
         if self.buf is not None:
             self.dec._free.append((self.buf, self.binding))
             self.buf = self.binding = None
+
+
+class GrowingKV(StaticKV):
+    """The rowwise flavour's in-place cache: StaticKV whose bound buffers ``[1, KV, L, D]`` grow.
+
+    Why grow: the rowwise graph's attention runs over the whole bound buffer (masked beyond the
+    context), so L tracks the context instead of the capacity. L stays a multiple of ``tile``
+    (a multiple of the kernels' key blocks, so a step's logits do not depend on L, which the
+    batched gate checks across growths) and grows by at least an eighth at a time: the copy into
+    the larger buffer then costs O(1) per token amortised, and attention reads at most ~1/8 +
+    one tile of masked keys.
+    """
+
+    def __init__(self, decoder, buffers: np.ndarray | None, binding, *, tile: int, capacity: int):
+        super().__init__(decoder, buffers if buffers is not None else np.zeros((0, 1, 0, 0, 0), np.float32), binding)
+        self.tile = tile
+        self.capacity = capacity
+        self.size = buffers.shape[3] if buffers is not None else 0
+
+    def ensure(self, positions: int) -> None:
+        if positions <= self.size:
+            return
+        import onnxruntime as ort
+
+        size = min(self.capacity, -(-max(positions, self.size + self.size // 8) // self.tile) * self.tile)
+        c = self.dec.c
+        dtype = np.float16 if c.kv_dtype == "float16" else np.float32
+        buf = np.zeros((len(self.dec.kv_in), 1, c.num_kv_heads, size, c.head_dim), dtype=dtype)
+        if self.length:
+            buf[:, :, :, :self.length] = self.buf[:, :, :, :self.length]
+        for j, (i_name, o_name) in enumerate(zip(self.dec.kv_in, self.dec.kv_out)):
+            v = ort.OrtValue.ortvalue_from_numpy(buf[j])
+            self.binding.bind_ortvalue_input(i_name, v)
+            self.binding.bind_ortvalue_output(o_name, v)
+        self.buf, self.size = buf, size

@@ -219,8 +219,13 @@ class Model:
             self._warned_tree = True
         use_tree = tree and self.tree_capable
         if use_tree and self.tree_period is None:
-            logger.warning("this CPU's attention kernel showed no key-block period under which tree rows are "
-                           "bit-identical to chains: verifying chains to stay lossless")
+            if not self._warned_tree:
+                logger.warning("the %s variant verifies chains only (its one-row attention cannot give tree nodes "
+                               "their chain's arithmetic; the -static variant can): verifying chains to stay lossless"
+                               if self.decoder.rowwise else
+                               "this CPU's attention kernel showed no key-block period under which tree rows are "
+                               "bit-identical to chains: verifying chains to stay lossless", self.variant)
+                self._warned_tree = True
             use_tree = False
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
                              width=width if use_tree else 1, tree=use_tree)

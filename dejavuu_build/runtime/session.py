@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from ..errors import ContractError
-from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, LOGITS, POSITION_IDS,
+from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, KV_WRITE_INDEX, LOGITS, POSITION_IDS,
                       Contract, TensorSpec)
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32",
@@ -86,6 +86,17 @@ def derive_contract(session) -> Contract:
             else "padding_2d"
     logits = outs[LOGITS]
     hidden = outs.get(HIDDEN_STATES)
+    # a static past length means the in-place flavour: past and present are one buffer; a write
+    # index means the rowwise one (a grown buffer, its capacity recorded in the graph's metadata)
+    layout, capacity = "concat", 0
+    if isinstance(k0.shape[2], int) and k0.shape[2] > 0:
+        layout, capacity = "static", k0.shape[2]
+    elif KV_WRITE_INDEX in ins:
+        meta = session.get_modelmeta().custom_metadata_map
+        try:
+            layout, capacity = "rowwise", int(meta.get("dejavuu.kv_capacity", ""))
+        except ValueError:
+            raise ContractError("a rowwise decoder without its dejavuu.kv_capacity metadata: rebuild it") from None
     return Contract(
         primary_input=primary,
         inputs=list(ins.values()), outputs=list(outs.values()),
@@ -100,9 +111,8 @@ def derive_contract(session) -> Contract:
                      ins[primary].shape[-1] if primary == INPUTS_EMBEDS else 0),
         vocab_size=logits.shape[-1] if isinstance(logits.shape[-1], int) else 0,
         kv_dtype=k0.dtype,
-        # a static past length means the in-place flavour: past and present are one buffer
-        kv_layout="static" if isinstance(k0.shape[2], int) and k0.shape[2] > 0 else "concat",
-        kv_capacity=k0.shape[2] if isinstance(k0.shape[2], int) else 0,
+        kv_layout=layout,
+        kv_capacity=capacity,
     )
 
 
@@ -121,7 +131,7 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
 
 def empty_past(contract: Contract) -> dict[str, np.ndarray]:
     """The past of an empty context: zero rows, or the whole zeroed buffer of a static layout."""
-    rows = contract.kv_capacity if contract.kv_layout == "static" else 0
+    rows = contract.kv_capacity if contract.kv_layout == "static" else 0     # rowwise: grown from 0
     z = np.zeros((1, contract.num_kv_heads, rows, contract.head_dim), dtype=np.float32)
     return {contract.kv_input_pattern.format(i=i, kv=kv): z
             for i in range(contract.num_layers) for kv in ("key", "value")}

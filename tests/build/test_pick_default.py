@@ -48,3 +48,12 @@ def test_untimed_builds_pick_the_smallest_passing_file():
                            "int8": _rec(None, 150)})
     name, why = _choose_default(m)
     assert name == "int4" and why["timing"].startswith("not timed")
+
+
+def test_rowwise_is_preferred_at_equal_precision_and_only_timing_displaces_it():
+    m = Manifest(variants={"int4": _rec([10] * 3, 97), "int4-static": _rec([9.5] * 3, 99, layout="static"),
+                           "int4-rowwise": _rec([9.8] * 3, 99, layout="rowwise")})
+    name, why = _choose_default(m)
+    assert name == "int4-rowwise" and why["preferred"] == "int4-rowwise" and why["clearly_faster"] == []
+    m.variants["int4-static"].timing_rounds_ms = [7.0] * 3                  # > 10% faster in every round
+    assert _pick_default(m) == "int4-static"
