@@ -46,7 +46,7 @@ def test_build_passes_every_gate(smollm2):
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
     assert "Expand" not in ops and m.export["nodes"] < 1200     # no repeat_kv expansion
-    for v in ("fp32", "int8", "int4", "fp32-static", "int8-static", "int4-static"):
+    for v in (p + layout for p in ("fp32", "int8", "int4") for layout in ("", "-static", "-rowwise")):
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)
         batched = rec.gates["batched_vs_incremental"]
@@ -54,15 +54,17 @@ def test_build_passes_every_gate(smollm2):
         assert batched["pasts"][-2:] == [250, 1018]           # 2..17 new rows crossing 256 and 1024 keys
         assert {"n1_p256", "n8_p256", "n1_p1024", "n8_p1024"} <= set(rec.timings_ms)
         assert S.sha256_file(smollm2 / rec.file) == rec.sha256
-        assert rec.kv_layout == ("static" if v.endswith("-static") else "concat")
-    assert m.variants["int4-static"].kv_capacity == 8192
+        assert rec.kv_layout == S.split_variant(v)[1]
+    assert m.variants["int4-static"].kv_capacity == m.variants["int4-rowwise"].kv_capacity == 8192
+    assert m.variants["fp32-rowwise"].gates["parity"]["chain_logits_maxdiff"] < 1e-3
+    assert m.variants["int4-rowwise"].gates["batched_vs_incremental"]["raw_single_row_maxdiff"] == 0.0
     assert m.variants["fp32-static"].gates["parity"]["tree_logits_maxdiff"] < 1e-3
     assert m.variants["int4-static"].bytes < 100e6
     par = m.variants["fp32"].gates["parity"]
     assert par["chain_logits_maxdiff"] < 1e-3 and par["tree_logits_maxdiff"] < 1e-3
     assert m.variants["int4"].bytes < 100e6, "int4 build must stay under 100 MB"
     assert m.variants["int8"].gates["teacher_forced"]["rate"] >= 0.85
-    assert m.default_variant in ("int8", "int4", "int8-static", "int4-static")
+    assert S.split_variant(m.default_variant)[0] in ("int8", "int4")
     c = S.read_contract(smollm2)
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
     assert c.eos_token_ids and c.max_positions == 8192
@@ -78,11 +80,12 @@ def test_quant_only_revalidates_without_torch(smollm2):
     assert after.variants["int4"].passed
 
 
-@pytest.mark.parametrize("variant", ["int4", "int4-static"])
+@pytest.mark.parametrize("variant", ["int4", "int4-static", "int4-rowwise"])
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method, variant):
     model = load(smollm2, variant=variant)
-    assert model.tree_period is not None                    # trees really verified as trees
+    trees = variant != "int4-rowwise"                       # rowwise verifies chains only
+    assert (model.tree_period is not None) == trees         # trees really verified as trees
     for i, text in enumerate(spec_prompts):
         msgs = [{"role": "user", "content": text}]
         for temp in ((0.0, 0.7) if i < 2 else (0.0,)):      # greedy on all three, sampling on two
@@ -90,6 +93,7 @@ def test_every_method_is_lossless_on_int4(smollm2, spec_prompts, method, variant
             for tree in (False, True):
                 r = model.generate(msgs, method=method, tree=tree, max_new_tokens=32, temperature=temp, seed=5)
                 assert r.tokens == base.tokens, (method, tree, temp, text[:40])
+                assert r.tree == (tree and trees)
 
 
 def test_pld_speeds_up_summarization(smollm2, spec_prompts):

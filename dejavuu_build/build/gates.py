@@ -240,7 +240,6 @@ class Runner:
         feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, size - v.shape[2]), (0, 0))) for k, v in past.items()}
         feeds["attention_bias"] = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, size - total)), constant_values=NEG)
         feeds["position_ids"] = pos
-        feeds[SLOT_ROWS] = np.arange(n, dtype=np.int64)
         feeds[KV_WRITE_INDEX] = np.array([total - n], np.int64)
         if self.c.primary_input == "inputs_embeds":
             feeds["inputs_embeds"] = self.embed(ids[None])

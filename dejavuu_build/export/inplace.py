@@ -451,11 +451,13 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
 
     Graph I/O after the pass:
         input_ids [1, R] | inputs_embeds [1, R, H]; position_ids [1, R]; logits, hidden_states [1, R, ...]
-        attention_bias [1, 1, R, L]   per row, over the L buffer positions (slots past.. hold this step)
-        slot_rows [S]                 the row whose K/V each new slot holds (tree pads: any row, masked)
-        kv_write_index [1]            the first slot written (the past length)
+        attention_bias [1, 1, R, L]   per row, over the L buffer positions (rows write past..past+R-1)
+        kv_write_index [1]            the first position written (the past length)
         past_key_values.{i}.* / present.{i}.*  [1, KV, L, D], one buffer bound as both
     Graphs that shape a mask of their own (Gemma 3's sliding windows) are refused (ExportError).
+    Trees: a tree node's keys cannot be grouped as in its chain by the one-row kernels (they block
+    keys from key 0, with the past), so the runtime verifies chains on this flavour; the static
+    flavour keeps exact trees. Hence no slot layout either: a step writes its rows' K/V in order.
     """
     import onnx
     import onnx_ir as ir
@@ -479,9 +481,8 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     if fuse:
         _fuse_siblings(g)
         _fuse_skip_norm(g)
-    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
     write = ir.Value(name=S.KV_WRITE_INDEX, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
-    g.inputs.extend([slot_rows, write])
+    g.inputs.append(write)
 
     def new(op, ins, name, anchor, attrs=None, outs=1):
         nd = ir.node(op, ins, attributes=attrs or {}, num_outputs=outs, name=name)
@@ -514,9 +515,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
         if not folded:
             q4 = new("Mul", [q4, _initializer(g, f"{base}/kv_rowwise.scale", np.array(scale, np.float32))],
                      f"{base}/kv_rowwise/q_scale", att).outputs[0]
-        ks, vs = (new("TensorScatter", [p, new("Gather", [x, slot_rows], f"{base}/kv_rowwise/{w}_slots", att,
-                                               {"axis": 2}).outputs[0], write],
-                      f"{base}/kv_rowwise/{w}_write", att, {"axis": 2}).outputs[0]
+        ks, vs = (new("TensorScatter", [p, x, write], f"{base}/kv_rowwise/{w}_write", att, {"axis": 2}).outputs[0]
                   for p, x, w in ((past_k, k4, "k"), (past_v, v4, "v")))
         qf = new("Reshape", [q4, _initializer(g, f"{base}/kv_rowwise.q_rows", np.array([1, -1, 1, head_dim], np.int64))],
                  f"{base}/kv_rowwise/q_rows", att).outputs[0]

@@ -20,7 +20,7 @@ from .kv import GrowingKV, KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
 from .tree import aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
 
-ROWWISE_TILE = 256   # the rowwise buffer grows in multiples of this many positions (GrowingKV)
+ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
 
 
 @dataclass
@@ -194,29 +194,23 @@ class Decoder:
         return logits, hidden, present
 
     def _forward_rowwise(self, tokens, parents, kv: GrowingKV, embeds, copy: bool, slots):
-        """The rowwise graph: one row per token, whatever the step (no pad row). The step's K/V
-        go to ``len(parents)`` slots from ``kv.length`` on (a tree's aligned layout, pads
-        included: their keys are masked) and each row gets its own mask over the bound buffer."""
+        """The rowwise graph: one row per token, whatever the step (no pad row); the rows' K/V go
+        to ``kv.length ..`` in order and each row gets its own mask over the bound buffer
+        (``parents``: a tree fed one row per node, e.g. by the gates; the engine sends chains)."""
+        if slots is not None:
+            raise GenerationError("a rowwise decoder verifies chains only: it has no slot layout for trees")
         n, past = len(tokens), kv.length
-        m = len(parents) if slots is not None else n
-        if past + m > kv.capacity:
-            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {past + m}: "
+        if past + n > kv.capacity:
+            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {past + n}: "
                                   f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
-        kv.ensure(past + m)
-        rows = list(slots) if slots is not None else None
-        pos, bias = row_bias(n, parents, past, kv.size, rows)
+        kv.ensure(past + n)
+        pos, bias = row_bias(n, parents, past, kv.size)
         feeds = {self.c.mask_input: bias, self.c.position_input: pos, KV_WRITE_INDEX: np.array([past], np.int64)}
-        if rows is None:
-            feeds[SLOT_ROWS] = self._identity(m)
-        else:
-            slot_rows = np.zeros(m, np.int64)
-            slot_rows[rows] = np.arange(n)
-            feeds[SLOT_ROWS] = slot_rows
         if self.c.primary_input == "inputs_embeds":
             feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(np.asarray(tokens, np.int64)[None])
         else:
             feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
-        return self._run_static(feeds, kv, n, m, n, copy)
+        return self._run_static(feeds, kv, n, n, n, copy)
 
     def _identity(self, m: int) -> np.ndarray:
         if len(self._arange) < m:
@@ -288,10 +282,11 @@ def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, per
 class Successors(dict):
     """token id -> the token the verifier last ranked first after it: one guess per token.
 
-    Why: a step whose drafter proposes nothing still runs two rows (Decoder.forward pads a
-    single token so that its arithmetic matches a batched verify), and the pad row costs as much
-    as a real one. Putting this guess there instead verifies one more token for free; a wrong
-    guess is rejected like any draft, so output is unchanged. Every verified row teaches it (its
+    Why: a step whose drafter proposes nothing still runs two rows on a static or concat graph
+    (Decoder.forward pads a single token so that its arithmetic matches a batched verify), and
+    the pad row costs as much as a real one. Putting this guess there instead verifies one more
+    token for free; a wrong guess is rejected like any draft, so output is unchanged. (A rowwise
+    graph has no pad row: there the guess is a second row that pays for itself by measurement.) Every verified row teaches it (its
     input token -> its argmax), after the prompt's own bigrams seeded it. One table per request:
     what other requests taught belongs to the drafters' cross-request memory, namespaced where
     tenants must be kept apart."""

@@ -220,11 +220,12 @@ class Model:
         use_tree = tree and self.tree_capable
         if use_tree and self.tree_period is None:
             if not self._warned_tree:
-                logger.warning("the %s variant verifies chains only (its one-row attention cannot give tree nodes "
-                               "their chain's arithmetic; the -static variant can): verifying chains to stay lossless"
-                               if self.decoder.rowwise else
-                               "this CPU's attention kernel showed no key-block period under which tree rows are "
-                               "bit-identical to chains: verifying chains to stay lossless", self.variant)
+                logger.warning("%s: " + ("a rowwise variant verifies chains only (its one-row attention cannot give "
+                                         "tree nodes their chain's arithmetic; the -static variant can)"
+                                         if self.decoder.rowwise else
+                                         "this CPU's attention kernel showed no key-block period under which tree "
+                                         "rows are bit-identical to chains") + ": verifying chains to stay lossless",
+                               self.variant)
                 self._warned_tree = True
             use_tree = False
         budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,

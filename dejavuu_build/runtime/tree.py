@@ -42,22 +42,18 @@ def step_inputs(parents: list[int], past_len: int) -> tuple[np.ndarray, np.ndarr
     return pos.astype(np.int64), bias
 
 
-def row_bias(n: int, parents: list[int] | None, past_len: int, length: int,
-             rows: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """position_ids [1, n] and an additive bias [1, 1, n, length] over a whole KV buffer, one row
-    per token (the rowwise flavour): each row sees the past and its own ancestors among the step's
-    slots (from ``past_len`` on, laid out by ``parents``; None: a chain of n), nothing beyond.
-    ``rows[i]`` is token i's slot (None: token i is slot i)."""
+def row_bias(n: int, parents: list[int] | None, past_len: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """position_ids [1, n] and an additive bias [1, 1, n, length] over a whole KV buffer (the
+    rowwise flavour): row i sees the past and its ancestors among the step's rows (``parents``;
+    None: a chain), nothing beyond."""
     if parents is None:
         d, vis = np.arange(n), np.tri(n, dtype=bool)
     else:
         d, vis = depths(parents), ancestors_mask(parents)
-    slot_of = np.asarray(rows, dtype=np.int64) if rows is not None else np.arange(n)
     bias = np.full((1, 1, n, length), NEG, dtype=np.float32)
     bias[0, 0, :, :past_len] = 0
-    block = bias[0, 0, :, past_len:past_len + vis.shape[0]]
-    block[vis[slot_of]] = 0
-    return (past_len + d[slot_of])[None].astype(np.int64), bias
+    bias[0, 0, :, past_len:past_len + n][vis] = 0
+    return (past_len + d)[None].astype(np.int64), bias
 
 
 def causal_inputs(n: int, past_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import schema as S
 from ..errors import GenerationError
 from ..log import logger
 from ..runtime.engine import Rows
@@ -31,6 +32,17 @@ from .graph import (GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_IN
 
 class BatchUnavailable(GenerationError):
     """This decoder cannot run batched (no static KV layout, or rows not exact on this machine)."""
+
+
+def batch_twin(model) -> str | None:
+    """The variant a batched server should load instead of ``model``'s: the static-layout twin of
+    the same precision, when ``model`` is not static (e.g. the rowwise default) and the twin passed
+    its gates. Batches need GroupQueryAttention's ragged rows (serve.graph); None: keep ``model``."""
+    if model.contract.kv_layout == "static" or model.manifest is None:
+        return None
+    precision, _ = S.split_variant(model.variant)
+    twin = model.manifest.variants.get(S.variant_name(precision, "static"))
+    return S.variant_name(precision, "static") if twin is not None and twin.passed else None
 
 
 class BatchDecoder:

@@ -12,6 +12,7 @@ import click
 
 from ..errors import DejavuuError
 from ..runtime.cli import friendly
+from ..log import logger
 
 
 @dataclass
@@ -54,6 +55,7 @@ def build_app(cfg: ServeConfig):
     from ..runtime.drafters import METHODS
     from ..runtime.model import _check_settings, load, load_datastore
     from .app import create_app
+    from .batch import batch_twin
     from .memory import Memory
     from .scheduler import Scheduler
 
@@ -62,6 +64,11 @@ def build_app(cfg: ServeConfig):
     _check_settings(temperature=0.0, top_p=1.0, top_k=0, seed=0, width=cfg.width, max_depth=cfg.max_depth,
                     max_nodes=cfg.max_nodes, max_new_tokens=1, stop=[])
     model = load(cfg.name, variant=cfg.variant, threads=cfg.threads)
+    twin = batch_twin(model) if cfg.batch and cfg.variant is None else None
+    if twin is not None:
+        logger.info("serving %s: the batched scheduler runs the static KV layout (the default %s decodes one "
+                    "request at a time); pass --variant %s to serve that one", twin, model.variant, model.variant)
+        model = load(cfg.name, variant=twin, threads=cfg.threads)
     model.calibration      # measured (or read from its cache) now, not inside the first request
     memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
     ds = load_datastore(cfg.datastore) if cfg.datastore else None
@@ -94,8 +101,6 @@ def build_app(cfg: ServeConfig):
 def serve(name, host, port, method, tree, variant, threads, max_batch, max_queue, no_batch, no_memory, memory_tokens,
           memory_key, datastore, served_name, use_ray, replicas):
     """Serve NAME over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
-    from ..log import logger
-
     cfg = ServeConfig(name=name, variant=variant, threads=threads, method=method, tree=tree, max_batch=max_batch,
                       max_queue=max_queue, batch=not no_batch, memory=not no_memory, memory_tokens=memory_tokens,
                       memory_key=memory_key, datastore=datastore, served_name=served_name)

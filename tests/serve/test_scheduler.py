@@ -117,3 +117,19 @@ def test_memory_is_bounded_and_namespaced():
     assert mem.tokens("a") <= 200 and mem.evicted_tokens > 0
     mem.index("c")                                       # a third namespace evicts the least recent
     assert len(mem.namespaces) == 2 and "b" not in mem.namespaces
+
+
+def test_a_batched_server_loads_the_static_twin_of_a_rowwise_default(tiny_llama):
+    """Batches need GroupQueryAttention's ragged rows: `serve` without --variant swaps a rowwise
+    (or concat) default for its static twin, and keeps a static one."""
+    from dejavuu_build.serve.batch import batch_twin
+    from dejavuu_build.serve.cli import ServeConfig, build_app
+
+    assert batch_twin(load(tiny_llama, variant="int4-rowwise")) == "int4-static"
+    assert batch_twin(load(tiny_llama, variant="int8")) == "int8-static"
+    assert batch_twin(load(tiny_llama, variant="int4-static")) is None
+    app, sched = build_app(ServeConfig(name=str(tiny_llama)))
+    try:
+        assert sched.batched and sched.model.contract.kv_layout == "static"
+    finally:
+        sched.close()
