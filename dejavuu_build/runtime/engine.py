@@ -111,8 +111,10 @@ class Decoder:
         if not self.static:
             return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
         if self.rowwise:
-            buf, binding = self._free.pop() if self._free else (None, self.s.io_binding())
-            return GrowingKV(self, buf, binding, tile=ROWWISE_TILE, capacity=self.capacity)
+            # the binding is reused, the buffer is not: attention reads the whole bound buffer, so
+            # a short request must not inherit the one a long request grew
+            binding = self._free.pop()[1] if self._free else self.s.io_binding()
+            return GrowingKV(self, None, binding, tile=ROWWISE_TILE, capacity=self.capacity)
         if self._free:
             buf, binding = self._free.pop()
         else:

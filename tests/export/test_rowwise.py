@@ -147,3 +147,17 @@ def test_a_graph_that_shapes_its_own_mask_has_no_rowwise_flavour(cache_dir):
         to_rowwise_kv(onnx.load(str(folder / S.variant_file("int4"))), 64)
     m = S.read_manifest(folder)
     assert "int4-static" in m.variants and not [v for v in m.variants if v.endswith("-rowwise")]
+
+
+def test_a_new_request_does_not_inherit_a_long_requests_buffer(tiny_llama):
+    """Attention reads the whole bound buffer: after a long generation, a short one starts small."""
+    m = load(tiny_llama, variant="int4-rowwise")
+    dec = m.decoder
+    kv = dec.new_cache()
+    kv.ensure(400)
+    big = kv.size
+    kv.release()
+    kv = dec.new_cache()
+    kv.ensure(10)
+    assert big >= 400 and kv.size == ROWWISE_TILE
+    kv.release()
