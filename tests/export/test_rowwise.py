@@ -161,3 +161,17 @@ def test_a_new_request_does_not_inherit_a_long_requests_buffer(tiny_llama):
     kv.ensure(10)
     assert big >= 400 and kv.size == ROWWISE_TILE
     kv.release()
+
+
+def test_tree_requests_verify_chains_with_one_warning(tiny_llama, caplog):
+    import logging
+
+    m = load(tiny_llama, variant="int4-rowwise")
+    base = m.generate("abcabcabcabc", max_new_tokens=20)
+    with caplog.at_level(logging.WARNING, logger="dejavuu"):
+        r1 = m.generate("abcabcabcabc", method="pld", tree=True, max_new_tokens=20)
+        r2 = m.generate("abcabcabcabc", method="suffix_decoding", tree=True, max_new_tokens=20)
+    assert r1.tokens == base.tokens == r2.tokens and not r1.tree and not r2.tree and r1.stats.accepted > 0
+    assert sum("rowwise variant verifies chains only" in rec.message for rec in caplog.records) == 1
+    with pytest.raises(GenerationError, match="chains only"):
+        m.decoder.forward([1, 2], [-1, 0], m.decoder.new_cache(), slots=[0, 1])
