@@ -21,6 +21,7 @@ from .sampling import Sampler, accept_ratio, residual
 from .tree import aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
 
 ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
+DECODE_RESERVE = 512  # positions a rowwise cache reserves for decoding with the prompt's last chunk
 
 
 @dataclass
@@ -336,6 +337,9 @@ class Engine:
         try:
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
+                if cap and kv.length + len(rows.tokens) >= len(tokens):
+                    # the last chunk: room for the decode steps too, so they never grow (copy) the cache
+                    kv.ensure(min(cap, len(tokens) + min(max_new_tokens, DECODE_RESERVE) + 1 + budget.max_nodes))
                 logits, hidden, present = self.dec.forward(
                     rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
                 job.after_prefill(lambda n, keep: kv.commit(present, n, keep), logits, hidden)

@@ -94,9 +94,10 @@ class GrowingKV(StaticKV):
     Why grow: the rowwise graph's attention runs over the whole bound buffer (masked beyond the
     context), so L tracks the context instead of the capacity. L stays a multiple of ``tile``
     (a multiple of the kernels' key blocks, so a step's logits do not depend on L, which the
-    batched gate checks across growths) and grows by at least an eighth at a time: the copy into
-    the larger buffer then costs O(1) per token amortised, and attention reads at most ~1/8 +
-    one tile of masked keys.
+    batched gate checks across growths) and grows by at least a quarter at a time: the copy into
+    the larger buffer then costs O(1) per token amortised, and attention reads at most ~1/4 +
+    one tile of masked keys. The engine reserves a generation's decode room with the prompt's
+    last chunk (Engine.generate), so decode steps do not grow it at all up to DECODE_RESERVE.
     """
 
     def __init__(self, decoder, buffers: np.ndarray | None, binding, *, tile: int, capacity: int):
@@ -110,7 +111,7 @@ class GrowingKV(StaticKV):
             return
         import onnxruntime as ort
 
-        size = min(self.capacity, -(-max(positions, self.size + self.size // 8) // self.tile) * self.tile)
+        size = min(self.capacity, -(-max(positions, self.size + self.size // 4) // self.tile) * self.tile)
         c = self.dec.c
         dtype = np.float16 if c.kv_dtype == "float16" else np.float32
         buf = np.zeros((len(self.dec.kv_in), 1, c.num_kv_heads, size, c.head_dim), dtype=dtype)
