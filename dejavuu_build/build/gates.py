@@ -246,7 +246,8 @@ class Runner:
         else:
             feeds["input_ids"] = ids[None].astype(np.int64)
         out = dict(zip(self.out_names, self.s.run(None, feeds)))
-        present = {self.c.kv_input_pattern.format(i=i, kv=kv): out[self.c.kv_output_pattern.format(i=i, kv=kv)][:, :, :total]
+        pattern_in, pattern_out = self.c.kv_input_pattern, self.c.kv_output_pattern
+        present = {pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :total]
                    for i in range(self.c.num_layers) for kv in ("key", "value")}
         return out["logits"][0], out.get("hidden_states", np.zeros((1, 0)))[0], present
 

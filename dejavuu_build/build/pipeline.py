@@ -342,7 +342,8 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
 
     first = min(passing, key=pref)
     why: dict = {"rule": "passing variants (quality floors first), smallest precision and in-place layout "
-                         "(rowwise, then static) preferred; a larger one only if faster in every interleaved round by more than "
+                         "(rowwise, then static) preferred; a larger one only if faster in every interleaved "
+                         "round by more than "
                          f"max({MIN_SPEEDUP:.0%}, 3x noise)", "preferred": first, "passing": sorted(passing)}
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
     if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:

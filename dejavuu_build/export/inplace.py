@@ -517,14 +517,14 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
                      f"{base}/kv_rowwise/q_scale", att).outputs[0]
         ks, vs = (new("TensorScatter", [p, x, write], f"{base}/kv_rowwise/{w}_write", att, {"axis": 2}).outputs[0]
                   for p, x, w in ((past_k, k4, "k"), (past_v, v4, "v")))
-        qf = new("Reshape", [q4, _initializer(g, f"{base}/kv_rowwise.q_rows", np.array([1, -1, 1, head_dim], np.int64))],
-                 f"{base}/kv_rowwise/q_rows", att).outputs[0]
+        q_rows = _initializer(g, f"{base}/kv_rowwise.q_rows", np.array([1, -1, 1, head_dim], np.int64))
+        qf = new("Reshape", [q4, q_rows], f"{base}/kv_rowwise/q_rows", att).outputs[0]
         attrs = {"scale": 1.0}
         if "softcap" in att.attributes and float(att.attributes["softcap"].value):
             attrs["softcap"] = float(att.attributes["softcap"].value)
         y = new("Attention", [qf, ks, vs, mask], f"{base}/kv_rowwise/Attention", att, attrs).outputs[0]
-        y4 = new("Reshape", [y, _initializer(g, f"{base}/kv_rowwise.y_heads", np.array([1, H, -1, head_dim], np.int64))],
-                 f"{base}/kv_rowwise/y_heads", att).outputs[0]
+        y_heads = _initializer(g, f"{base}/kv_rowwise.y_heads", np.array([1, H, -1, head_dim], np.int64))
+        y4 = new("Reshape", [y, y_heads], f"{base}/kv_rowwise/y_heads", att).outputs[0]
         att.outputs[0].replace_all_uses_with(y4)
         for old, nv in ((cat_k.outputs[0], ks), (cat_v.outputs[0], vs)):
             name = old.name
@@ -589,8 +589,8 @@ def _one_transpose_qkv(g, q4, k4, v4, H: int, kv_heads: int, head_dim: int, scal
         g.insert_before(anchor, nd)
         return nd
 
-    r = new("Reshape", [sp.inputs[0], _initializer(g, f"{base}/kv_rowwise.qkv_heads",
-                                                   np.array([0, 0, -1, head_dim], np.int64))], f"{base}/kv_rowwise/qkv_heads")
+    to_heads = _initializer(g, f"{base}/kv_rowwise.qkv_heads", np.array([0, 0, -1, head_dim], np.int64))
+    r = new("Reshape", [sp.inputs[0], to_heads], f"{base}/kv_rowwise/qkv_heads")
     t = new("Transpose", [r.outputs[0]], f"{base}/kv_rowwise/qkv_T", {"perm": [0, 2, 1, 3]})
     s = new("Split", [t.outputs[0], _initializer(g, f"{base}/kv_rowwise.qkv_split",
                                                  np.array([H, kv_heads, kv_heads], np.int64))],
@@ -620,7 +620,8 @@ def _fold_q_scale(g, split, n_q: int, scale: float, base: str) -> bool:
         new[:n_q] *= np.asarray(scale, new.dtype)
         proj.replace_input_with(2, _initializer(g, f"{base}/kv_rowwise.qkv_scales", new.reshape(sc.shape)))
         return True
-    if proj.op_type == "MatMul" and proj.inputs[1].const_value is not None and len(proj.inputs[1].const_value.shape) == 2:
+    w_in = proj.inputs[1] if proj.op_type == "MatMul" else None
+    if w_in is not None and w_in.const_value is not None and len(w_in.const_value.shape) == 2:
         w = proj.inputs[1].const_value.numpy().copy()
         w[:, :n_q] *= np.asarray(scale, w.dtype)
         proj.replace_input_with(1, _initializer(g, f"{base}/kv_rowwise.qkv_weight", w))

@@ -289,9 +289,10 @@ class Successors(dict):
     (Decoder.forward pads a single token so that its arithmetic matches a batched verify), and
     the pad row costs as much as a real one. Putting this guess there instead verifies one more
     token for free; a wrong guess is rejected like any draft, so output is unchanged. (A rowwise
-    graph has no pad row: there the guess is a second row that pays for itself by measurement.) Every verified row teaches it (its
-    input token -> its argmax), after the prompt's own bigrams seeded it. One table per request:
-    what other requests taught belongs to the drafters' cross-request memory, namespaced where
+    graph has no pad row; there a second row cost about what it earned, measured, so Model.plan
+    fills only where a pad row exists.) Every verified row teaches it (its input token -> its
+    argmax), after the prompt's own bigrams seeded it. One table per request: what other requests
+    taught belongs to the drafters' cross-request memory, namespaced where
     tenants must be kept apart."""
 
     def seed(self, prompt: Sequence[int]) -> None:
