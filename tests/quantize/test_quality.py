@@ -39,10 +39,11 @@ def test_top1_and_kl_are_what_they_say():
 def test_every_quantized_variant_records_its_quality(tiny_llama):
     m = read_manifest(tiny_llama)
     q = {v: r.gates["quality"] for v, r in m.variants.items() if v != "fp32"}
-    assert set(q) == {"int8", "int4", "fp32-static", "int8-static", "int4-static"}
+    assert set(q) == {p + layout for p in ("fp32", "int8", "int4") for layout in ("", "-static", "-rowwise")} - {"fp32"}
     assert {g["positions"] for g in q.values()} == {len(TEXTS) * QUALITY_TOKENS}
     assert len({g["set_sha256"] for g in q.values()}) == 1            # one text set for all
-    assert q["fp32-static"]["top1"] >= 0.99 and q["fp32-static"]["mean_kl"] < 1e-4
+    for v in ("fp32-static", "fp32-rowwise"):
+        assert q[v]["top1"] >= 0.99 and q[v]["mean_kl"] < 1e-4
     assert q["int8"]["mean_kl"] < q["int4"]["mean_kl"]
     for v, g in q.items():
         assert m.variants[v].passed == (g["passed"] and all(x["passed"] for x in m.variants[v].gates.values()))
