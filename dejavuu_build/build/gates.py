@@ -208,9 +208,18 @@ class Runner:
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}   # static flavour: rows = slots here
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
-        if self.c.kv_layout == "rowwise":
-            return self._forward_rowwise(ids, pos, bias, past)
+        """``bias`` is past+new wide. A rowwise graph gets the past arrays and the bias padded to a
+        whole number of buffer tiles (what the runtime binds) and its present is cut back."""
+        total = bias.shape[-1]
         feeds = dict(past)
+        if self.c.kv_layout == "rowwise":
+            from ..runtime.engine import ROWWISE_TILE
+            from ..runtime.tree import NEG
+
+            pad = -(-total // ROWWISE_TILE) * ROWWISE_TILE - total
+            feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, pad + total - v.shape[2]), (0, 0))) for k, v in past.items()}
+            bias = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=NEG)
+            feeds[KV_WRITE_INDEX] = np.array([total - len(ids)], np.int64)
         if self.c.primary_input == "inputs_embeds":
             feeds["inputs_embeds"] = self.embed(ids[None])
         else:
@@ -220,36 +229,15 @@ class Runner:
         if self.sparse:
             feeds[SLOT_ROWS] = feeds[ROW_SLOTS] = np.arange(len(ids), dtype=np.int64)
         out = dict(zip(self.out_names, self.s.run(None, feeds)))
-        present = {self.c.kv_input_pattern.format(i=i, kv=kv): out[self.c.kv_output_pattern.format(i=i, kv=kv)]
+        keep = total if self.c.kv_layout == "rowwise" else None
+        pattern_in, pattern_out = self.c.kv_input_pattern, self.c.kv_output_pattern
+        present = {pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :keep]
                    for i in range(self.c.num_layers) for kv in ("key", "value")}
         return out["logits"][0], out.get("hidden_states", np.zeros((1, 0)))[0], present
 
     def prefill(self, ids: np.ndarray):
         pos, bias = causal_inputs(len(ids), 0)
         return self.forward(ids, pos, bias, empty_past(self.c))
-
-    def _forward_rowwise(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
-        """The same call on a rowwise graph: past arrays and the bias padded to a whole number of
-        buffer tiles (what the runtime binds), the present cut back to past + new."""
-        from ..runtime.engine import ROWWISE_TILE
-        from ..runtime.tree import NEG
-
-        n = len(ids)
-        total = bias.shape[-1]
-        size = -(-total // ROWWISE_TILE) * ROWWISE_TILE
-        feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, size - v.shape[2]), (0, 0))) for k, v in past.items()}
-        feeds["attention_bias"] = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, size - total)), constant_values=NEG)
-        feeds["position_ids"] = pos
-        feeds[KV_WRITE_INDEX] = np.array([total - n], np.int64)
-        if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = self.embed(ids[None])
-        else:
-            feeds["input_ids"] = ids[None].astype(np.int64)
-        out = dict(zip(self.out_names, self.s.run(None, feeds)))
-        pattern_in, pattern_out = self.c.kv_input_pattern, self.c.kv_output_pattern
-        present = {pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :total]
-                   for i in range(self.c.num_layers) for kv in ("key", "value")}
-        return out["logits"][0], out.get("hidden_states", np.zeros((1, 0)))[0], present
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:

@@ -115,7 +115,7 @@ class Decoder:
             # the binding is reused, the buffer is not: attention reads the whole bound buffer, so
             # a short request must not inherit the one a long request grew
             binding = self._free.pop()[1] if self._free else self.s.io_binding()
-            return GrowingKV(self, None, binding, tile=ROWWISE_TILE, capacity=self.capacity)
+            return GrowingKV(self, binding, tile=ROWWISE_TILE, capacity=self.capacity)
         if self._free:
             buf, binding = self._free.pop()
         else:

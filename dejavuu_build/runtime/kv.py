@@ -100,11 +100,11 @@ class GrowingKV(StaticKV):
     last chunk (Engine.generate), so decode steps do not grow it at all up to DECODE_RESERVE.
     """
 
-    def __init__(self, decoder, buffers: np.ndarray | None, binding, *, tile: int, capacity: int):
-        super().__init__(decoder, buffers if buffers is not None else np.zeros((0, 1, 0, 0, 0), np.float32), binding)
+    def __init__(self, decoder, binding, *, tile: int, capacity: int):
+        super().__init__(decoder, np.zeros((0, 1, 0, 0, 0), np.float32), binding)   # allocated by ensure()
         self.tile = tile
         self.capacity = capacity
-        self.size = buffers.shape[3] if buffers is not None else 0
+        self.size = 0
 
     def ensure(self, positions: int) -> None:
         if positions <= self.size:
