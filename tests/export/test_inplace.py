@@ -29,23 +29,31 @@ def test_static_graph_computes_what_the_concat_graph_computes(recipe, cache_dir)
     concat = _runner(folder / S.variant_file("fp32"))
     static = _runner(folder / S.variant_file("fp32-static"))
     assert static.c.kv_layout == "static" and static.c.kv_capacity > 0 and concat.c.kv_layout == "concat"
+    ps = matches_concat(concat, static)
+    for k, v in ps.items():
+        assert v.shape[2] == static.c.kv_capacity
+        assert not v[:, :, 21:].any()                          # nothing written past the new rows
+
+
+def matches_concat(concat, other, atol=2e-5):
+    """Prefill 21 tokens, then a 7-node tree over them: logits, hidden states and the K/V of the
+    prompt from ``other`` match the concat graph's. Returns ``other``'s past after the prefill."""
     rng = np.random.default_rng(1)
     past_ids = rng.integers(3, 200, 21)
     lc, hc, pc = concat.prefill(past_ids)
-    ls, hs, ps = static.prefill(past_ids)
-    np.testing.assert_allclose(ls, lc, atol=2e-5)
-    np.testing.assert_allclose(hs, hc, atol=2e-5)
+    lo, ho, po = other.prefill(past_ids)
+    np.testing.assert_allclose(lo, lc, atol=atol)
+    np.testing.assert_allclose(ho, hc, atol=atol)
     for k in pc:
-        assert ps[k].shape[2] == static.c.kv_capacity
-        np.testing.assert_allclose(ps[k][:, :, :21], pc[k], atol=2e-5)
-        assert not ps[k][:, :, 21:].any()                      # nothing written past the new rows
+        np.testing.assert_allclose(po[k][:, :, :21], pc[k], atol=atol)
     parents = [-1, 0, 0, 1, 2, 3, 1]
     toks = rng.integers(3, 200, len(parents))
     pos, bias = step_inputs(parents, 21)
     tc, thc, _ = concat.forward(toks, pos, bias, pc)
-    ts, ths, _ = static.forward(toks, pos, bias, ps)
-    np.testing.assert_allclose(ts, tc, atol=2e-5)
-    np.testing.assert_allclose(ths, thc, atol=2e-5)
+    to, tho, _ = other.forward(toks, pos, bias, po)
+    np.testing.assert_allclose(to, tc, atol=atol)
+    np.testing.assert_allclose(tho, thc, atol=atol)
+    return po
 
 
 def test_static_graph_shape(tiny_llama):
