@@ -11,7 +11,7 @@ from dejavuu_build import schema as S
 from dejavuu_build.build.gates import Runner
 from dejavuu_build.export.inplace import to_static_kv
 from dejavuu_build.runtime.session import derive_contract, make_session
-from dejavuu_build.runtime.tree import causal_inputs, step_inputs
+from dejavuu_build.runtime.tree import step_inputs
 
 from conftest import build_tiny
 
