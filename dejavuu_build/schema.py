@@ -114,6 +114,11 @@ class Contract:
     def tree_capable(self) -> bool:
         return self.mask_kind == "additive_4d" and self.position_input is not None
 
+    @property
+    def position_limit(self) -> int:
+        """Positions a context may hold: the in-place buffer's capacity, else the model's limit."""
+        return self.kv_capacity if in_place(self.kv_layout) else (self.max_positions or 1 << 30)
+
     def to_json(self) -> dict:
         return asdict(self)
 

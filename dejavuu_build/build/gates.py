@@ -291,7 +291,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     from ..runtime.engine import Decoder
 
     dec = Decoder(r.s, r.c, r.embed)
-    limit = r.c.kv_capacity if in_place(r.c.kv_layout) else (r.c.max_positions or 1 << 30)
+    limit = r.c.position_limit
     n_max = max(BATCH_ROWS)
     stream = np.concatenate([np.concatenate([p, g]) for p, g in zip(ref.prompts, ref.greedy)] + [ref.chain_ids])
     long = np.resize(stream, max(BATCH_PASTS) + n_max)
@@ -344,7 +344,7 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
 def _timing_cases(dec, contract: Contract, rng) -> list[tuple]:
     """``(key, rows, tokens, embeds, kv)`` for 1, 2 and 8 new rows over a random past of 256 and
     1024 positions (where the decoder holds them); one cache per past, shared by its rows."""
-    limit = contract.kv_capacity if in_place(contract.kv_layout) else (contract.max_positions or 1 << 30)
+    limit = contract.position_limit
     cases = []
     for past_len in (p for p in (256, 1024) if p + 8 < limit):
         kv = dec.new_cache()

@@ -250,8 +250,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     others = {v: Runner(s, c, embed) for v, (s, c) in sessions.items() if v != "fp32"}
     if others:
         with step("quality: teacher-forced top-1 and KL against fp32 over the quality set"):
-            limit = min(c.kv_capacity if S.in_place(c.kv_layout) else (c.max_positions or 1 << 30)
-                        for _, c in sessions.values())
+            limit = min(c.position_limit for _, c in sessions.values())
             qs = (ref.quality or quality_set(fp32, *quality_prompts(folder, contract.vocab_size))).fit(limit)
             for v, g in gate_quality(fp32, others, qs, QUALITY_FLOORS).items():
                 manifest.variants[v].gates["quality"] = g

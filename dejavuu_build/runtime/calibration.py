@@ -163,7 +163,7 @@ def calibrate(dec) -> Calibration:
     # rowwise graphs: the one-row kernels group keys in blocks that start at key 0, so a branch
     # node never shares its block with the same keys as in a chain (measured: no period up to 64
     # is exact, whatever the layout): they verify chains only, and the search is skipped
-    if chain and dec.c.tree_capable and not getattr(dec, "rowwise", False):
+    if chain and dec.c.tree_capable and not dec.rowwise:
         # a period exact on short rows may still fail on long ones (some kernels change their key
         # blocking with the row length): the first candidate that also passes the long-row tree
         # probe under some tile rule wins
