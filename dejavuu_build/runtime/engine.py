@@ -18,7 +18,7 @@ from ..schema import KV_WRITE_INDEX, LOGITS, ROW_SLOTS, SLOT_ROWS, Contract, in_
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .kv import GrowingKV, KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
-from .tree import aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
+from .tree import NEG, aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
 
 ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
 DECODE_RESERVE = 512  # positions a rowwise cache reserves for decoding with the prompt's last chunk
@@ -106,6 +106,8 @@ class Decoder:
         # rows decoupled from attention slots (export.inplace): pad slots cost attention only
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}
         self._arange = np.zeros(0, dtype=np.int64)
+        self._feeds: dict[int, RowFeeds] = {}     # rowwise: bound inputs/outputs per row count
+        self._feeds_size = 0
 
     def new_cache(self) -> KVCache | StaticKV:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
@@ -199,7 +201,9 @@ class Decoder:
     def _forward_rowwise(self, tokens, parents, kv: GrowingKV, embeds, copy: bool, slots):
         """The rowwise graph: one row per token, whatever the step (no pad row); the rows' K/V go
         to ``kv.length ..`` in order and each row gets its own mask over the bound buffer
-        (``parents``: a tree fed one row per node, e.g. by the gates; the engine sends chains)."""
+        (``parents``: a tree fed one row per node, e.g. by the gates; the engine sends chains).
+        Inputs and outputs live in reused, already bound arrays (RowFeeds): a decode step only
+        writes a few numbers into them before the run."""
         if slots is not None:
             raise GenerationError("a rowwise decoder verifies chains only: it has no slot layout for trees")
         n, past = len(tokens), kv.length
@@ -207,13 +211,40 @@ class Decoder:
             raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {past + n}: "
                                   f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
         kv.ensure(past + n)
-        pos, bias = row_bias(n, parents, past, kv.size)
-        feeds = {self.c.mask_input: bias, self.c.position_input: pos, KV_WRITE_INDEX: np.array([past], np.int64)}
+        f = self._row_feeds(n, kv.size)
+        f.fill(tokens, parents, past)
         if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(np.asarray(tokens, np.int64)[None])
-        else:
-            feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
-        return self._run_static(feeds, kv, n, n, n, copy)
+            f.embeds[:] = embeds if embeds is not None else self.embed(np.asarray(tokens, np.int64)[None])
+        if kv.bound is not f:
+            f.bind(kv.binding)
+            kv.bound = f
+        t0 = time.perf_counter()
+        self.s.run_with_iobinding(kv.binding)
+        self.last_run_s = time.perf_counter() - t0
+        logits, hidden = f.logits[0], (f.hidden[0] if f.hidden is not None else None)
+        return (logits.copy(), hidden.copy() if hidden is not None else None, None) if copy else (logits, hidden, None)
+
+    def _row_feeds(self, n: int, size: int) -> "RowFeeds":
+        """The reusable feeds for ``n`` rows over a buffer of ``size`` positions: kept for decode-sized
+        steps (a buffer growth drops them all), made fresh for prefill chunks."""
+        if size != self._feeds_size:
+            self._feeds, self._feeds_size = {}, size
+        f = self._feeds.get(n)
+        if f is None:
+            f = RowFeeds(self.c, n, size, self._outputs(n))
+            if n <= RowFeeds.KEEP_ROWS:
+                self._feeds[n] = f
+        return f
+
+    def _outputs(self, rows: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Logits [1, rows, V] and hidden states [1, rows, H] (None without them) as views of one
+        reused array: a long prompt's chunks do not fault in fresh pages every chunk."""
+        V, H = self.c.vocab_size, (self.c.hidden_size if self.has_hidden else 0)
+        need = rows * (V + H)
+        if self._out_buf.size < need:
+            self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
+        logits = self._out_buf[:rows * V].reshape(1, rows, V)
+        return logits, (self._out_buf[rows * V:need].reshape(1, rows, H) if self.has_hidden else None)
 
     def _identity(self, m: int) -> np.ndarray:
         if len(self._arange) < m:
@@ -234,16 +265,9 @@ class Decoder:
         b = kv.binding
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
-        V, H = self.c.vocab_size, (self.c.hidden_size if self.has_hidden else 0)
-        r = rows if self.sparse else m               # output rows (sparse and rowwise graphs: one per token)
-        need = r * (V + H)
-        if self._out_buf.size < need:
-            self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
-        logits = self._out_buf[:r * V].reshape(1, r, V)
+        logits, hidden = self._outputs(rows if self.sparse else m)   # sparse graphs: one row per token
         b.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
-        hidden = None
-        if self.has_hidden:
-            hidden = self._out_buf[r * V:need].reshape(1, r, H)
+        if hidden is not None:
             b.bind_ortvalue_output(self.c.hidden_output, ort.OrtValue.ortvalue_from_numpy(hidden))
         t0 = time.perf_counter()
         self.s.run_with_iobinding(b)
@@ -251,6 +275,57 @@ class Decoder:
         if not copy:
             return logits[0, :n], (hidden[0, :n] if hidden is not None else None), None
         return logits[0, :n].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
+
+
+class RowFeeds:
+    """A rowwise step's inputs and outputs for ``n`` rows over a ``size``-position buffer, as numpy
+    arrays bound once as OrtValues sharing their memory: a step writes ids, positions, the write
+    index and the mask rows in place, and the run writes logits and hidden states into them.
+
+    Why by hand: binding fresh arrays costs ~10 µs per tensor from Python and a fresh mask
+    O(size) allocations, ~0.2 ms per decode step in all; onnxruntime's IOBinding keeps a bound
+    OrtValue across runs, so reusing the same memory makes the step's host work a few writes.
+    """
+
+    KEEP_ROWS = 64       # row counts up to this keep their feeds between steps (drafts; not prefill chunks)
+
+    def __init__(self, c: Contract, n: int, size: int, outputs: tuple[np.ndarray, np.ndarray | None]):
+        self.c, self.n, self.size = c, n, size
+        self.ids = np.zeros((1, n), np.int64)
+        self.embeds = np.zeros((1, n, c.hidden_size), np.float32) if c.primary_input == "inputs_embeds" else None
+        self.pos = np.zeros((1, n), np.int64)
+        self.write = np.zeros(1, np.int64)
+        self.bias = np.empty((1, 1, n, size), np.float32)
+        self.logits, self.hidden = outputs      # views of the decoder's reused output array
+        # row r of a chain's mask over past p is zeros up to key p + r: the window of ``ramp``
+        # (size zeros, then NEG) that starts at size - p - r - 1; windows are views, one copy fills all rows
+        ramp = np.concatenate([np.zeros(size, np.float32), np.full(size, NEG, np.float32)])
+        self._windows = np.lib.stride_tricks.sliding_window_view(ramp, size)
+        self._steps = np.arange(n, dtype=np.int64)
+
+    def fill(self, tokens, parents: list[int] | None, past: int) -> None:
+        if self.embeds is None:
+            self.ids[0] = tokens
+        self.write[0] = past
+        if parents is None:
+            np.add(self._steps, past, out=self.pos[0])
+            start = self.size - past - self.n
+            np.copyto(self.bias[0, 0], self._windows[start:start + self.n][::-1])
+        else:
+            pos, bias = row_bias(self.n, parents, past, self.size)
+            self.pos[:], self.bias[:] = pos, bias
+
+    def bind(self, binding) -> None:
+        import onnxruntime as ort
+
+        c = self.c
+        primary = ("inputs_embeds", self.embeds) if self.embeds is not None else ("input_ids", self.ids)
+        for name, arr in (primary, (c.position_input, self.pos), (c.mask_input, self.bias),
+                          (KV_WRITE_INDEX, self.write)):
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(self.logits))
+        if self.hidden is not None:
+            binding.bind_ortvalue_output(c.hidden_output, ort.OrtValue.ortvalue_from_numpy(self.hidden))
 
 
 def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:

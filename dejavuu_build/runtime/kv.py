@@ -105,6 +105,7 @@ class GrowingKV(StaticKV):
         self.tile = tile
         self.capacity = capacity
         self.size = 0
+        self.bound = None     # the decoder's RowFeeds last bound to this binding (rebound when it changes)
 
     def ensure(self, positions: int) -> None:
         if positions <= self.size:

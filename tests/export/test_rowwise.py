@@ -82,15 +82,15 @@ def test_one_token_is_one_row_and_bit_identical_to_a_batched_verify(tiny_llama):
         kv.commit(pres, len(ids), list(range(len(ids))))
         assert kv.size == ROWWISE_TILE
         fed = []
-        bind = kv.binding.bind_cpu_input
-        kv.binding.bind_cpu_input = lambda name, arr: (fed.append((name, arr.shape)), bind(name, arr))
+        feeds = dec._row_feeds
+        dec._row_feeds = lambda n, size: fed.append(feeds(n, size)) or fed[-1]
         singles = []
         for t in toks:
             lg, _, pres = dec.forward([t], None, kv)
             kv.commit(pres, 1, [0])
             singles.append(lg[0])
-        kv.binding.bind_cpu_input = bind
-        assert [shape for name, shape in fed if name == "input_ids"] == [(1, 1)] * len(toks)
+        del dec._row_feeds
+        assert [f.ids.shape for f in fed] == [(1, 1)] * len(toks)   # the graph's input_ids: one row
         assert kv.size == 2 * ROWWISE_TILE                      # grew on the way
         kv.truncate(len(ids))
         batched, _, _ = dec.forward(toks, None, kv)
