@@ -408,7 +408,7 @@ class Engine:
         job = Job(tokens, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens, budget=budget,
                   period=self.period if budget.tree else None, tile=self.tile if budget.tree else None,
                   eos_ids=eos_ids, should_stop=should_stop, on_tokens=on_tokens, prefill_embeds=prefill_embeds,
-                  capacity=cap, fill=self.fill, residual_fn=residual_fn)
+                  capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=2 if self.dec.pad_single else 1)
         kv = self.dec.new_cache()
         try:
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
@@ -498,7 +498,7 @@ class Job:
                  budget: DraftBudget, period: int | None, tile: int | None, eos_ids: Sequence[int] = (),
                  should_stop: Callable[[list[int]], int | None] | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 capacity: int = 0, fill: Successors | None = None, residual_fn=residual):
+                 capacity: int = 0, fill: Successors | None = None, residual_fn=residual, single_rows: int = 2):
         self.tokens = [int(t) for t in ids]
         self.prompt_len = len(self.tokens)
         self.drafter, self.sampler, self.max_new = drafter, sampler, max_new_tokens
@@ -508,6 +508,7 @@ class Job:
         self.prefill_embeds = prefill_embeds
         self.capacity = capacity
         self.fill, self.residual_fn = fill, residual_fn
+        self.single_rows = single_rows          # graph rows a lone token costs (its pad row, if any)
         self.new: list[int] = []
         self.reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.tokens))
@@ -619,7 +620,7 @@ class Job:
             accepted_path=[i - 1 for i in path[1:]] if own else [],
             topk_ids=_topk_rows(logits if own else logits[:1], 8) if d.wants_topk else None,
             hidden=hidden[path] if d.wants_hidden and hidden is not None else None,
-            draft_seconds=self._draft_dt, verify_seconds=verify_s))
+            draft_seconds=self._draft_dt, verify_seconds=verify_s, rows=max(n_slots, self.single_rows)))
         self._step = None
         if self.reason:
             self._finish()

@@ -243,3 +243,29 @@ def test_filled_guesses_are_accepted(tiny):
     r = tiny.generate(PROMPTS[2], method=Silent(), max_new_tokens=40)
     assert r.tokens == base.tokens
     assert r.stats.fill_accepted > 0 and r.stats.steps == 39 - r.stats.accepted
+
+
+@pytest.mark.parametrize("variant, single", [("int4", 2), ("int4-static", 2), ("int4-rowwise", 1)])
+def test_feedback_reports_the_rows_each_step_ran(by_layout, variant, single):
+    """Feedback.rows is what cost-aware sizers fit verify time against: a step with no draft is
+    one row on a rowwise decoder and two (its pad row) on the others; a k-token chain is k+1 rows."""
+    class Every3rd(Drafter):
+        name = "every3rd"
+
+        def __init__(self):
+            self.seen, self.step = [], 0
+
+        def propose(self, context, budget):
+            self.step += 1
+            return Draft.chain([5, 6, 7][:budget.max_depth]) if self.step % 3 == 0 else Draft()
+
+        def feedback(self, fb):
+            self.seen.append((fb.drafted, fb.rows))
+
+    d = Every3rd()
+    by_layout[variant].generate(PROMPTS[0], method=d, max_new_tokens=20)
+    assert d.seen[0] == (0, 0)                  # the prompt's first token: no verify step
+    d.seen = d.seen[1:]
+    assert {rows for drafted, rows in d.seen if drafted == 0} == {single}
+    chains = [(drafted, rows) for drafted, rows in d.seen if drafted]
+    assert chains and all(rows == drafted + 1 for drafted, rows in chains), chains

@@ -119,6 +119,8 @@ class Feedback:
     hidden: np.ndarray | None = None     # [len(committed), H] hidden states at the committed tokens' inputs
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rows: int = 0                        # graph rows the verify forward ran (0: not known); a lone
+                                         # token runs as 2 rows on padded decoders, 1 on rowwise ones
 
 
 class Drafter:

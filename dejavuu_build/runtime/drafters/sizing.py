@@ -151,17 +151,23 @@ class VerifyCostModel:
 class CostAwareSizer(CalibratedSizer):
     """Pick the draft size that maximises expected tokens per second.
 
-    ``(1 + E[accepted | n]) / (draft + a + b*n)``, n >= 1, with ``alpha`` from the calibration
-    and ``a, b`` fitted to ``Feedback.verify_seconds``. Wins when verification cost grows with
-    the number of drafted tokens (compute-bound CPU inference, big trees); falls back to the
-    calibrated cap until a few timings have been seen. Never less than one node: the runtime
-    runs a lone token as two rows (Decoder.forward), so one draft token costs what none does
-    (which also keeps ``alpha`` current where drafting once looked hopeless).
+    ``(1 + E[accepted | n]) / (draft + a + b*(rows(n) - 1))``, with ``alpha`` from the calibration,
+    ``a, b`` fitted to ``Feedback.verify_seconds`` over the graph rows each step ran, and
+    ``rows(n) = max(n + 1, single_rows)``. Wins when verification cost grows with the number of
+    drafted tokens (compute-bound CPU inference, big trees); falls back to the calibrated cap until
+    a few timings have been seen. Where a lone token runs as two rows (padded decoders), one draft
+    node is free, so it never drafts less than one; where it runs as one row (rowwise decoders,
+    learnt from ``Feedback.rows``), a node must earn its row, and an unpromising match drafts
+    nothing — except every ``explore``-th such step, which drafts anyway so that ``alpha`` of a
+    match length that once looked hopeless stays current.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, explore: int = 8, **kwargs):
         super().__init__(**kwargs)
         self.cost = VerifyCostModel()
+        self.single_rows = 2          # until a step with no draft reports one row
+        self.explore = explore
+        self._skipped = 0
 
     def size(self, budget: DraftBudget, match_len: int) -> tuple[int, int]:
         nodes, depth = super().size(budget, match_len)
@@ -170,10 +176,21 @@ class CostAwareSizer(CalibratedSizer):
         alpha = self.alpha(match_len)
         a, b = self.cost.coefficients()
         fixed = a + self.cost.draft_seconds
-        best_n = max(range(1, budget.max_nodes + 1),
-                     key=lambda n: (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * n))
+
+        def rate(n: int) -> float:
+            rows = max(n + 1, self.single_rows)
+            return (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * (rows - 1))
+
+        best_n = max(range(1, budget.max_nodes + 1), key=rate)
+        if self.single_rows == 1 and rate(0) > rate(best_n):
+            self._skipped += 1
+            if self._skipped % self.explore:
+                return 0, 0
         return best_n, min(best_n, budget.max_depth)
 
     def learn(self, fb: Feedback, verified: Draft) -> None:
         super().learn(fb, verified)
-        self.cost.observe(max(fb.drafted, 1), fb.verify_seconds, fb.draft_seconds)   # 0 runs as 1 (pad row)
+        rows = fb.rows or fb.drafted + 1
+        if fb.drafted == 0 and fb.rows:
+            self.single_rows = min(self.single_rows, fb.rows)
+        self.cost.observe(max(rows, self.single_rows) - 1, fb.verify_seconds, fb.draft_seconds)

@@ -306,3 +306,25 @@ def test_cost_aware_sizer_never_drafts_nothing():
 
     assert size(b=1.0, accepted=0) == 1          # hopeless and expensive: still the free node
     assert size(b=1e-6, accepted=8) == 8         # always accepted and cheap: the whole budget
+
+
+def test_cost_aware_sizer_drafts_nothing_where_a_lone_token_is_one_row():
+    """Where a step with no draft runs one graph row (Feedback.rows, rowwise decoders), a node must
+    earn its row: a hopeless, expensive match drafts nothing, except every ``explore``-th time
+    (so its acceptance estimate stays current); a cheap, always accepted one still drafts the budget."""
+    from dejavuu_build.runtime.drafters.sizing import CostAwareSizer
+
+    def trained(b, accepted):
+        s = CostAwareSizer(explore=4)
+        s.learn(Feedback(committed=[1], drafted=0, accepted=0, verify_seconds=1e-3, rows=1), Draft())
+        for i in range(24):
+            n = i % 8 + 1
+            s.learn(Feedback(committed=[1] * (min(accepted, n) + 1), drafted=n, accepted=min(accepted, n),
+                             verify_seconds=1e-3 + b * n, rows=n + 1), Draft.chain([1] * n))
+        return s
+
+    s = trained(b=1.0, accepted=0)
+    assert s.single_rows == 1
+    sizes = [s.size(DraftBudget(8, 8), match_len=5)[0] for _ in range(8)]
+    assert sizes == [0, 0, 0, 1, 0, 0, 0, 1]       # nothing, but one node every 4th time
+    assert trained(b=1e-6, accepted=8).size(DraftBudget(8, 8), match_len=5)[0] == 8
