@@ -21,7 +21,6 @@ from .sampling import Sampler, accept_ratio, residual
 from .tree import NEG, aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
 
 ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
-DECODE_RESERVE = 512  # positions a rowwise cache reserves for decoding with the prompt's last chunk
 
 
 @dataclass
@@ -114,10 +113,9 @@ class Decoder:
         if not self.static:
             return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
         if self.rowwise:
-            # the binding is reused, the buffer is not: attention reads the whole bound buffer, so
-            # a short request must not inherit the one a long request grew
-            binding = self._free.pop()[1] if self._free else self.s.io_binding()
-            return GrowingKV(self, binding, tile=ROWWISE_TILE, capacity=self.capacity)
+            # memory and binding are reused; the bound buffer starts small again (GrowingKV)
+            mem, binding = self._free.pop() if self._free else (None, self.s.io_binding())
+            return GrowingKV(self, binding, tile=ROWWISE_TILE, capacity=self.capacity, mem=mem)
         if self._free:
             buf, binding = self._free.pop()
         else:
@@ -411,11 +409,10 @@ class Engine:
                   capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=2 if self.dec.pad_single else 1)
         kv = self.dec.new_cache()
         try:
+            if self.dec.rowwise:
+                kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
-                if cap and kv.length + len(rows.tokens) >= len(tokens):
-                    # the last chunk: room for the decode steps too, so they never grow (copy) the cache
-                    kv.ensure(min(cap, len(tokens) + min(max_new_tokens, DECODE_RESERVE) + 1 + budget.max_nodes))
                 logits, hidden, present = self.dec.forward(
                     rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
                 job.after_prefill(lambda n, keep: kv.commit(present, n, keep), logits, hidden)
