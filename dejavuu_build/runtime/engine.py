@@ -409,10 +409,11 @@ class Engine:
                   capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=2 if self.dec.pad_single else 1)
         kv = self.dec.new_cache()
         try:
-            if self.dec.rowwise:
-                kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
+                if self.dec.rowwise and kv.length + len(rows.tokens) >= len(tokens):
+                    # the last chunk: decode room too (earlier chunks must not attend to it, masked)
+                    kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
                 logits, hidden, present = self.dec.forward(
                     rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
                 job.after_prefill(lambda n, keep: kv.commit(present, n, keep), logits, hidden)
