@@ -48,9 +48,8 @@ KV_LAYOUT_CONCAT = "concat"
 
 def to_static_kv(model, capacity: int, *, fuse: bool = True):
     """Rewrite an ``onnx.ModelProto`` decoder of the concat flavour into the in-place flavour."""
-    import onnx
     import onnx_ir as ir
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
@@ -69,9 +68,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         _fuse_skip_norm(g)
 
     def new(op, ins, name, anchor, attrs=None, domain="", outs=1):
-        nd = ir.node(op, ins, attributes=attrs or {}, domain=domain, num_outputs=outs, name=name)
-        g.insert_before(anchor, nd)
-        return nd
+        return _insert(g, op, ins, name, anchor, attrs, domain, outs)
 
     # total = P + N from the bias's last dim; seqlens_k = total - 1 (int32), as GQA wants them.
     first = g.node(0)
@@ -91,14 +88,11 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     g.inputs.extend([slot_rows, row_slots])
 
     for att in attn_nodes:
-        q4, k_all, v_all = att.inputs[0], att.inputs[1], att.inputs[2]
+        q4 = att.inputs[0]
         att_bias = att.inputs[3] if len(att.inputs) > 3 else None
         if att_bias is None or (len(att.inputs) > 4 and any(x is not None for x in att.inputs[4:])):
             raise ExportError(f"{att.name}: unknown Attention form (no mask input, or past inputs of its own)")
-        cat_k, cat_v = k_all.producer(), v_all.producer()
-        if (cat_k is None or cat_v is None or cat_k.op_type != "Concat" or cat_v.op_type != "Concat"
-                or cat_k.inputs[0].name not in inputs or cat_v.inputs[0].name not in inputs):
-            raise ExportError(f"{att.name}: K/V do not come from Concat(past, new): unknown attention pattern")
+        cat_k, cat_v = _concat_kv(att, inputs)
         past_k, k4 = cat_k.inputs[0], cat_k.inputs[1]
         past_v, v4 = cat_v.inputs[0], cat_v.inputs[1]
         kv_heads, head_dim = past_k.shape[1], past_k.shape[3]
@@ -159,16 +153,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             r = new("Reshape", [out3, shp], f"{base}/kv_static/out_R", att)
             t = new("Transpose", [r.outputs[0]], f"{base}/kv_static/out_T", att, {"perm": [0, 2, 1, 3]})
             att.outputs[0].replace_all_uses_with(t.outputs[0])
-        for old, nv in ((cat_k.outputs[0], gqa.outputs[1]), (cat_v.outputs[0], gqa.outputs[2])):
-            name = old.name
-            old.name = name + "__concat"
-            nv.name = name
-            g.outputs[[i for i, o in enumerate(g.outputs) if o is old][0]] = nv
-            nv.shape = ir.Shape([1, kv_heads, capacity, head_dim])
-            nv.type = ir.TensorType(ir.DataType.FLOAT)
-        _drop(g, [att, cat_k, cat_v])
-        for p in (past_k, past_v):
-            p.shape = ir.Shape([1, kv_heads, capacity, head_dim])
+        _take_over_present(g, att, (cat_k, cat_v), gqa.outputs[1:3], ir.Shape([1, kv_heads, capacity, head_dim]))
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
     sparse = _slot_inputs_reach_attention_only(g, (bias, position_ids))
@@ -180,24 +165,71 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
     else:
         _undo_slot_gathers(g, slot_gathers, (slot_rows, row_slots))
-    graph_outs = set(g.outputs)
-    for name, v in list(g.initializers.items()):   # the unfused weights, now unused
-        if not list(v.uses()) and v not in graph_outs:
-            del g.initializers[name]
-    TopologicalSortPass()(m)
-    out = ir.to_proto(m)
-    del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
-    out.metadata_props.add(key="dejavuu.kv_layout", value=KV_LAYOUT_STATIC)
-    out.metadata_props.add(key="dejavuu.kv_capacity", value=str(capacity))
-    from .exporter import EXTERNAL_DATA_BYTES, tensor_bytes
-
-    if tensor_bytes(out) < EXTERNAL_DATA_BYTES:   # the checker serialises: only under 2 GB
-        onnx.checker.check_model(out)
+    out = _finish(m, KV_LAYOUT_STATIC, capacity)
     logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes, tree pad slots %s",
                 len(attn_nodes), capacity, len(out.graph.node),
                 "cost attention only" if sparse else "are whole rows (the graph shapes a mask by the rows)")
     return out
 
+
+
+def _insert(g, op: str, ins, name: str, anchor, attrs=None, domain: str = "", outs: int = 1):
+    """A new node ``name`` inserted before ``anchor`` (the passes keep graph order, then re-sort)."""
+    import onnx_ir as ir
+
+    nd = ir.node(op, ins, attributes=attrs or {}, domain=domain, num_outputs=outs, name=name)
+    g.insert_before(anchor, nd)
+    return nd
+
+
+def _concat_kv(att, inputs: dict):
+    """The ``Concat(past, new)`` nodes feeding ``att``'s K and V, which both in-place passes replace."""
+    cat_k, cat_v = att.inputs[1].producer(), att.inputs[2].producer()
+    if (cat_k is None or cat_v is None or cat_k.op_type != "Concat" or cat_v.op_type != "Concat"
+            or cat_k.inputs[0].name not in inputs or cat_v.inputs[0].name not in inputs):
+        raise ExportError(f"{att.name}: K/V do not come from Concat(past, new): unknown attention pattern")
+    return cat_k, cat_v
+
+
+def _take_over_present(g, att, concats, writers, shape) -> None:
+    """The in-place writers of K and V become the graph's ``present`` outputs (names kept) and the
+    buffer's shape is declared on past and present; the concats and the old attention go."""
+    import onnx_ir as ir
+
+    for cat, nv in zip(concats, writers):
+        old = cat.outputs[0]
+        name = old.name
+        old.name = name + "__concat"
+        nv.name = name
+        g.outputs[[i for i, o in enumerate(g.outputs) if o is old][0]] = nv
+        nv.shape = shape
+        nv.type = ir.TensorType(ir.DataType.FLOAT)
+        cat.inputs[0].shape = shape
+    _drop(g, [att, *concats])
+
+
+def _finish(m, layout: str, capacity: int):
+    """The rewritten model as a proto: unused initializers (the unfused weights) dropped, nodes
+    sorted, layout and capacity recorded, checked where the checker can serialise it (< 2 GB)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx_ir.passes.common import TopologicalSortPass
+
+    from .exporter import EXTERNAL_DATA_BYTES, tensor_bytes
+
+    g = m.graph
+    graph_outs = set(g.outputs)
+    for name, v in list(g.initializers.items()):
+        if not list(v.uses()) and v not in graph_outs:
+            del g.initializers[name]
+    TopologicalSortPass()(m)
+    out = ir.to_proto(m)
+    del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
+    out.metadata_props.add(key="dejavuu.kv_layout", value=layout)
+    out.metadata_props.add(key="dejavuu.kv_capacity", value=str(capacity))
+    if tensor_bytes(out) < EXTERNAL_DATA_BYTES:
+        onnx.checker.check_model(out)
+    return out
 
 def _slot_inputs_reach_attention_only(g, slot_shaped) -> bool:
     """Rows may differ from slots only if the slot-shaped inputs (bias, positions) feed nothing
@@ -459,9 +491,8 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     keys from key 0, with the past), so the runtime verifies chains on this flavour; the static
     flavour keeps exact trees. Hence no slot layout either: a step writes its rows' K/V in order.
     """
-    import onnx
     import onnx_ir as ir
-    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
@@ -485,9 +516,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     g.inputs.append(write)
 
     def new(op, ins, name, anchor, attrs=None, outs=1):
-        nd = ir.node(op, ins, attributes=attrs or {}, num_outputs=outs, name=name)
-        g.insert_before(anchor, nd)
-        return nd
+        return _insert(g, op, ins, name, anchor, attrs, outs=outs)
 
     heads = {_heads(att, att.inputs[0], att.inputs[1].producer().inputs[0].shape[3]) for att in attn_nodes}
     if len(heads) != 1:
@@ -501,10 +530,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
                "/kv_rowwise/mask_Reshape", first).outputs[0]
     for att in attn_nodes:
         q4 = att.inputs[0]
-        cat_k, cat_v = att.inputs[1].producer(), att.inputs[2].producer()
-        if cat_k is None or cat_v is None or cat_k.op_type != "Concat" or cat_v.op_type != "Concat" \
-                or cat_k.inputs[0].name not in inputs or cat_v.inputs[0].name not in inputs:
-            raise ExportError(f"{att.name}: K/V do not come from Concat(past, new): unknown attention pattern")
+        cat_k, cat_v = _concat_kv(att, inputs)
         past_k, k4 = cat_k.inputs[0], cat_k.inputs[1]
         past_v, v4 = cat_v.inputs[0], cat_v.inputs[1]
         kv_heads, head_dim = past_k.shape[1], past_k.shape[3]
@@ -526,33 +552,12 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
         y_heads = _initializer(g, f"{base}/kv_rowwise.y_heads", np.array([1, H, -1, head_dim], np.int64))
         y4 = new("Reshape", [y, y_heads], f"{base}/kv_rowwise/y_heads", att).outputs[0]
         att.outputs[0].replace_all_uses_with(y4)
-        for old, nv in ((cat_k.outputs[0], ks), (cat_v.outputs[0], vs)):
-            name = old.name
-            old.name = name + "__concat"
-            nv.name = name
-            g.outputs[[i for i, o in enumerate(g.outputs) if o is old][0]] = nv
-            nv.shape = ir.Shape([1, kv_heads, "kv_len", head_dim])
-            nv.type = ir.TensorType(ir.DataType.FLOAT)
-        _drop(g, [att, cat_k, cat_v])
-        for p in (past_k, past_v):
-            p.shape = ir.Shape([1, kv_heads, "kv_len", head_dim])
+        _take_over_present(g, att, (cat_k, cat_v), (ks, vs), ir.Shape([1, kv_heads, "kv_len", head_dim]))
     bias.shape = ir.Shape([1, 1, "rows", "kv_len"])
     m.opset_imports[""] = max(24, m.opset_imports.get("", 24))
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
-    graph_outs = set(g.outputs)
-    for name, v in list(g.initializers.items()):
-        if not list(v.uses()) and v not in graph_outs:
-            del g.initializers[name]
-    TopologicalSortPass()(m)
-    out = ir.to_proto(m)
-    del out.graph.value_info[:]
-    out.metadata_props.add(key="dejavuu.kv_layout", value=KV_LAYOUT_ROWWISE)
-    out.metadata_props.add(key="dejavuu.kv_capacity", value=str(capacity))
-    from .exporter import EXTERNAL_DATA_BYTES, tensor_bytes
-
-    if tensor_bytes(out) < EXTERNAL_DATA_BYTES:
-        onnx.checker.check_model(out)
+    out = _finish(m, KV_LAYOUT_ROWWISE, capacity)
     logger.info("  rowwise KV flavour: %d attention layers, capacity %d, %d nodes", len(attn_nodes), capacity,
                 len(out.graph.node))
     return out
@@ -563,10 +568,9 @@ def _one_transpose_qkv(g, q4, k4, v4, H: int, kv_heads: int, head_dim: int, scal
 
     The exporter gives each of q, k, v its own Reshape + Transpose (+ RotaryEmbedding); when they
     are the three outputs of one fused projection's Split, reshape that output to heads, transpose
-    once and split the heads: two nodes fewer per layer (per-node dispatch is what a one-row
-    forward spends its time on). The attention scale is folded into the q columns of the
-    projection when that is exact (a power of two; MatMulNBits scales or float weights)."""
-    import onnx_ir as ir
+    once and split the heads: two nodes fewer per layer. The attention scale is folded into the q
+    columns of the projection when that is exact (a power of two; MatMulNBits scales or float
+    weights)."""
 
     def strip(x4):
         """(rotary node or None, the 3D projection output under Transpose(Reshape(.)))."""
@@ -585,9 +589,7 @@ def _one_transpose_qkv(g, q4, k4, v4, H: int, kv_heads: int, head_dim: int, scal
     folded = _fold_q_scale(g, sp, H * head_dim, scale, base)
 
     def new(op, ins, name, attrs=None, outs=1):
-        nd = ir.node(op, ins, attributes=attrs or {}, num_outputs=outs, name=name)
-        g.insert_before(anchor, nd)
-        return nd
+        return _insert(g, op, ins, name, anchor, attrs, outs=outs)
 
     to_heads = _initializer(g, f"{base}/kv_rowwise.qkv_heads", np.array([0, 0, -1, head_dim], np.int64))
     r = new("Reshape", [sp.inputs[0], to_heads], f"{base}/kv_rowwise/qkv_heads")
