@@ -205,9 +205,7 @@ class Decoder:
         if slots is not None:
             raise GenerationError("a rowwise decoder verifies chains only: it has no slot layout for trees")
         n, past = len(tokens), kv.length
-        if past + n > kv.capacity:
-            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {past + n}: "
-                                  f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
+        _check_room(kv, n)
         kv.ensure(past + n)
         f = self._row_feeds(n, kv.size)
         f.fill(tokens, parents, past)
@@ -256,10 +254,7 @@ class Decoder:
         hot path reads them before that; callers that keep outputs get copies)."""
         import onnxruntime as ort
 
-        if kv.length + m > kv.capacity:
-            raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs "
-                                  f"{kv.length + m}: use a shorter prompt or fewer new tokens, or rebuild "
-                                  f"with a larger --max-context")
+        _check_room(kv, m)
         b = kv.binding
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
@@ -273,6 +268,13 @@ class Decoder:
         if not copy:
             return logits[0, :n], (hidden[0, :n] if hidden is not None else None), None
         return logits[0, :n].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
+
+
+def _check_room(kv: StaticKV, rows: int) -> None:
+    """Refuse a step whose rows would not fit an in-place cache's capacity."""
+    if kv.length + rows > kv.capacity:
+        raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {kv.length + rows}: "
+                              f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
 
 
 class RowFeeds:
@@ -310,7 +312,7 @@ class RowFeeds:
             start = self.size - past - self.n
             np.copyto(self.bias[0, 0], self._windows[start:start + self.n][::-1])
         else:
-            pos, bias = row_bias(self.n, parents, past, self.size)
+            pos, bias = row_bias(parents, past, self.size)
             self.pos[:], self.bias[:] = pos, bias
 
     def bind(self, binding) -> None:

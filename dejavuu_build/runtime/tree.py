@@ -42,18 +42,15 @@ def step_inputs(parents: list[int], past_len: int) -> tuple[np.ndarray, np.ndarr
     return pos.astype(np.int64), bias
 
 
-def row_bias(n: int, parents: list[int] | None, past_len: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+def row_bias(parents: list[int], past_len: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """position_ids [1, n] and an additive bias [1, 1, n, length] over a whole KV buffer (the
-    rowwise flavour): row i sees the past and its ancestors among the step's rows (``parents``;
-    None: a chain), nothing beyond."""
-    if parents is None:
-        d, vis = np.arange(n), np.tri(n, dtype=bool)
-    else:
-        d, vis = depths(parents), ancestors_mask(parents)
+    rowwise flavour) for a tree fed one row per node: row i sees the past and its ancestors among
+    the step's rows, nothing beyond. (Chains get theirs from engine.RowFeeds, without allocating.)"""
+    n = len(parents)
     bias = np.full((1, 1, n, length), NEG, dtype=np.float32)
     bias[0, 0, :, :past_len] = 0
-    bias[0, 0, :, past_len:past_len + n][vis] = 0
-    return (past_len + d)[None].astype(np.int64), bias
+    bias[0, 0, :, past_len:past_len + n][ancestors_mask(parents)] = 0
+    return (past_len + depths(parents))[None].astype(np.int64), bias
 
 
 def causal_inputs(n: int, past_len: int) -> tuple[np.ndarray, np.ndarray]:
