@@ -16,11 +16,11 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def _ints(value: str | None) -> tuple[int, ...]:
+def _ints(value: str | None, option: str = "--contexts", example: str = "256,1024") -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in _csv(value))
     except ValueError:
-        raise BenchError(f"--contexts takes comma-separated token counts, e.g. 256,1024 (got {value!r})") from None
+        raise BenchError(f"{option} takes comma-separated whole numbers, e.g. {example} (got {value!r})") from None
 
 
 def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") -> tuple[Path, bool]:
@@ -71,9 +71,12 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
               help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
                    "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).")
 @click.option("--repeats", default=1, show_default=True, type=int, help="Context sweep: runs per context (medians).")
+@click.option("--verify-rows", default=None, metavar="R,R,...",
+              help="Context sweep: also time verify steps of exactly R graph rows (R-1 drafted tokens) at each "
+                   "context: what one drafted token costs, the bound on any speculative method's speedup.")
 @_friendly
 def bench(model, methods, per_category, categories, max_new_tokens, threads, tree, width, variant, data, out,
-          resume, temperature, datastore, seed, compare, contexts, repeats):
+          resume, temperature, datastore, seed, compare, contexts, repeats, verify_rows):
     """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
     compare_t, contexts_t = _csv(compare), _ints(contexts)
     if bad := [c for c in compare_t if c not in PEERS]:
@@ -88,7 +91,7 @@ def bench(model, methods, per_category, categories, max_new_tokens, threads, tre
     cfg = BenchConfig(model=model, methods=_csv(methods), categories=_csv(categories), per_category=per_category,
                       max_new_tokens=max_new_tokens, threads=threads, tree=tree, width=width, variant=variant,
                       temperature=temperature, seed=seed, datastore=datastore, data=data, compare=compare_t,
-                      contexts=contexts_t, repeats=repeats)
+                      contexts=contexts_t, repeats=repeats, verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"))
     if contexts_t:
         from .sweep import run_sweep
 

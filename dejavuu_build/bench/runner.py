@@ -89,6 +89,7 @@ class BenchConfig:
     compare: tuple[str, ...] = ()      # peers timed beside our methods (genai)
     contexts: tuple[int, ...] = ()     # a context sweep instead of Spec-Bench categories (bench.sweep)
     repeats: int = 1                   # sweep: runs per context (medians are reported)
+    verify_rows: tuple[int, ...] = ()  # sweep: also time verify steps of these graph row counts (bench.sweep)
 
     # What a resumed run must share with the run it continues: anything that changes the
     # generated tokens or the timings. Categories, prompt counts and the data path may grow.
@@ -111,6 +112,11 @@ class BenchConfig:
         self.contexts = tuple(int(c) for c in self.contexts)
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
+        self.verify_rows = tuple(dict.fromkeys(int(r) for r in self.verify_rows))
+        if any(r < 2 for r in self.verify_rows):
+            raise BenchError("--verify-rows takes row counts of 2 or more (1 row is plain decoding, always timed)")
+        if self.verify_rows and not self.contexts:
+            raise BenchError("--verify-rows is part of the context sweep: add --contexts 256,1024,...")
         bad = [m for m in self.methods if base_method(m) not in METHODS and m != RAW_BASELINE]
         if bad:
             raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from: {', '.join(METHODS)}, {RAW_BASELINE}")
@@ -131,7 +137,7 @@ class BenchConfig:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for k in ("methods", "categories", "compare", "contexts"):
+        for k in ("methods", "categories", "compare", "contexts", "verify_rows"):
             d[k] = list(getattr(self, k))
         return d
 

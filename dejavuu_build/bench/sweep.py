@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..log import logger, progress
+from ..runtime.drafters import Draft, DraftBudget, Drafter
 from .runner import WARMUP_TOKENS, BenchConfig, BenchError, read_prompts, resolve_data
 
 OURS = "baseline"
+VERIFY = "verify"        # ours, every step verifying a fixed number of graph rows (--verify-rows)
 SWEEP_FILES = {"csv": "sweep.csv", "json": "sweep.json", "png": "sweep.png", "records": "sweep_records.jsonl"}
 
 
@@ -77,6 +79,9 @@ class SweepRow:
     x_genai: float | None             # decode tok/s over genai's at this context
     match_pct: float | None           # genai: % of tokens equal to ours (informational)
     note: str = ""
+    rows: int = 1                     # graph rows per decode step (verify: R; ours plain: 2 on padded decoders)
+    x_plain_forward: float | None = None  # verify: forward ms per step over our plain decoding's, same context
+    rows_mean: float | None = None    # verify: 1 + drafted tokens per step, as run (the last steps draft less)
 
 
 @dataclass
@@ -84,19 +89,22 @@ class SweepReport:
     rows: list[SweepRow]
     files: dict
 
-    def row(self, context: int, system: str) -> SweepRow | None:
-        return next((r for r in self.rows if r.context == context and r.system == system), None)
+    def row(self, context: int, system: str, rows: int | None = None) -> SweepRow | None:
+        return next((r for r in self.rows if r.context == context and r.system == system
+                     and (rows is None or r.rows == rows)), None)
 
     def table(self) -> str:
-        head = (f"{'context':>7} {'system':<9} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
-                f"{'forward ms':>10} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}")
+        head = (f"{'context':>7} {'system':<9} {'rows':>4} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
+                f"{'forward ms':>10} {'× plain fwd':>11} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             def f(v, fmt):
                 return "-" if v is None else format(v, fmt)
-            lines.append(f"{r.context:>7} {r.system:<9} {r.runs:>2} {r.decode_tok_s:>12.1f} "
+            lines.append(f"{r.context:>7} {r.system:<9} {r.rows:>4} {r.runs:>2} {r.decode_tok_s:>12.1f} "
                          f"{f(r.x_genai, '.2f') + ('x' if r.x_genai is not None else ''):>8} {r.step_ms:>8.2f} "
-                         f"{f(r.forward_ms_per_step, '.2f'):>10} {f(r.host_ms_per_step, '.3f'):>12} "
+                         f"{f(r.forward_ms_per_step, '.2f'):>10} "
+                         f"{f(r.x_plain_forward, '.2f') + ('x' if r.x_plain_forward is not None else ''):>11} "
+                         f"{f(r.host_ms_per_step, '.3f'):>12} "
                          f"{r.prefill_ms:>10.1f} {f(r.match_pct, '.0f') + ('%' if r.match_pct is not None else ''):>6}")
         notes = sorted({r.note for r in self.rows if r.note})
         return "\n".join(lines + [f"note: {n}" for n in notes])
@@ -107,13 +115,16 @@ def _med(xs: Sequence[float]) -> float:
 
 
 def summarize(records: Sequence[dict]) -> list[SweepRow]:
-    """One row per (context, system) from per-run records, medians over runs."""
+    """One row per (context, system, rows) from per-run records, medians over runs."""
     rows: list[SweepRow] = []
     contexts = sorted({r["context"] for r in records})
     for c in contexts:
         genai_rate = None
-        for system in (OURS, "genai"):
-            rs = [r for r in records if r["context"] == c and r["system"] == system]
+        kinds = [(OURS, None), ("genai", None)] + [
+            (VERIFY, n) for n in sorted({r["rows"] for r in records if r["context"] == c and r["system"] == VERIFY})]
+        for system, n_rows in kinds:
+            rs = [r for r in records if r["context"] == c and r["system"] == system
+                  and (n_rows is None or r["rows"] == n_rows)]
             if not rs:
                 continue
             fwd = [r["forward_ms_per_step"] for r in rs if r.get("forward_ms_per_step") is not None]
@@ -124,21 +135,40 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
                            step_ms=1e3 * _med(step), forward_ms_per_step=_med(fwd) if fwd else None,
                            host_ms_per_step=_med(host) if host else None,
                            prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]), x_genai=None,
-                           match_pct=_med([r["match_pct"] for r in rs]) if system != OURS else None,
-                           note=next((r["note"] for r in rs if r.get("note")), ""))
+                           match_pct=_med([r["match_pct"] for r in rs]) if system == "genai" else None,
+                           note=next((r["note"] for r in rs if r.get("note")), ""), rows=rs[0].get("rows", 1),
+                           rows_mean=_med([1 + r["drafted"] / r["steps"] for r in rs if r["steps"]])
+                           if system == VERIFY else None)
             if system == "genai":
                 genai_rate = row.decode_tok_s
             rows.append(row)
-        if genai_rate:
-            for row in rows:
-                if row.context == c:
-                    row.x_genai = row.decode_tok_s / genai_rate
+        here = [row for row in rows if row.context == c]
+        plain = next((row for row in here if row.system == OURS), None)
+        for row in here:
+            if genai_rate and row.system != VERIFY:
+                row.x_genai = row.decode_tok_s / genai_rate
+            if row.system == VERIFY and plain is not None and plain.forward_ms_per_step and row.forward_ms_per_step:
+                row.x_plain_forward = row.forward_ms_per_step / plain.forward_ms_per_step
     return rows
 
 
-def _ours_record(context: int, rep: int, res) -> dict:
+class _ProbeDrafter(Drafter):
+    """Drafts ``k`` copies of the context's last token every step: each verify step then runs
+    exactly k+1 graph rows, of which (nearly) none is accepted. A cost probe, not a method."""
+
+    name = "verify-probe"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
+        return Draft.chain([context[-1]] * min(self.k, budget.max_nodes, budget.max_depth))
+
+
+def _ours_record(context: int, rep: int, res, system: str = OURS, rows: int = 1) -> dict:
     s = res.stats
-    return {"context": context, "system": OURS, "repeat": rep, "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
+    return {"context": context, "system": system, "rows": rows, "repeat": rep, "prompt_tokens": s.prompt_tokens,
+            "tokens": s.tokens, "drafted": s.drafted, "accepted": s.accepted,
             "steps": s.steps, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "forward_s": s.forward_s,
             "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None, "decode_tok_s": s.decode_tok_s,
             "host_ms_per_step": s.host_ms_per_step if s.steps else None,
@@ -152,7 +182,7 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
         if a != b:
             break
         same += 1
-    return {"context": context, "system": "genai", "repeat": rep, "prompt_tokens": res.prompt_tokens,
+    return {"context": context, "system": "genai", "rows": 1, "repeat": rep, "prompt_tokens": res.prompt_tokens,
             "tokens": len(res.tokens), "steps": res.steps, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
             "forward_ms_per_step": est.get("forward_ms_per_step"), "decode_tok_s": res.decode_tok_s,
             "host_ms_per_step": est.get("host_ms_per_step"), "host_ms_mean": est.get("host_ms_mean"),
@@ -161,6 +191,9 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
             "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1), "note": note, "ids": list(res.tokens)}
 
 
+VERIFY_NOTE = ("verify rows R: a generation whose every step verifies R graph rows (R-1 drafted copies of the last "
+               "token, nearly never accepted; the last R-2 steps draft fewer, see rows_mean); forward ms per step "
+               "inside onnxruntime's run, x_plain_forward = over plain decoding's at the same context")
 HOST_NOTE = ("genai forward/host ms: a second genai generation alternating in 16-step blocks with a plain-onnxruntime "
              "replay of its own graph (same tokens, same shapes, shared KV buffer, same threads); host = median over "
              "steps of (genai step - replay run): an estimate")
@@ -205,7 +238,8 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         limits = [(model.contract.max_positions, "the model's positions")]
         if genai is not None:
             limits.append((genai.context_length, "genai's context length"))
-        over = [why for lim, why in limits if lim and c + cfg.max_new_tokens > lim]
+        room = cfg.max_new_tokens + max(cfg.verify_rows, default=1)
+        over = [why for lim, why in limits if lim and c + room > lim]
         if over:
             logger.warning("context %d + %d new tokens exceeds %s: skipped", c, cfg.max_new_tokens, " and ".join(over))
         else:
@@ -217,8 +251,9 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     prompts = {c: sweep_prompt(encode, texts, c) for c in contexts}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    logger.info("context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s, into %s", cfg.model, model.variant,
-                ",".join(map(str, contexts)), cfg.repeats, cfg.max_new_tokens,
+    logger.info("context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s%s, into %s", cfg.model,
+                model.variant, ",".join(map(str, contexts)), cfg.repeats, cfg.max_new_tokens,
+                f", verify steps of {','.join(map(str, cfg.verify_rows))} rows" if cfg.verify_rows else "",
                 " vs genai" if genai is not None else "", out)
     records: list[dict] = []
     eos = model.eos_ids
@@ -230,9 +265,14 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
             genai.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
         jobs = [(rep, c) for rep in range(cfg.repeats) for c in contexts]
         with (out / SWEEP_FILES["records"]).open("w", encoding="utf-8") as fh:
+            plain_rows = 2 if model.decoder.pad_single else 1
             for rep, c in progress(jobs, "sweep", total=len(jobs)):
                 res = model.generate(prompts[c], method="baseline", max_new_tokens=cfg.max_new_tokens)
-                recs = [_ours_record(c, rep, res)]
+                recs = [_ours_record(c, rep, res, rows=plain_rows)]
+                for n in cfg.verify_rows:
+                    probe = model.generate(prompts[c], method=_ProbeDrafter(n - 1), max_new_tokens=cfg.max_new_tokens,
+                                           max_nodes=n - 1, max_depth=n - 1)
+                    recs.append(_ours_record(c, rep, probe, VERIFY, n))
                 if genai is not None:
                     g = genai.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
                     est, note = None, HOST_NOTE
@@ -258,6 +298,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
             "(no special tokens), cut to exactly N ids; EOS ignored", "host_overhead": {
                 "baseline": "GenerationStats.host_ms_per_step: (decode_s - forward_s) / steps, same generation",
                 "genai": HOST_NOTE if genai is not None else None},
+            "verify": VERIFY_NOTE if cfg.verify_rows else None,
             "peers": {p.name: p.describe() for p in peers}}
     write_sweep(report, out, meta)
     return report
@@ -279,7 +320,8 @@ def write_sweep(report: SweepReport, out: Path, meta: dict) -> dict:
 
 
 def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
-    """Three panels against context: decode tok/s, forward ms per step, host ms per step."""
+    """Panels against context: decode tok/s, forward ms per step, host ms per step; with verify
+    rows, a fourth: forward ms per step against graph rows, one line per context."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,7 +329,8 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
 
     panels = (("decode_tok_s", "decode tok/s"), ("forward_ms_per_step", "forward ms per step (inside ORT run)"),
               ("host_ms_per_step", "host ms per step (all but the forward)"))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    verify = [r for r in report.rows if r.system == VERIFY]
+    fig, axes = plt.subplots(1, 4 if verify else 3, figsize=(18 if verify else 14, 4))
     for system, label, color in ((OURS, "ours (baseline)", "C0"), ("genai", "onnxruntime-genai", "C1")):
         rows = [r for r in report.rows if r.system == system]
         for ax, (key, _) in zip(axes, panels):
@@ -306,6 +349,18 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
         if ax.has_data():
             ax.legend(fontsize=8)
     axes[0].set_ylim(bottom=0)
+    if verify:
+        ax = axes[3]
+        for i, c in enumerate(contexts):
+            pts = sorted((r.rows_mean or r.rows, r.forward_ms_per_step) for r in report.rows
+                         if r.context == c and r.system in (OURS, VERIFY) and r.forward_ms_per_step is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"context {c}")
+        ax.set_xlabel("graph rows per step (1 + drafted tokens)")
+        ax.set_ylabel("ours: forward ms per step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

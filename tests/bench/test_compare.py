@@ -220,3 +220,41 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     assert all(r["replay_tokens"] == 10 and r["replay_argmax_agree"] >= 9 for r in replays)
     for k in ("csv", "json", "png"):
         assert (tmp_path / "sweep" / SWEEP_FILES[k]).is_file()
+
+
+def test_sweep_verify_rows_probe_runs_exactly_r_rows(tiny_llama, tmp_path):
+    """--verify-rows: each probe step verifies R rows (R-1 drafted tokens) and the decoded text
+    is still plain decoding's (the probe is a drafter like any other: lossless)."""
+    from dejavuu_build.bench.sweep import VERIFY, run_sweep
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    new = 12
+    sweep = run_sweep(BenchConfig(model=str(tiny_llama), max_new_tokens=new, threads=1, contexts=(16, 40),
+                                  verify_rows=(2, 5), data=str(data)), tmp_path / "sweep")
+    recs = [json.loads(x) for x in (tmp_path / "sweep" / SWEEP_FILES["records"]).read_text().splitlines()]
+    for c in (16, 40):
+        plain = next(r for r in recs if r["context"] == c and r["system"] == "baseline")
+        for n in (2, 5):
+            probe = next(r for r in recs if r["context"] == c and r["system"] == VERIFY and r["rows"] == n)
+            assert probe["ids"] == plain["ids"]                          # lossless, as every drafter
+            # every step drafts n-1 tokens but the last (at most n-1) ones, cut to what is left
+            full = probe["steps"] - (n - 1)
+            assert probe["drafted"] >= full * (n - 1) and probe["drafted"] <= probe["steps"] * (n - 1)
+            row = sweep.row(c, VERIFY, n)
+            assert row.rows == n and 1 < row.rows_mean <= n and row.x_plain_forward > 0
+            assert row.x_genai is None
+        assert sweep.row(c, "baseline").rows == 1 and sweep.row(c, "baseline").x_plain_forward is None
+    assert "× plain fwd" in sweep.table()
+    meta = json.loads((tmp_path / "sweep" / SWEEP_FILES["json"]).read_text())
+    assert meta["config"]["verify_rows"] == [2, 5] and meta["verify"]
+    assert (tmp_path / "sweep" / SWEEP_FILES["png"]).is_file()
+
+
+def test_verify_rows_needs_contexts_and_two_rows():
+    with pytest.raises(BenchError, match="--contexts"):
+        BenchConfig(model="m", verify_rows=(2,))
+    with pytest.raises(BenchError, match="2 or more"):
+        BenchConfig(model="m", contexts=(64,), verify_rows=(1, 4))
+    r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--contexts", "64", "--verify-rows", "2,x"])
+    assert r.exit_code == 2 and "--verify-rows takes comma-separated whole numbers" in r.output
