@@ -23,11 +23,15 @@ class Auto(Drafter):
     member's draft is scored against the committed tokens -- the accepted length it *would*
     have had (a lower bound for non-chosen members, censored at the committed length) -- so
     all arms learn every step, not just the one played. The next draft comes from the member
-    maximising ``(1 + acceptance) / (verify_time(n) + own draft time)``: acceptance is
+    maximising ``(1 + acceptance) / (draft time + verify_time(rows))``: acceptance is
     estimated per member and draft depth (adaptive members signal confidence by depth),
-    ``verify_time`` is fitted to ``Feedback.verify_seconds`` over drafted node counts, and
-    with chance ``explore`` a random non-empty member is played. Estimates decay across
-    requests rather than reset, so a new request starts from what worked before.
+    ``verify_time`` is fitted to ``Feedback.verify_seconds`` over the graph rows each step ran
+    (``Feedback.rows``), draft time is every member's (all of them propose every step), and
+    with chance ``explore`` a random non-empty member is played. Where a lone token is one
+    graph row (rowwise decoders), drafting nothing is an arm too: a draft must earn its rows,
+    as in ``CostAwareSizer``; where it is two (padded decoders), one node is free and some
+    member always plays. Estimates decay across requests rather than reset, so a new request
+    starts from what worked before.
 
     All members see every ``begin``/``feedback``/``end``; non-chosen members get the chosen
     draft as "the draft that was verified" (token recycling needs it to map top-k rows) and
@@ -59,6 +63,7 @@ class Auto(Drafter):
         self._acc: list[dict[int, list[float]]] = [{0: [1.0, 0.0]} for _ in range(k)]
         self._draft_s = [0.0] * k    # forgetful mean of each member's draft time
         self._cost = VerifyCostModel()
+        self.single_rows = 2         # graph rows of a step with no draft, until one reports 1 (rowwise)
         self._drafts: list[Draft] = [Draft()] * k
         self.chosen = -1
 
@@ -80,10 +85,15 @@ class Auto(Drafter):
         mean, weight = self._acc[i].get(depth, (pooled, 0.0))
         return (mean * weight + pooled * 2.0) / (weight + 2.0)
 
+    def _rate(self, accepted: float, nodes: int) -> float:
+        """Expected tokens per second of a step drafting ``nodes`` that accepts ``accepted``."""
+        a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
+        rows = max(nodes + 1, self.single_rows)
+        return (1.0 + accepted) / (a + b * (rows - 1) + sum(self._draft_s))
+
     def _value(self, i: int) -> float:
         draft = self._drafts[i]
-        a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
-        return (1.0 + self.expected_accepted(i, draft.depth())) / (a + b * len(draft) + self._draft_s[i])
+        return self._rate(self.expected_accepted(i, draft.depth()), len(draft))
 
     def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
         for i, m in enumerate(self.members):
@@ -99,6 +109,9 @@ class Auto(Drafter):
             self.chosen = self._rng.choice(live)
         else:
             self.chosen = max(live, key=self._value)
+            if self.single_rows == 1 and self._cost.ready and self._rate(0.0, 0) > self._value(self.chosen):
+                self.chosen = -1     # no draft earns its rows: one graph row, the bonus token only
+                return Draft()
         return self._drafts[self.chosen]
 
     def feedback(self, fb: Feedback) -> None:
@@ -113,7 +126,9 @@ class Auto(Drafter):
                     w = entry[1] * self.forget
                     entry[0] = (entry[0] * w + score) / (w + 1)
                     entry[1] = w + 1
-        self._cost.observe(fb.drafted, fb.verify_seconds)
+        if fb.drafted == 0 and fb.rows:
+            self.single_rows = min(self.single_rows, fb.rows)
+        self._cost.observe(max(fb.rows or fb.drafted + 1, self.single_rows) - 1, fb.verify_seconds)
         chosen = self._drafts[self.chosen] if self.chosen >= 0 else Draft()
         quiet = replace(fb, drafted=0, accepted=0, accepted_path=[], draft_seconds=0.0, verify_seconds=0.0)
         for i, m in enumerate(self.members):

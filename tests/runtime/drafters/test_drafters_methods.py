@@ -328,3 +328,36 @@ def test_cost_aware_sizer_drafts_nothing_where_a_lone_token_is_one_row():
     sizes = [s.size(DraftBudget(8, 8), match_len=5)[0] for _ in range(8)]
     assert sizes == [0, 0, 0, 1, 0, 0, 0, 1]       # nothing, but one node every 4th time
     assert trained(b=1e-6, accepted=8).size(DraftBudget(8, 8), match_len=5)[0] == 8
+
+
+def test_auto_drafts_nothing_where_a_lone_token_is_one_row(monkeypatch):
+    """Once a step with no draft reports one graph row (rowwise), ``auto`` plays "no draft" when
+    no member's draft earns its rows (a member never accepted, rows costly), and still plays
+    members now and then (``explore``); where a lone token is two rows it always plays one."""
+    from dejavuu_build.runtime.drafters import Drafter
+    from dejavuu_build.runtime.drafters.history import REGISTRY
+
+    class Never(Drafter):
+        name = "never"
+
+        def propose(self, context, budget):
+            return Draft.chain([7] * min(3, budget.max_nodes))
+
+    monkeypatch.setitem(REGISTRY, "never", Never)
+
+    def played(single_rows: int) -> int:
+        d = make("auto", members=("never",), explore=0.1, seed=1)
+        d.begin([1, 2, 3])
+        d.feedback(Feedback(committed=[4], drafted=0, accepted=0, verify_seconds=1e-3, rows=single_rows))
+        drafts = 0
+        for _ in range(200):
+            n = len(d.propose([1, 2, 3, 4], DraftBudget(8, 8)))
+            drafts += n > 0
+            rows = max(n + 1, single_rows)
+            d.feedback(Feedback(committed=[5], drafted=n, accepted=0, verify_seconds=1e-3 + 1e-3 * (rows - 1),
+                                rows=rows))
+        return drafts
+
+    assert played(2) == 200                      # the pad row makes one node free: always a draft
+    n = played(1)
+    assert 3 < n < 60, n                         # mostly nothing; explore (10%) and the first steps still draft
