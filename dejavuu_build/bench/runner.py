@@ -407,12 +407,11 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
         messages: list[dict] = []
         for turn, text in enumerate(p.turns, 1):
             messages.append({"role": "user", "content": text})
-            model.decoder.pad_single = not raw
-            try:
+            # every method runs as `generate` runs it for a user; only the raw reference
+            # (baseline_n1) drops the pad row of a padded decoder
+            with model.decoder.padding(False if raw else model.decoder.pad_single):
                 res = model.generate(list(messages), method=drafter, tree=tree, width=cfg.width,
                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-            finally:
-                model.decoder.pad_single = True
             messages.append({"role": "assistant", "content": res.text})
             if method == "baseline":
                 baseline.append(list(res.tokens))

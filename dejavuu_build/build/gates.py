@@ -315,9 +315,8 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
             mism += int((lb.argmax(-1) != inc[:n].argmax(-1)).sum())
             total += n
             maxdiff = max(maxdiff, float(np.abs(lb - inc[:n]).max()))
-        dec.pad_single = False                       # the unpadded one-row path, for the record
-        raw, _, _ = dec.forward(chunk[:1], None, kv)
-        dec.pad_single = not dec.rowwise
+        with dec.padding(False):                     # the unpadded one-row path, for the record
+            raw, _, _ = dec.forward(chunk[:1], None, kv)
         rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
         kv.release()
     return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
@@ -365,14 +364,13 @@ def _timing_cases(dec, contract: Contract, rng) -> list[tuple]:
 
 def _fastest_ms(dec, n: int, toks, embeds, kv, repeats: int, skip: int) -> float:
     """Fastest of ``repeats`` forwards after ``skip`` untimed ones; n == 1 times the raw one-row path."""
-    dec.pad_single = n != 1
     ts = []
-    for i in range(skip + repeats):
-        t0 = time.perf_counter()
-        dec.forward(toks, None, kv, embeds=embeds)
-        if i >= skip:
-            ts.append(time.perf_counter() - t0)
-    dec.pad_single = not dec.rowwise
+    with dec.padding(n != 1):
+        for i in range(skip + repeats):
+            t0 = time.perf_counter()
+            dec.forward(toks, None, kv, embeds=embeds)
+            if i >= skip:
+                ts.append(time.perf_counter() - t0)
     return 1000 * min(ts)
 
 
@@ -502,9 +500,8 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
         plans[name] = (dec, _timing_cases(dec, contract, rng))
     for dec, cases in plans.values():          # warm-up: first runs grow arenas and fault pages in
         for _, n, toks, embeds, kv in cases:
-            dec.pad_single = n != 1
-            dec.forward(toks, None, kv, embeds=embeds)
-        dec.pad_single = not dec.rowwise
+            with dec.padding(n != 1):
+                dec.forward(toks, None, kv, embeds=embeds)
     best: dict[str, dict[str, float]] = {n: {} for n in sessions}
     per_round: dict[str, list[float]] = {n: [] for n in sessions}
     for _ in range(rounds):

@@ -8,6 +8,7 @@ choices one forward pass can confirm. Drafters with real probabilities use min(1
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -95,7 +96,7 @@ class Decoder:
         self.has_hidden = contract.hidden_output is not None
         # rowwise graphs run every row on one-row kernels: a single token needs no pad row
         self.rowwise = contract.kv_layout == "rowwise"
-        self.pad_single = not self.rowwise   # see forward(); False only to time true one-row decoding
+        self.pad_single = not self.rowwise   # see forward(); changed only through padding()
         self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
         self.static = in_place(contract.kv_layout)     # buffers bound as past and present
@@ -107,6 +108,17 @@ class Decoder:
         self._arange = np.zeros(0, dtype=np.int64)
         self._feeds: dict[int, RowFeeds] = {}     # rowwise: bound inputs/outputs per row count
         self._feeds_size = 0
+
+    @contextmanager
+    def padding(self, pad: bool):
+        """``pad_single`` is ``pad`` inside the block and the decoder's own setting again after:
+        the gates time the raw one-row path with it and the bench its one-row reference; the
+        runtime never changes it (Engine and Model.plan read it to know what a lone token costs)."""
+        old, self.pad_single = self.pad_single, pad
+        try:
+            yield self
+        finally:
+            self.pad_single = old
 
     def new_cache(self) -> KVCache | StaticKV:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32

@@ -168,3 +168,22 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
     raw = [r for r in recs if r["method"] == "baseline_n1"]
     assert raw and all(r["gated"] is False for r in raw)
     assert all(r["gated"] for r in recs if r["method"] != "baseline_n1")
+
+
+@pytest.mark.parametrize("variant,pad", [("int4-rowwise", False), ("int4-static", True)])
+def test_methods_decode_as_generate_does(tiny_llama, data, tmp_path, monkeypatch, variant, pad):
+    """The bench never changes how a method decodes: each runs with the decoder's own pad-row
+    setting (a rowwise decoder has none, so no pad-row fill and a lone token costs one row, as a
+    user's `generate` gets); only the raw reference baseline_n1 drops a padded decoder's pad row.
+    (It once forced the pad row on every method, so rowwise runs were timed with the fill.)"""
+    seen: list[bool] = []
+    original = Model.generate
+
+    def spy(self, prompt, **kw):
+        seen.append(self.decoder.pad_single)
+        return original(self, prompt, **kw)
+
+    monkeypatch.setattr(Model, "generate", spy)
+    run_bench(cfg_for(tiny_llama, data, methods=("baseline_n1", "pld"), categories=("qa",), per_category=1,
+                      variant=variant), tmp_path / "run")
+    assert seen[1:] == [pad, False, pad]          # after the warm-up: baseline, baseline_n1, pld
