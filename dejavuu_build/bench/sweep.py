@@ -192,7 +192,7 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
 
 
 VERIFY_NOTE = ("verify rows R: a generation whose every step verifies R graph rows (R-1 drafted copies of the last "
-               "token, nearly never accepted; the last R-2 steps draft fewer, see rows_mean); forward ms per step "
+               "token, rarely accepted; the last R-1 steps draft fewer, see rows_mean); forward ms per step "
                "inside onnxruntime's run, x_plain_forward = over plain decoding's at the same context")
 HOST_NOTE = ("genai forward/host ms: a second genai generation alternating in 16-step blocks with a plain-onnxruntime "
              "replay of its own graph (same tokens, same shapes, shared KV buffer, same threads); host = median over "

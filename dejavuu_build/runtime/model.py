@@ -126,8 +126,8 @@ class Model:
     _warned_tree: bool = False
     _calibration: object | None = None      # runtime.calibration.Calibration, measured on first use
     _warned_exact: bool = False
-    # empty drafts verify a successor guess in the pad row; rowwise graphs have none, and there a
-    # second row cost what it earned (suffix_decoding 151.6 vs 153.0 tok/s without, pld 105.9 vs 107.3)
+    # empty drafts verify a successor guess: in the pad row where there is one (free), else in a
+    # row of its own while it pays (engine.FillPolicy)
     fill: bool = True
 
     @property
@@ -246,8 +246,7 @@ class Model:
                            period=self.tree_period if use_tree else None,
                            tile=self.calibration.tile if use_tree else None,
                            should_stop=self._stop_fn(stop) if stop else None,
-                           fill=Successors() if speculative and self.fill and self.decoder.pad_single
-                           and budget.max_depth > 0 else None)
+                           fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
 
     @property
     def calibration(self):

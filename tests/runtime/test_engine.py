@@ -232,9 +232,44 @@ def test_empty_drafts_fill_the_pad_row_losslessly(by_layout, temp):
             r = m.generate(prompt, method=Silent(), max_new_tokens=40, temperature=temp, seed=5)
             assert r.tokens == base.tokens
             assert base.stats.filled == 0 and base.stats.steps == 39   # plain decoding stays plain
-            assert (r.stats.filled > 0) == m.decoder.pad_single      # rowwise: no pad row, no fill
+            assert r.stats.filled > 0         # rowwise: in a row of its own, while it pays (FillPolicy)
             bare = m.generate(prompt, method=Drafter(), max_new_tokens=40, temperature=temp, seed=5)
             assert bare.stats.filled == 0 and bare.stats.steps == 39   # ... also as the bench passes it
+
+
+def test_fill_policy_fills_while_a_row_pays():
+    """Where a guess costs a row: fill iff its acceptance beats the second row's relative cost,
+    trying again every ``explore``-th empty step once it does not."""
+    from dejavuu_build.runtime.engine import FillPolicy
+
+    f = FillPolicy(explore=4)
+    assert f.pays(0, 0)                                # prior: p = 1/2 against a 1.25x second row
+    f.observe(1, 1.0e-2)
+    f.observe(2, 1.6e-2)                               # a second row costs 60% more
+    assert f.pays(8, 6)                                # p = 0.7
+    assert [f.pays(10, 1) for _ in range(8)] == [False, False, False, True] * 2   # p = 1/6
+    f.observe(3, 9.9)                                  # other row counts do not enter
+    assert f.t == {1: 1.0e-2, 2: 1.6e-2}
+
+
+def test_paid_fills_are_not_the_drafters_cost(by_layout):
+    """On rowwise, a filled step's row is the engine's: the drafter hears a lone token's rows and
+    no verify time (its cost fit would otherwise learn that drafting nothing costs two rows)."""
+    class Recording(Silent):
+        def __init__(self):
+            self.fbs = []
+
+        def feedback(self, fb):
+            self.fbs.append(fb)
+
+    m = by_layout["int4-rowwise"]
+    d = Recording()
+    r = m.generate(PROMPTS[2], method=d, max_new_tokens=40)
+    assert r.stats.fill_accepted > 0
+    filled = [fb for fb in d.fbs[1:] if fb.drafted == 0 and len(fb.committed) > 1]   # accepted guesses
+    assert len(filled) == r.stats.fill_accepted
+    assert all(fb.rows == 1 and fb.verify_seconds == 0.0 for fb in filled)
+    assert all(fb.verify_seconds > 0 for fb in d.fbs[1:] if fb.drafted)
 
 
 def test_filled_guesses_are_accepted(tiny):

@@ -118,7 +118,7 @@ class Feedback:
     topk_ids: np.ndarray | None = None   # [drafted + 1, k] verifier top-k ids: row 0 = root, row i+1 = node i
     hidden: np.ndarray | None = None     # [len(committed), H] hidden states at the committed tokens' inputs
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0          # 0: not the drafter's to fit (a step the engine filled at a row's cost)
     rows: int = 0                        # graph rows the verify forward ran (0: not known); a lone
                                          # token runs as 2 rows on padded decoders, 1 on rowwise ones
 
