@@ -63,7 +63,6 @@ class Auto(Drafter):
         self._acc: list[dict[int, list[float]]] = [{0: [1.0, 0.0]} for _ in range(k)]
         self._draft_s = [0.0] * k    # forgetful mean of each member's draft time
         self._cost = VerifyCostModel()
-        self.single_rows = 2         # graph rows of a step with no draft, until one reports 1 (rowwise)
         self._drafts: list[Draft] = [Draft()] * k
         self.chosen = -1
 
@@ -88,8 +87,7 @@ class Auto(Drafter):
     def _rate(self, accepted: float, nodes: int) -> float:
         """Expected tokens per second of a step drafting ``nodes`` that accepts ``accepted``."""
         a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
-        rows = max(nodes + 1, self.single_rows)
-        return (1.0 + accepted) / (a + b * (rows - 1) + sum(self._draft_s))
+        return (1.0 + accepted) / (a + b * self._cost.extra_rows(nodes) + sum(self._draft_s))
 
     def _value(self, i: int) -> float:
         draft = self._drafts[i]
@@ -109,7 +107,7 @@ class Auto(Drafter):
             self.chosen = self._rng.choice(live)
         else:
             self.chosen = max(live, key=self._value)
-            if self.single_rows == 1 and self._cost.ready and self._rate(0.0, 0) > self._value(self.chosen):
+            if self._cost.single_rows == 1 and self._cost.ready and self._rate(0.0, 0) > self._value(self.chosen):
                 self.chosen = -1     # no draft earns its rows: one graph row, the bonus token only
                 return Draft()
         return self._drafts[self.chosen]
@@ -126,9 +124,7 @@ class Auto(Drafter):
                     w = entry[1] * self.forget
                     entry[0] = (entry[0] * w + score) / (w + 1)
                     entry[1] = w + 1
-        if fb.drafted == 0 and fb.rows:
-            self.single_rows = min(self.single_rows, fb.rows)
-        self._cost.observe(max(fb.rows or fb.drafted + 1, self.single_rows) - 1, fb.verify_seconds)
+        self._cost.learn(fb)
         chosen = self._drafts[self.chosen] if self.chosen >= 0 else Draft()
         quiet = replace(fb, drafted=0, accepted=0, accepted_path=[], draft_seconds=0.0, verify_seconds=0.0)
         for i, m in enumerate(self.members):

@@ -108,12 +108,28 @@ class CalibratedSizer(Sizer):
 
 
 class VerifyCostModel:
-    """Forgetful least-squares fit of verify time ``t(n) = a + b*n`` over drafted node counts."""
+    """Forgetful least-squares fit of verify time ``t(n) = a + b*n`` over a step's graph rows
+    beyond the first (``learn``), or over any count fed to ``observe``.
+
+    ``single_rows`` is what a lone token costs: 2 until a step with no draft reports 1
+    (``Feedback.rows``: a rowwise decoder, which has no pad row); ``extra_rows(n)`` is then what
+    an ``n``-node draft costs beyond it."""
 
     def __init__(self, forget: float = 0.98):
         self.forget = forget
         self._s = [0.0] * 5  # sum w, sum n, sum n^2, sum t, sum n*t
         self.draft_seconds = 0.0
+        self.single_rows = 2
+
+    def learn(self, fb: Feedback) -> None:
+        """One verify step: its rows (learning ``single_rows`` from a step with no draft) and time."""
+        if fb.drafted == 0 and fb.rows:
+            self.single_rows = min(self.single_rows, fb.rows)
+        self.observe(self.extra_rows((fb.rows or fb.drafted + 1) - 1), fb.verify_seconds, fb.draft_seconds)
+
+    def extra_rows(self, n: int) -> int:
+        """Graph rows beyond the first that a step drafting ``n`` chain nodes runs."""
+        return max(n + 1, self.single_rows) - 1
 
     def observe(self, n: int, seconds: float, draft_seconds: float = 0.0) -> None:
         if seconds <= 0:
@@ -165,9 +181,12 @@ class CostAwareSizer(CalibratedSizer):
     def __init__(self, explore: int = 8, **kwargs):
         super().__init__(**kwargs)
         self.cost = VerifyCostModel()
-        self.single_rows = 2          # until a step with no draft reports one row
         self.explore = explore
         self._skipped = 0
+
+    @property
+    def single_rows(self) -> int:
+        return self.cost.single_rows
 
     def size(self, budget: DraftBudget, match_len: int) -> tuple[int, int]:
         nodes, depth = super().size(budget, match_len)
@@ -178,8 +197,7 @@ class CostAwareSizer(CalibratedSizer):
         fixed = a + self.cost.draft_seconds
 
         def rate(n: int) -> float:
-            rows = max(n + 1, self.single_rows)
-            return (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * (rows - 1))
+            return (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * self.cost.extra_rows(n))
 
         best_n = max(range(1, budget.max_nodes + 1), key=rate)
         if self.single_rows == 1 and rate(0) > rate(best_n):
@@ -190,7 +208,4 @@ class CostAwareSizer(CalibratedSizer):
 
     def learn(self, fb: Feedback, verified: Draft) -> None:
         super().learn(fb, verified)
-        rows = fb.rows or fb.drafted + 1
-        if fb.drafted == 0 and fb.rows:
-            self.single_rows = min(self.single_rows, fb.rows)
-        self.cost.observe(max(rows, self.single_rows) - 1, fb.verify_seconds, fb.draft_seconds)
+        self.cost.learn(fb)
