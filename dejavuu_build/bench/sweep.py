@@ -265,10 +265,9 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
             genai.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
         jobs = [(rep, c) for rep in range(cfg.repeats) for c in contexts]
         with (out / SWEEP_FILES["records"]).open("w", encoding="utf-8") as fh:
-            plain_rows = 2 if model.decoder.pad_single else 1
             for rep, c in progress(jobs, "sweep", total=len(jobs)):
                 res = model.generate(prompts[c], method="baseline", max_new_tokens=cfg.max_new_tokens)
-                recs = [_ours_record(c, rep, res, rows=plain_rows)]
+                recs = [_ours_record(c, rep, res, rows=model.decoder.single_rows)]
                 for n in cfg.verify_rows:
                     probe = model.generate(prompts[c], method=_ProbeDrafter(n - 1), max_new_tokens=cfg.max_new_tokens,
                                            max_nodes=n - 1, max_depth=n - 1)

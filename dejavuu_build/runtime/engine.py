@@ -120,6 +120,11 @@ class Decoder:
         finally:
             self.pad_single = old
 
+    @property
+    def single_rows(self) -> int:
+        """Graph rows a lone token's step runs (its pad row, if any)."""
+        return 2 if self.pad_single else 1
+
     def new_cache(self) -> KVCache | StaticKV:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
         if not self.static:
@@ -454,7 +459,7 @@ class Engine:
         job = Job(tokens, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens, budget=budget,
                   period=self.period if budget.tree else None, tile=self.tile if budget.tree else None,
                   eos_ids=eos_ids, should_stop=should_stop, on_tokens=on_tokens, prefill_embeds=prefill_embeds,
-                  capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=2 if self.dec.pad_single else 1)
+                  capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=self.dec.single_rows)
         kv = self.dec.new_cache()
         try:
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
