@@ -172,7 +172,6 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     return out
 
 
-
 def _insert(g, op: str, ins, name: str, anchor, attrs=None, domain: str = "", outs: int = 1):
     """A new node ``name`` inserted before ``anchor`` (the passes keep graph order, then re-sort)."""
     import onnx_ir as ir
