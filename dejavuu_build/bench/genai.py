@@ -261,6 +261,15 @@ class GenaiPeer:
     def context_length(self) -> int:
         return int(self.genai_config["model"].get("context_length") or 0)
 
+    def quality(self, model_folder: str | Path) -> dict:
+        """Its build on our quality gate (``peer_quality``), logged once."""
+        from ..log import logger
+
+        q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads)
+        logger.info("genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
+                    q["top1"], q["mean_kl"], q["positions"])
+        return q
+
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
         og = self.og
         ids = [int(t) for t in ids]
@@ -313,6 +322,7 @@ class GenaiReplay:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         self.ort = ort
+        self.folder = Path(folder)
         self.sess = ort.InferenceSession(str(Path(folder) / self.dec["filename"]), so,
                                          providers=["CPUExecutionProvider"])
         types = {a.name: a.type for a in [*self.sess.get_inputs(), *self.sess.get_outputs()]}
@@ -343,6 +353,15 @@ class GenaiReplay:
         """One decode forward of ``token``: (seconds inside the run, argmax)."""
         return self._run([int(token)])
 
+    def logits(self, ids: Sequence[int]):
+        """``ids`` as one prefill into fresh buffers: every position's logits, ``[len(ids), vocab]``."""
+        self.prefill(ids, len(ids))
+        return self.bind.get_outputs()[0].numpy()[0].astype("float32")
+
+    def prefill_all(self, ids):
+        """The gates' runner interface (``build.gates.gate_quality`` calls ``prefill``): logits first."""
+        return self.logits(ids), None, None
+
     def _run(self, new: list[int]) -> tuple[float, int]:
         import numpy as np
 
@@ -358,6 +377,34 @@ class GenaiReplay:
         self.sess.run_with_iobinding(bind)
         dt = time.perf_counter() - t
         return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
+
+
+def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int) -> dict:
+    """genai's build scored by our build's quality gate: teacher-forced top-1 agreement with our
+    fp32 export and mean KL(fp32 || genai) over the same quality set and positions as our variants
+    (``build.gates.gate_quality``), so speed is read beside how much of the model each int4 keeps.
+    The two int4 builds share their 4-bit body (both onnxruntime's round-to-nearest, blocks of
+    32); they differ in the lm-head (genai: 4-bit; ours: 8-bit) and attention kernels."""
+    from ..build.gates import Reference, Runner, gate_quality, quality_prompts, quality_set
+    from ..runtime.session import make_session
+    from ..schema import read_contract, variant_file
+
+    folder = Path(model_folder)
+    contract = read_contract(folder)
+    fp32 = Runner(make_session(folder / variant_file("fp32"), threads=threads), contract)
+    ref = Reference.load(folder / "reference.npz") if (folder / "reference.npz").is_file() else None
+    qs = (ref.quality if ref is not None and ref.quality else None) or quality_set(
+        fp32, *quality_prompts(folder, contract.vocab_size))
+    ctx = int(json.loads((replay.folder / "genai_config.json").read_text())["model"].get("context_length") or 0)
+    limits = [x for x in (contract.position_limit, ctx) if x]
+    if limits:
+        qs = qs.fit(min(limits))
+
+    class _Teacher:
+        prefill = staticmethod(replay.prefill_all)
+
+    g = gate_quality(fp32, {GENAI: _Teacher()}, qs, {})[GENAI]
+    return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}
 
 
 def genai_host_estimate(peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequence[int], max_new_tokens: int,

@@ -45,8 +45,8 @@ class Row:
     overhead_ms_per_step: float
     match_pct: float
     x_genai: float | None = None     # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
-    top1_vs_fp32: float | None = None  # the variant's quality gate: teacher-forced top-1 agreement with fp32
-    kl_vs_fp32: float | None = None    # and mean KL(fp32 || variant); None: the peer, or not measured
+    top1_vs_fp32: float | None = None  # the quality gate: teacher-forced top-1 agreement with our fp32 export
+    kl_vs_fp32: float | None = None    # and mean KL(fp32 || variant or peer); None: not measured
 
 
 @dataclass
@@ -194,20 +194,21 @@ def variant_quality(folder: str | Path, variant: str) -> dict | None:
     return (rec.gates.get("quality") if rec else None) or None
 
 
-def add_quality(report: Report, quality: dict | None) -> None:
-    """Our variant's quality next to its speed, on every row of ours (never on the peer's)."""
-    if not quality:
-        return
+def add_quality(report: Report, quality: dict | None, peer: dict | None = None) -> None:
+    """Quality next to speed: our variant's on every row of ours, the peer's own (scored by the same
+    gate, ``genai.peer_quality``) on its rows."""
     for r in report.rows:
-        if r.method != PEER:
-            r.top1_vs_fp32, r.kl_vs_fp32 = quality["top1"], quality["mean_kl"]
+        q = peer if r.method == PEER else quality
+        if q:
+            r.top1_vs_fp32, r.kl_vs_fp32 = q["top1"], q["mean_kl"]
 
 
 def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     """``results.csv``, ``results.json`` (rows + run metadata + gate) and ``speedup.png``."""
     paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "speedup.png"}
     if "model_folder" in meta and "model_variant" in meta:
-        add_quality(report, variant_quality(meta["model_folder"], meta["model_variant"]))
+        add_quality(report, variant_quality(meta["model_folder"], meta["model_variant"]),
+                    (meta.get("peers") or {}).get(PEER, {}).get("quality"))
     write_rows(paths, report.rows, Row, meta)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"

@@ -509,7 +509,8 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
                      "mismatches": [{k: r[k] for k in ("method", "qid", "category", "turn", "first_mismatch")}
                                     for r in failures]}}
     if cfg.compare:
-        meta["peers"] = {p.name: p.describe() for p in peers} or _recorded_peers(out)
+        meta["peers"] = {p.name: {**p.describe(), "quality": p.quality(model.folder)} for p in peers} \
+            or _recorded_peers(out)
         meta["gate"]["not_gated"] = [*cfg.compare, *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
     write_outputs(report, out, meta)
     if failures:

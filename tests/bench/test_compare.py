@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -168,7 +169,7 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     from dejavuu_build.bench import genai as G
     from dejavuu_build.bench import run_bench
     from dejavuu_build.bench.sweep import run_sweep
-    from dejavuu_build.schema import read_manifest
+    from dejavuu_build.schema import read_contract, read_manifest
 
     manifest = read_manifest(tiny_llama)
     folder = G.ensure_genai_model(manifest)
@@ -204,6 +205,19 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
         assert report.row("overall", m).x_genai is not None
     assert report.row("overall", "genai").x_genai == pytest.approx(1.0)
     assert "× genai" in report.table()
+    # genai's build is scored by our variant's quality gate: same texts, same positions, its own numbers
+    ours_q = manifest.variants[res["model_variant"]].gates["quality"]
+    peer_q = res["peers"]["genai"]["quality"]
+    assert (peer_q["set_sha256"], peer_q["positions"]) == (ours_q["set_sha256"], ours_q["positions"])
+    assert 0.0 <= peer_q["top1"] <= 1.0 and peer_q["mean_kl"] >= 0.0
+    assert report.row("overall", "genai").top1_vs_fp32 == peer_q["top1"]
+    assert report.row("overall", "pld").top1_vs_fp32 == ours_q["top1"]
+    # its teacher-forced logits are genai's own: its greedy continuation is every position's argmax
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, read_contract(tiny_llama).vocab_size, 20)]
+    gen = G.GenaiPeer(folder, 1).generate(ids, 8, ignore_eos=True)
+    logits = G.GenaiReplay(folder, 1).logits(ids + gen.tokens[:-1])
+    assert logits.shape[0] == len(ids) + len(gen.tokens) - 1
+    assert sum(int(a == b) for a, b in zip(logits[len(ids) - 1:].argmax(-1), gen.tokens)) >= len(gen.tokens) - 1
 
     sweep = run_sweep(BenchConfig(model=str(tiny_llama), max_new_tokens=10, threads=1, compare=("genai",),
                                   contexts=(16, 48), data=str(data)), tmp_path / "sweep")
