@@ -214,9 +214,10 @@ class Runner:
         feeds = dict(past)
         if self.c.kv_layout == "rowwise":
             from ..runtime.engine import ROWWISE_TILE
+            from ..runtime.kv import round_up
             from ..runtime.tree import NEG
 
-            pad = -(-total // ROWWISE_TILE) * ROWWISE_TILE - total
+            pad = round_up(total, ROWWISE_TILE) - total
             feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, pad + total - v.shape[2]), (0, 0))) for k, v in past.items()}
             bias = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=NEG)
             feeds[KV_WRITE_INDEX] = np.array([total - len(ids)], np.int64)

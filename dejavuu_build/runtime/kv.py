@@ -88,6 +88,12 @@ class StaticKV:
             self.buf = self.binding = None
 
 
+def round_up(n: int, tile: int) -> int:
+    """``n`` rounded up to a whole number of ``tile``: the rowwise buffer's lengths (GrowingKV and
+    the gates' runner bind the same ones)."""
+    return -(-n // tile) * tile
+
+
 class GrowingKV(StaticKV):
     """The rowwise flavour's in-place cache: StaticKV whose bound buffers ``[1, KV, L, D]`` grow.
 
@@ -147,7 +153,7 @@ class GrowingKV(StaticKV):
         import onnxruntime as ort
 
         t = self.tile
-        size = min(self.capacity, -(-max(positions, self.size + self.step(max(positions, self.size))) // t) * t)
+        size = min(self.capacity, round_up(max(positions, self.size + self.step(max(positions, self.size))), t))
         old, new = self.buf, self._view(size)
         for h in range(self.dec.c.num_kv_heads - 1, 0, -1):    # later heads first: nothing is overwritten unread
             new[:, :, h, :self.length] = old[:, :, h, :self.length]
