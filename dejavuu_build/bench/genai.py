@@ -358,10 +358,6 @@ class GenaiReplay:
         self.prefill(ids, len(ids))
         return self.bind.get_outputs()[0].numpy()[0].astype("float32")
 
-    def prefill_all(self, ids):
-        """The gates' runner interface (``build.gates.gate_quality`` calls ``prefill``): logits first."""
-        return self.logits(ids), None, None
-
     def _run(self, new: list[int]) -> tuple[float, int]:
         import numpy as np
 
@@ -382,28 +378,26 @@ class GenaiReplay:
 def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int) -> dict:
     """genai's build scored by our build's quality gate: teacher-forced top-1 agreement with our
     fp32 export and mean KL(fp32 || genai) over the same quality set and positions as our variants
-    (``build.gates.gate_quality``), so speed is read beside how much of the model each int4 keeps.
-    The two int4 builds share their 4-bit body (both onnxruntime's round-to-nearest, blocks of
-    32); they differ in the lm-head (genai: 4-bit; ours: 8-bit) and attention kernels."""
+    (``build.gates.gate_quality``), so speed is read beside how much of the model each build keeps."""
+    from types import SimpleNamespace
+
     from ..build.gates import Reference, Runner, gate_quality, quality_prompts, quality_set
+    from ..build.pipeline import REFERENCE_FILE
     from ..runtime.session import make_session
     from ..schema import read_contract, variant_file
 
     folder = Path(model_folder)
     contract = read_contract(folder)
     fp32 = Runner(make_session(folder / variant_file("fp32"), threads=threads), contract)
-    ref = Reference.load(folder / "reference.npz") if (folder / "reference.npz").is_file() else None
+    ref = Reference.load(folder / REFERENCE_FILE) if (folder / REFERENCE_FILE).is_file() else None
     qs = (ref.quality if ref is not None and ref.quality else None) or quality_set(
         fp32, *quality_prompts(folder, contract.vocab_size))
     ctx = int(json.loads((replay.folder / "genai_config.json").read_text())["model"].get("context_length") or 0)
     limits = [x for x in (contract.position_limit, ctx) if x]
     if limits:
         qs = qs.fit(min(limits))
-
-    class _Teacher:
-        prefill = staticmethod(replay.prefill_all)
-
-    g = gate_quality(fp32, {GENAI: _Teacher()}, qs, {})[GENAI]
+    teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))   # a gates.Runner's shape
+    g = gate_quality(fp32, {GENAI: teacher}, qs, {})[GENAI]
     return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}
 
 
