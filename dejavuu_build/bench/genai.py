@@ -265,7 +265,7 @@ class GenaiPeer:
         """Its build on our quality gate (``peer_quality``), logged once."""
         from ..log import logger
 
-        q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads)
+        q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length)
         logger.info("genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
                     q["top1"], q["mean_kl"], q["positions"])
         return q
@@ -322,7 +322,6 @@ class GenaiReplay:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         self.ort = ort
-        self.folder = Path(folder)
         self.sess = ort.InferenceSession(str(Path(folder) / self.dec["filename"]), so,
                                          providers=["CPUExecutionProvider"])
         types = {a.name: a.type for a in [*self.sess.get_inputs(), *self.sess.get_outputs()]}
@@ -375,13 +374,13 @@ class GenaiReplay:
         return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
 
 
-def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int) -> dict:
+def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, context_length: int = 0) -> dict:
     """genai's build scored by our build's quality gate: teacher-forced top-1 agreement with our
     fp32 export and mean KL(fp32 || genai) over the same quality set and positions as our variants
     (``build.gates.gate_quality``), so speed is read beside how much of the model each build keeps."""
     from types import SimpleNamespace
 
-    from ..build.gates import Reference, Runner, gate_quality, quality_prompts, quality_set
+    from ..build.gates import Reference, Runner, gate_quality, scoring_set
     from ..build.pipeline import REFERENCE_FILE
     from ..runtime.session import make_session
     from ..schema import read_contract, variant_file
@@ -390,12 +389,7 @@ def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int) ->
     contract = read_contract(folder)
     fp32 = Runner(make_session(folder / variant_file("fp32"), threads=threads), contract)
     ref = Reference.load(folder / REFERENCE_FILE) if (folder / REFERENCE_FILE).is_file() else None
-    qs = (ref.quality if ref is not None and ref.quality else None) or quality_set(
-        fp32, *quality_prompts(folder, contract.vocab_size))
-    ctx = int(json.loads((replay.folder / "genai_config.json").read_text())["model"].get("context_length") or 0)
-    limits = [x for x in (contract.position_limit, ctx) if x]
-    if limits:
-        qs = qs.fit(min(limits))
+    qs = scoring_set(folder, fp32, ref, min(x for x in (contract.position_limit, context_length) if x))
     teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))   # a gates.Runner's shape
     g = gate_quality(fp32, {GENAI: teacher}, qs, {})[GENAI]
     return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}

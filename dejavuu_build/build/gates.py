@@ -444,6 +444,14 @@ def quality_set(fp32: Runner, prompts: list[np.ndarray], source: str, tokens: in
     return QualitySet(prompts, conts, source)
 
 
+def scoring_set(folder: Path, fp32: Runner, ref: Reference | None, limit: int | None = None) -> QualitySet:
+    """What the quality gate scores for the build in ``folder``: the set saved with its torch
+    reference, else fp32's own continuations of the quality texts; cut to ``limit`` positions.
+    The build's gate and the bench's peer score (bench.genai.peer_quality) read it from here."""
+    qs = (ref.quality if ref is not None else None) or quality_set(fp32, *quality_prompts(folder, fp32.c.vocab_size))
+    return qs.fit(limit) if limit else qs
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)

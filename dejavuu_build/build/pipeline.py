@@ -203,7 +203,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     and KL vs the fp32 export over the quality set) and timing, both over all variants at once."""
     from ..quantize import PLANS, quantize_model
     from ..runtime.session import cross_check, derive_contract, make_session
-    from .gates import QUALITY_FLOORS, Reference, Runner, gate_quality, quality_prompts, quality_set, run_gates
+    from .gates import QUALITY_FLOORS, Reference, Runner, gate_quality, run_gates, scoring_set
     from .sources import gguf_of
 
     contract = read_contract(folder)
@@ -251,7 +251,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
     if others:
         with step("quality: teacher-forced top-1 and KL against fp32 over the quality set"):
             limit = min(c.position_limit for _, c in sessions.values())
-            qs = (ref.quality or quality_set(fp32, *quality_prompts(folder, contract.vocab_size))).fit(limit)
+            qs = scoring_set(folder, fp32, ref, limit)
             for v, g in gate_quality(fp32, others, qs, QUALITY_FLOORS).items():
                 manifest.variants[v].gates["quality"] = g
                 manifest.variants[v].passed = manifest.variants[v].passed and g["passed"]
