@@ -228,10 +228,13 @@ def _propose_seconds(name: str, datastore: Datastore, n: int) -> list[float]:
 # call whose time swings 50x with the machine's load. Not covered by this claim.
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "adapld"])
 def test_propose_is_fast_on_a_long_context(name, markov_datastore):
-    """Proposing costs the same on a 10x longer context (no per-step scan of the context): a
-    ratio of two medians measured back to back, so the machine's speed and load cancel out."""
-    short = float(np.median(_propose_seconds(name, markov_datastore, 3000)))
-    long = float(np.median(_propose_seconds(name, markov_datastore, 30000)))
+    """Proposing costs about the same on a 10x longer context (no per-step scan of the context).
+    Short and long are measured in alternating rounds and each keeps its quietest round's median:
+    a single pair of medians measured back to back read 1.3-4x on an idle 2-core machine (load
+    spikes land on one side), where a scan of the context would read ~10x."""
+    rounds = [(np.median(_propose_seconds(name, markov_datastore, 3000)),
+               np.median(_propose_seconds(name, markov_datastore, 30000))) for _ in range(3)]
+    short, long = (float(min(r[i] for r in rounds)) for i in (0, 1))
     assert long <= 3 * short + 1e-4, f"{name}: median propose {short * 1e3:.3f} ms at 3k, {long * 1e3:.3f} ms at 30k"
 
 
