@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from ..build.cli import _friendly
-from .runner import DEFAULT_CATEGORIES, PEERS, BenchConfig, BenchError, ExactnessError, run_bench
+from .runner import DEFAULT_CATEGORIES, NGRAM_OFF, NGRAM_SWEEP, PEERS, BenchConfig, BenchError, ExactnessError, \
+    run_bench
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -66,7 +67,13 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
 @click.option("--compare", default=None, metavar="genai",
               help="Also time another system's plain decoding on the same prompt ids: genai = onnxruntime-genai's "
                    "int4 CPU build of the same source (built once into <cache>/.peers; needs "
-                   "pip install -e \".[compare]\"). Adds a '× genai' column.")
+                   "pip install -e \".[compare]\"). Adds a '× genai' column, and genai's n-gram speculative "
+                   "decoding beside it ('× genai-ngram').")
+@click.option("--genai-ngram", default=None, metavar="N,K",
+              help="With --compare genai: time genai's n-gram speculative decoding with ngram_size N and "
+                   "max_draft_tokens K [default: the best of a small sweep on prompts outside the measured set, "
+                   "recorded in genai_ngram_sweep.json].")
+@click.option("--no-genai-ngram", is_flag=True, help="With --compare genai: time genai's plain decoding only.")
 @click.option("--contexts", default=None, metavar="N,N,...",
               help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
                    "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).")
@@ -76,9 +83,11 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
                    "context: what one drafted token costs, the bound on any speculative method's speedup.")
 @_friendly
 def bench(model, methods, per_category, categories, max_new_tokens, threads, tree, width, variant, data, out,
-          resume, temperature, datastore, seed, compare, contexts, repeats, verify_rows):
+          resume, temperature, datastore, seed, compare, genai_ngram, no_genai_ngram, contexts, repeats, verify_rows):
     """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
     compare_t, contexts_t = _csv(compare), _ints(contexts)
+    if genai_ngram and no_genai_ngram:
+        raise BenchError("--genai-ngram and --no-genai-ngram contradict each other: give one")
     if bad := [c for c in compare_t if c not in PEERS]:
         raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
     if compare_t:
@@ -91,7 +100,8 @@ def bench(model, methods, per_category, categories, max_new_tokens, threads, tre
     cfg = BenchConfig(model=model, methods=_csv(methods), categories=_csv(categories), per_category=per_category,
                       max_new_tokens=max_new_tokens, threads=threads, tree=tree, width=width, variant=variant,
                       temperature=temperature, seed=seed, datastore=datastore, data=data, compare=compare_t,
-                      contexts=contexts_t, repeats=repeats, verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"))
+                      contexts=contexts_t, repeats=repeats, verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"),
+                      genai_ngram=NGRAM_OFF if no_genai_ngram else (genai_ngram or NGRAM_SWEEP))
     if contexts_t:
         from .sweep import run_sweep
 

@@ -33,10 +33,18 @@ from pathlib import Path
 from typing import Sequence
 
 from ..log import logger, step
+from .report import PEER_NGRAM as GENAI_NGRAM   # genai's n-gram speculative decoding, beside its plain one
 from .runner import BenchError
 
 PEERS: tuple[str, ...] = ("genai",)
 GENAI = "genai"
+NGRAM_SIZES = (2, 16)         # what GeneratorParams.set_speculative_options accepts (0.18: checked by it)
+MAX_DRAFT_TOKENS = (1, 16)
+# the speculative stats kept per generation (get_speculative_stats has ~60 keys)
+SPEC_STATS = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted",
+              "bonus_tokens", "correction_tokens", "target_forward_passes", "target_verify_forward_passes",
+              "target_reanchor_forward_passes", "standard_fallback_steps", "acceptance_rate",
+              "mean_emitted_tokens_per_round")
 MIN_VERSION = (0, 18)
 PEER_FILE = "peer.json"
 PEERS_DIR = ".peers"
@@ -216,10 +224,12 @@ class PeerResult:
     total_s: float
     step_s: list[float] = field(default_factory=list)   # each decode step (a forward + sampling)
     stop_reason: str = "length"
+    forwards: int | None = None        # n-gram: target forwards after the first token (steps emit 1 token each)
+    speculative: dict | None = None    # n-gram: genai's own stats of the whole generation (SPEC_STATS)
 
     @property
     def steps(self) -> int:
-        return len(self.step_s)
+        return len(self.step_s) if self.forwards is None else self.forwards
 
     @property
     def decode_s(self) -> float:
@@ -262,15 +272,25 @@ class GenaiPeer:
         return int(self.genai_config["model"].get("context_length") or 0)
 
     def quality(self, model_folder: str | Path) -> dict:
-        """Its build on our quality gate (``peer_quality``), logged once."""
+        """Its build on our quality gate (``peer_quality``), scored once: the n-gram peer shares the build."""
         from ..log import logger
 
-        q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length)
-        logger.info("genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
-                    q["top1"], q["mean_kl"], q["positions"])
-        return q
+        if getattr(self, "_quality", None) is None:
+            q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length)
+            logger.info("genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
+                        q["top1"], q["mean_kl"], q["positions"])
+            self._quality = q
+        return self._quality
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False,
+                 speculative: tuple[int, int] | None = None) -> PeerResult:
+        """Greedy decoding of ``ids``; ``speculative=(ngram_size, max_draft_tokens)`` turns on genai's n-gram drafting.
+
+        With n-gram drafting each ``generate_next_token`` still hands out one token (the rest of a
+        round's accepted tokens are buffered), but the first call already runs a verify forward
+        (the prompt's own round): it stays in prefill time, as the plain path's first token does,
+        and ``forwards`` counts only the target forwards after it.
+        """
         og = self.og
         ids = [int(t) for t in ids]
         total = len(ids) + max_new_tokens
@@ -282,11 +302,14 @@ class GenaiPeer:
         if ignore_eos:
             opts["min_length"] = total
         params.set_search_options(**opts)
+        if speculative:
+            params.set_speculative_options(ngram_size=int(speculative[0]), max_draft_tokens=int(speculative[1]))
         gen = og.Generator(self.model, params)
         t0 = time.perf_counter()
-        gen.append_tokens(ids)                  # the prefill forward
+        gen.append_tokens(ids)                  # the prefill forward (n-gram: deferred to the first round)
         gen.generate_next_token()               # samples the first token from the prefill's logits
         tokens = [int(gen.get_next_tokens()[0])]
+        first_forwards = int(gen.get_speculative_stats()["target_forward_passes"]) if speculative else 0
         t1 = time.perf_counter()
         steps: list[float] = []
         last = t1
@@ -297,8 +320,49 @@ class GenaiPeer:
             steps.append(now - last)
             last = now
         reason = "eos" if tokens[-1] in self.eos_ids and not ignore_eos else "length"
+        forwards = spec = None
+        if speculative:
+            stats = gen.get_speculative_stats()
+            spec = {k: stats[k] for k in SPEC_STATS if k in stats}
+            forwards = int(stats["target_forward_passes"]) - first_forwards
         del gen
-        return PeerResult(tokens, len(ids), t1 - t0, last - t0, steps, reason)
+        return PeerResult(tokens, len(ids), t1 - t0, last - t0, steps, reason, forwards, spec)
+
+
+def parse_ngram(value: str | Sequence[int]) -> tuple[int, int]:
+    """``"N,K"`` (or a pair) as (ngram_size, max_draft_tokens), checked against what genai 0.18 accepts."""
+    try:
+        n, k = (int(v) for v in (value.split(",") if isinstance(value, str) else value))
+    except (TypeError, ValueError):
+        raise BenchError(f"--genai-ngram takes NGRAM_SIZE,MAX_DRAFT_TOKENS, e.g. 3,8 (got {value!r})") from None
+    if not (NGRAM_SIZES[0] <= n <= NGRAM_SIZES[1] and MAX_DRAFT_TOKENS[0] <= k <= MAX_DRAFT_TOKENS[1]):
+        raise BenchError(f"--genai-ngram {n},{k}: genai takes ngram_size {NGRAM_SIZES[0]}..{NGRAM_SIZES[1]} and "
+                         f"max_draft_tokens {MAX_DRAFT_TOKENS[0]}..{MAX_DRAFT_TOKENS[1]}")
+    return n, k
+
+
+class GenaiNgram:
+    """genai's n-gram speculative decoding: the same model and generator as :class:`GenaiPeer`, one
+    (ngram_size, max_draft_tokens), so it is timed as a peer of its own (``genai-ngram``)."""
+
+    name = GENAI_NGRAM
+
+    def __init__(self, peer: GenaiPeer, options: tuple[int, int], chosen_by: str, sweep: dict | None = None):
+        self.peer = peer
+        self.options = parse_ngram(options)
+        self.chosen_by = chosen_by
+        self.sweep = sweep
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
+        return self.peer.generate(ids, max_new_tokens, ignore_eos=ignore_eos, speculative=self.options)
+
+    def quality(self, model_folder: str | Path) -> dict:
+        return self.peer.quality(model_folder)   # the same build: the same weights and logits
+
+    def describe(self) -> dict:
+        n, k = self.options
+        return {**self.peer.describe(), "speculative": {"ngram_size": n, "max_draft_tokens": k},
+                "chosen_by": self.chosen_by, "sweep": self.sweep}
 
 
 class GenaiReplay:

@@ -7,7 +7,9 @@ geometric mean of the category speedups, so no category dominates by its length.
 
 With a peer (``--compare genai``), "× genai" is each method's decode tok/s over the peer's on
 the same prompt (all turns of it), geo-meaned over the prompts of a category; its overall row is
-the geo-mean of the categories, like the speedup's.
+the geo-mean of the categories, like the speedup's. "× genai-ngram" is the same ratio over genai's
+own n-gram speculative decoding, and that row's "vs genai" is its token match with genai's plain
+decoding (genai's drafting is not lossless by construction: it verifies drafts as multi-row forwards).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ..log import logger
 
 OVERALL = "overall"
 PEER = "genai"   # the method name of onnxruntime-genai's plain decoding in the records
+PEER_NGRAM = "genai-ngram"   # and of its n-gram speculative decoding (bench.ngram picks its options)
+PEER_METHODS = (PEER, PEER_NGRAM)
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Row:
     overhead_ms_per_step: float
     match_pct: float
     x_genai: float | None = None     # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
+    x_genai_ngram: float | None = None  # the same over genai's n-gram speculative decoding; None: not run
+    match_genai_pct: float | None = None  # genai-ngram: % of tokens equal to genai plain's (common prefix)
     top1_vs_fp32: float | None = None  # the quality gate: teacher-forced top-1 agreement with our fp32 export
     kl_vs_fp32: float | None = None    # and mean KL(fp32 || variant or peer); None: not measured
 
@@ -64,13 +70,18 @@ class Report:
         return any(r.x_genai is not None for r in self.rows)
 
     @property
+    def has_ngram(self) -> bool:
+        return any(r.x_genai_ngram is not None for r in self.rows)
+
+    @property
     def has_quality(self) -> bool:
         return any(r.top1_vs_fp32 is not None for r in self.rows)
 
     def table(self) -> str:
-        peer, qual = self.has_peer, self.has_quality
+        peer, ngram, qual = self.has_peer, self.has_ngram, self.has_quality
         head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
                 + (f"{'× genai':>8} " if peer else "")
+                + (f"{'× genai-ngram':>13} {'vs genai':>8} " if ngram else "")
                 + (f"{'top-1/KL vs fp32':>17} " if qual else "")
                 + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
         lines = [head, "-" * len(head)]
@@ -78,11 +89,14 @@ class Report:
             split = f"{r.draft_ms_per_step:.2f}/{r.verify_ms_per_step:.2f}/{r.overhead_ms_per_step:.2f}"
             speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
             xg = "-" if r.x_genai is None else f"{r.x_genai:.2f}x"
+            xn = "-" if r.x_genai_ngram is None else f"{r.x_genai_ngram:.2f}x"
+            mg = "-" if r.match_genai_pct is None else f"{r.match_genai_pct:.1f}%"
             accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
             qv = "-" if r.top1_vs_fp32 is None else f"{r.top1_vs_fp32:.3f}/{r.kl_vs_fp32:.4f}"
             lines.append(f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
                          f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
                          + (f"{xg:>8} " if peer else "")
+                         + (f"{xn:>13} {mg:>8} " if ngram else "")
                          + (f"{qv:>17} " if qual else "")
                          + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
                          f"{r.match_pct:>6.1f}%")
@@ -121,6 +135,7 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
     steps = sum(r["steps"] for r in recs)
     drafted = sum(r["drafted"] for r in recs)
     compared = sum(r["compared"] for r in recs)
+    vs_genai = [r for r in recs if r.get("genai_compared") is not None]   # genai-ngram's records only
 
     def per_step(key: str) -> float:
         return 1e3 * sum(r[key] for r in recs) / steps if steps else 0.0
@@ -135,7 +150,9 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
                tokens_per_step=sum(map(_decode_tokens, recs)) / steps if steps else 0.0,
                draft_ms_per_step=per_step("draft_s"), verify_ms_per_step=per_step("verify_s"),
                overhead_ms_per_step=per_step("overhead_s"),
-               match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0)
+               match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0,
+               match_genai_pct=(100.0 * sum(r["genai_common_prefix"] for r in vs_genai)
+                                / max(sum(r["genai_compared"] for r in vs_genai), 1)) if vs_genai else None)
 
 
 def geomean(values: Sequence[float]) -> float | None:
@@ -146,20 +163,22 @@ def geomean(values: Sequence[float]) -> float | None:
 def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Sequence[str]) -> Report:
     """Rows per category (in the asked order) × method, then the overall rows.
 
-    When ``methods`` holds the peer (``genai``) and it has records, every row gets ``x_genai``.
+    When ``methods`` holds the peer (``genai``) and it has records, every row gets ``x_genai``;
+    likewise ``x_genai_ngram`` for genai's n-gram speculative decoding (``genai-ngram``).
     """
     by: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         by[r["category"], r["method"]].append(r)
     cats = [c for c in categories if by.get((c, "baseline"))]
-    peer = PEER in methods and any(r["method"] == PEER for r in records)
+    peers = [(k, m) for k, m in (("x_genai", PEER), ("x_genai_ngram", PEER_NGRAM))
+             if m in methods and any(r["method"] == m for r in records)]
     rows = []
     for c in cats:
         for m in methods:
             if by.get((c, m)):
                 row = _row(c, m, by[c, m], by[c, "baseline"])
-                if peer:
-                    row.x_genai = x_peer(by[c, m], by[c, PEER])
+                for key, pm in peers:
+                    setattr(row, key, x_peer(by[c, m], by[c, pm]))
                 rows.append(row)
     for m in methods:
         mine = [r for r in records if r["method"] == m]
@@ -167,8 +186,8 @@ def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Seque
             continue
         row = _row(OVERALL, m, mine, [r for r in records if r["method"] == "baseline"])
         row.speedup = geomean([r.speedup for r in rows if r.method == m and r.speedup])
-        if peer:
-            row.x_genai = geomean([r.x_genai for r in rows if r.method == m and r.x_genai])
+        for key, _ in peers:
+            setattr(row, key, geomean([getattr(r, key) for r in rows if r.method == m and getattr(r, key)]))
         rows.append(row)
     return Report(rows, tuple(methods), tuple(cats))
 
@@ -198,7 +217,7 @@ def add_quality(report: Report, quality: dict | None, peer: dict | None = None) 
     """Quality next to speed: our variant's on every row of ours, the peer's own (scored by the same
     gate, ``genai.peer_quality``) on its rows."""
     for r in report.rows:
-        q = peer if r.method == PEER else quality
+        q = peer if r.method in PEER_METHODS else quality
         if q:
             r.top1_vs_fp32, r.kl_vs_fp32 = q["top1"], q["mean_kl"]
 
@@ -212,7 +231,10 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     write_rows(paths, report.rows, Row, meta)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"
-        plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline")
+        spec = (meta.get("peers") or {}).get(PEER_NGRAM, {}).get("speculative") or {}
+        plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline",
+                      ngram=f"ngram_size {spec['ngram_size']}, max_draft_tokens {spec['max_draft_tokens']}"
+                      if spec else "")
     except ImportError:
         logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
         del paths["png"]
@@ -220,10 +242,11 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     return paths
 
 
-def plot_speedups(report: Report, path: Path, title: str = "speedup over baseline") -> None:
+def plot_speedups(report: Report, path: Path, title: str = "speedup over baseline", ngram: str = "") -> None:
     """Grouped bars: one group per category (and overall), one bar per method, a line at 1.0x.
 
-    With a peer, a second panel shows each of our methods' decode tok/s over genai's (× genai).
+    With a peer, a second panel shows each method's decode tok/s over genai's (× genai), and a
+    third over genai's n-gram speculative decoding (× genai-ngram) when it ran.
     """
     import matplotlib
 
@@ -236,6 +259,10 @@ def plot_speedups(report: Report, path: Path, title: str = "speedup over baselin
     if report.has_peer:
         panels.append(("x_genai", [m for m in report.methods if m != PEER], "decode tok/s over genai's (×)",
                        "genai (plain decoding)", "× genai: same prompts, same token ids"))
+    if report.has_ngram:
+        panels.append(("x_genai_ngram", [m for m in report.methods if m != PEER_NGRAM],
+                       "decode tok/s over genai-ngram's (×)", "genai-ngram (its n-gram speculative decoding)",
+                       "× genai-ngram: same prompts, same token ids" + (f"\n({ngram})" if ngram else "")))
     colors = {m: f"C{i}" for i, m in enumerate(report.methods)}   # one color per method in both panels
     n_bars = max(len(p[1]) for p in panels)
     fig, axes = plt.subplots(len(panels), 1, squeeze=False,

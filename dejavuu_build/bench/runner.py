@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..errors import DejavuuError
 from ..log import logger, progress
-from .report import PEER, Report, aggregate, write_outputs
+from .report import PEER, PEER_NGRAM, Report, aggregate, write_outputs
 
 if TYPE_CHECKING:
     from ..runtime.model import GenerationResult, Model
@@ -45,6 +45,7 @@ TREE_SUFFIX = "+tree"
 def base_method(method: str) -> str:
     return method[:-len(TREE_SUFFIX)] if method.endswith(TREE_SUFFIX) else method
 PEERS: tuple[str, ...] = (PEER,)   # --compare: other systems' plain decoding, timed on the same prompt ids
+NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"   # BenchConfig.genai_ngram, besides a fixed "N,K"
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"
 WARMUP_TOKENS = 8
@@ -90,11 +91,14 @@ class BenchConfig:
     contexts: tuple[int, ...] = ()     # a context sweep instead of Spec-Bench categories (bench.sweep)
     repeats: int = 1                   # sweep: runs per context (medians are reported)
     verify_rows: tuple[int, ...] = ()  # sweep: also time verify steps of these graph row counts (bench.sweep)
+    # with --compare genai, genai's n-gram speculative decoding too: "sweep" (pick its options on
+    # prompts outside the measured set, bench.ngram), a fixed "N,K", or "off"
+    genai_ngram: str = NGRAM_SWEEP
 
     # What a resumed run must share with the run it continues: anything that changes the
     # generated tokens or the timings. Categories, prompt counts and the data path may grow.
     RESUME_KEYS = ("model", "variant", "methods", "max_new_tokens", "threads", "tree", "width", "temperature",
-                   "seed", "datastore", "compare")
+                   "seed", "datastore", "compare", "genai_ngram")
 
     def __post_init__(self) -> None:
         from ..runtime.drafters import METHODS
@@ -109,6 +113,18 @@ class BenchConfig:
             raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
         if self.compare and self.temperature > 0.0:
             raise BenchError("--compare times greedy decoding only: drop --temperature")
+        self.genai_ngram = str(self.genai_ngram or NGRAM_OFF).replace(" ", "")
+        if self.genai_ngram not in (NGRAM_SWEEP, NGRAM_OFF):
+            from .genai import parse_ngram
+
+            n, k = parse_ngram(self.genai_ngram)
+            self.genai_ngram = f"{n},{k}"
+            if PEER not in self.compare:
+                raise BenchError("--genai-ngram times genai's n-gram speculative decoding: add --compare genai")
+            if self.contexts:
+                raise BenchError("--genai-ngram is part of the Spec-Bench run; a context sweep times plain decoding")
+        if PEER not in self.compare or self.contexts:
+            self.genai_ngram = NGRAM_OFF   # nothing to run it beside; recorded as such
         self.contexts = tuple(int(c) for c in self.contexts)
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
@@ -131,9 +147,14 @@ class BenchConfig:
         return self.temperature <= 0.0
 
     @property
+    def ngram(self) -> bool:
+        """Whether genai's n-gram speculative decoding is timed beside its plain decoding."""
+        return self.genai_ngram != NGRAM_OFF
+
+    @property
     def timed(self) -> tuple[str, ...]:
         """Everything run per prompt: our methods (baseline first), then the peers."""
-        return (*self.methods, *self.compare)
+        return (*self.methods, *self.compare, *((PEER_NGRAM,) if self.ngram else ()))
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -195,23 +216,43 @@ def select(prompts: Sequence[Prompt], categories: Sequence[str], n: int,
     Within a category the source categories take turns (MT-Bench: writing, roleplay, ...), so a
     small ``n`` still samples all of mt_bench rather than its first 10 writing prompts.
     """
-    by_cat: dict[str, dict[str, list[Prompt]]] = defaultdict(lambda: defaultdict(list))
-    for p in prompts:
-        by_cat[p.category][p.source].append(p)
+    by_cat = _by_category(prompts)
     missing = [c for c in categories if c not in by_cat]
     if missing:
         raise BenchError(f"no prompts for categor{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} in the "
                          f"data; it has: {', '.join(by_cat)}")
     chosen: list[Prompt] = []
     for cat in categories:
-        queues = list(by_cat[cat].values())
-        ordered = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
-        picked = list(islice(filter(fits, ordered), n))
+        picked = list(islice(filter(fits, _interleaved(by_cat[cat])), n))
         if len(picked) < n:
             logger.warning("%s: only %d of the %d prompts asked for (of %d in the data) fit the model", cat,
-                           len(picked), n, len(ordered))
+                           len(picked), n, len(_interleaved(by_cat[cat])))
         chosen += picked
     return chosen
+
+
+def _by_category(prompts: Sequence[Prompt]) -> dict[str, dict[str, list[Prompt]]]:
+    by_cat: dict[str, dict[str, list[Prompt]]] = defaultdict(lambda: defaultdict(list))
+    for p in prompts:
+        by_cat[p.category][p.source].append(p)
+    return by_cat
+
+
+def _interleaved(sources: dict[str, list[Prompt]]) -> list[Prompt]:
+    """A category's prompts, its source categories taking turns (the order ``select`` picks in)."""
+    queues = list(sources.values())
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+
+
+def select_next(prompts: Sequence[Prompt], categories: Sequence[str], taken: Sequence[Prompt], n: int,
+                fits: Callable[[Prompt], bool] = lambda p: True) -> list[Prompt]:
+    """The next ``n`` fitting prompts of each category after ``taken`` (what ``select`` chose), in
+    the same order: prompts outside the measured set, e.g. to tune a peer's options on."""
+    by_cat, seen = _by_category(prompts), {p.qid for p in taken}
+    out: list[Prompt] = []
+    for cat in categories:
+        out += list(islice((p for p in _interleaved(by_cat.get(cat) or {"": []}) if p.qid not in seen and fits(p)), n))
+    return out
 
 
 # ---------------------------------------------------------------------------------- records
@@ -227,6 +268,7 @@ class RecordStore:
                 raise BenchError(f"{out} holds no bench run to resume ({CONFIG_FILE} missing)")
             old = json.loads(cfg_path.read_text())
             old.setdefault("compare", [])   # runs from before --compare existed
+            old.setdefault("genai_ngram", NGRAM_OFF)   # and before genai's n-gram decoding was timed
             new = cfg.to_json()
             diff = [k for k in cfg.RESUME_KEYS if old.get(k) != new.get(k)]
             if diff:
@@ -366,31 +408,47 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     return len(model.tokenizer.encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
 
 
-def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int]) -> dict:
+def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str = PEER,
+                genai_ids: Sequence[int] | None = None) -> dict:
     """A genai generation (``genai.PeerResult``) as a record: timed, compared with baseline, never gated.
 
-    Its steps are one forward + sampling each, so the whole decode time counts as verify time.
+    Plain decoding's steps are one forward + sampling each; n-gram's steps are its target forwards
+    and its drafted / accepted are genai's own counts. The whole decode time counts as verify time
+    (genai exposes no split). ``genai_ids`` (genai plain's tokens of this turn) adds the n-gram
+    run's match with genai's own plain decoding: what its drafting keeps of it.
     """
     common = _common_prefix(res.tokens, baseline_ids)
     same = list(res.tokens) == list(baseline_ids)
-    return {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": PEER,
-            "prompt_tokens": res.prompt_tokens, "tokens": len(res.tokens), "steps": res.steps, "drafted": 0,
-            "accepted": 0, "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": 0.0,
-            "verify_s": res.decode_s, "kv_s": 0.0, "overhead_s": 0.0, "total_s": res.total_s,
-            "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
-            "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
-            "gated": False, "ids": list(res.tokens)}
+    spec = res.speculative or {}
+    rec = {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": method,
+           "prompt_tokens": res.prompt_tokens, "tokens": len(res.tokens), "steps": res.steps,
+           "drafted": int(spec.get("draft_tokens_evaluated", 0)), "accepted": int(spec.get("draft_tokens_accepted", 0)),
+           "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": 0.0,
+           "verify_s": res.decode_s, "kv_s": 0.0, "overhead_s": 0.0, "total_s": res.total_s,
+           "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
+           "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
+           "gated": False, "ids": list(res.tokens)}
+    if res.speculative is not None:
+        rec["speculative"] = res.speculative
+    if genai_ids is not None:
+        g_common = _common_prefix(res.tokens, genai_ids)
+        rec.update(genai_match=list(res.tokens) == list(genai_ids), genai_common_prefix=g_common,
+                   genai_compared=max(len(res.tokens), len(genai_ids)))
+    return rec
 
 
-def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence[Sequence[int]]) -> list[dict]:
-    """The peer on ``p``: our tokenizer and chat template make the ids, the peer gets the ids."""
+def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence[Sequence[int]],
+             genai: Sequence[Sequence[int]] | None = None) -> list[dict]:
+    """The peer on ``p``: our tokenizer and chat template make the ids, the peer gets the ids.
+    ``genai``: genai plain's tokens per turn of ``p``, for the n-gram peer's match with them."""
     recs: list[dict] = []
     messages: list[dict] = []
     for turn, text in enumerate(p.turns, 1):
         messages.append({"role": "user", "content": text})
         res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
         messages.append({"role": "assistant", "content": model.tokenizer.decode(res.tokens)})
-        recs.append(peer_record(p, turn, res, baseline[turn - 1]))
+        recs.append(peer_record(p, turn, res, baseline[turn - 1], peer.name,
+                                None if genai is None else genai[turn - 1]))
     return recs
 
 
@@ -420,8 +478,12 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
                 logger.error("✗ %s differs from baseline on prompt %s turn %d at token %d", method, p.qid, turn,
                              rec["first_mismatch"])
             recs.append(rec)
-    for peer in peers:
-        recs += run_peer(model, peer, p, cfg, baseline)
+    genai: list[list[int]] | None = None
+    for peer in peers:   # genai plain comes before genai-ngram, whose match with it is recorded
+        got = run_peer(model, peer, p, cfg, baseline, genai if peer.name == PEER_NGRAM else None)
+        if peer.name == PEER:
+            genai = [r["ids"] for r in got]
+        recs += got
     return recs
 
 
@@ -442,6 +504,14 @@ def _recorded_peers(out: Path) -> dict:
         return json.loads((out / "results.json").read_text()).get("peers", {})
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+def _vs_genai(records: Sequence[dict]) -> dict:
+    """genai-ngram's token match with genai's plain decoding over the run: identical generations and tokens."""
+    ng = [r for r in records if r["method"] == PEER_NGRAM and r.get("genai_compared") is not None]
+    compared = sum(r["genai_compared"] for r in ng)
+    return {"generations": len(ng), "identical": sum(bool(r["genai_match"]) for r in ng),
+            "match_pct": 100.0 * sum(r["genai_common_prefix"] for r in ng) / compared if compared else None}
 
 
 def gate_failures(records: Sequence[dict]) -> list[dict]:
@@ -478,7 +548,12 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
     if model.tokenizer is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
-    prompts = select(corpus, cfg.categories, cfg.per_category, lambda p: _fits(model, p, cfg.max_new_tokens))
+    fits = lambda p: _fits(model, p, cfg.max_new_tokens)  # noqa: E731
+    prompts = select(corpus, cfg.categories, cfg.per_category, fits)
+    if cfg.ngram and cfg.genai_ngram == NGRAM_SWEEP:   # fail before anything slow if nothing is left to sweep on
+        from .ngram import sweep_prompts
+
+        sweep_prompts(corpus, cfg, prompts, fits)
     if not prompts:
         raise BenchError("no prompt fits the model: lower --max-new-tokens")
     store = RecordStore(out, cfg, resume)
@@ -497,6 +572,12 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         for peer in peers:
             peer.generate(model.encode([{"role": "user", "content": todo[0].turns[0]}]),
                           min(WARMUP_TOKENS, cfg.max_new_tokens))
+        if cfg.ngram:   # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
+            from .ngram import ngram_peer
+
+            peers.append(ngram_peer(model, peers[0], cfg, out, corpus, prompts, fits, resume))
+            peers[-1].generate(model.encode([{"role": "user", "content": todo[0].turns[0]}]),
+                               min(WARMUP_TOKENS, cfg.max_new_tokens))
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))
     records = store.for_prompts(prompts, cfg.timed)
@@ -511,7 +592,10 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     if cfg.compare:
         meta["peers"] = {p.name: {**p.describe(), "quality": p.quality(model.folder)} for p in peers} \
             or _recorded_peers(out)
-        meta["gate"]["not_gated"] = [*cfg.compare, *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
+        if cfg.ngram and PEER_NGRAM in meta["peers"]:
+            meta["peers"][PEER_NGRAM]["vs_genai"] = _vs_genai(records)
+        meta["gate"]["not_gated"] = [*cfg.compare, *([PEER_NGRAM] if cfg.ngram else []),
+                                     *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
     write_outputs(report, out, meta)
     if failures:
         raise ExactnessError(_gate_message(failures, len(records), out), failures, report)
