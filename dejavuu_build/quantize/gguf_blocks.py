@@ -7,14 +7,13 @@ ONNX weight must be bit-identical to a row of the de-quantized GGUF tensor (tran
 the rows of Llama's q/k projections, so rows are matched one by one), and nothing is carried
 otherwise.
 
-What MatMulNBits (blocks of 32 along K, ``w = scale * (q - zero_point)``) holds exactly:
-- Q8_0 (``d * q``, q int8): 8 bits, q + 128, the file's scale;
-- Q4_0 (``d * (q - 8)``): 4 bits, the file's q and scale;
-- Q4_1 (``d * q + m``) and Q4_K (``d*sc * q - dmin*m`` per sub-block of 32): 4 bits with a
-  zero point of ``-offset / scale`` -- a float zero point, which onnxruntime 1.32's CPU kernel
-  runs only off its fast path (it de-quantizes the whole weight each call, measured ~40x slower
-  per MatMul); see ``nbits.py`` for the integer-zero-point form the builds use.
-Other block types (Q5_0, Q6_K, ...) have no exact 4/8-bit MatMulNBits form and are re-quantized.
+Every type decoded here is, per block of 32 (16 for Q6_K) along K, ``w = scale * q + offset``
+with integer levels q of ``bits`` bits; ``nbits.carry`` turns that into MatMulNBits' form
+``scale * (q' - 2^(width-1))`` plus, where the block has a minimum, a per-block offset term:
+- centred (offset = -scale * 2^(bits-1)): Q8_0, Q4_0, Q5_0, Q6_K;
+- with a minimum: Q4_1, Q5_1 (``d * q + m``), Q4_K, Q5_K (``d*sc * q - dmin*m`` per sub-block of
+  32, 6-bit sub-block scales and mins inside super-blocks of 256).
+Others (Q2_K, Q3_K, IQ*) have no such form here and are re-quantized.
 """
 
 from __future__ import annotations
@@ -26,18 +25,22 @@ from pathlib import Path
 import numpy as np
 
 BLOCK = 32
-CARRIED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+CARRIED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
 class Blocks:
-    """One GGUF tensor's blocks as rows [N, K/32] of 32 levels: ``w = scale * q + offset``."""
+    """One GGUF tensor's blocks as rows [N, K/block] of levels: ``w = scale * q + offset``."""
 
     kind: str                       # the GGUF type
-    bits: int                       # the MatMulNBits width that holds q exactly (4 or 8)
-    q: np.ndarray                   # [N, nb, 32] uint8 levels, 0..15 or 0..255
+    bits: int                       # bits of the file's levels: 4, 5, 6 or 8
+    q: np.ndarray                   # [N, nb, block] uint8 levels, 0 .. 2^bits - 1
     scale: np.ndarray               # [N, nb] float32
     offset: np.ndarray              # [N, nb] float32 (-scale * 2^(bits-1) for a centred type)
+
+    @property
+    def block(self) -> int:
+        return int(self.q.shape[-1])
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, the way the file means it."""
@@ -61,8 +64,21 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint8)
 
 
+def _fifth_bit(qh: np.ndarray) -> np.ndarray:
+    """4 bytes (a little-endian uint32) -> 32 high bits, bit j for element j (Q5_0 / Q5_1)."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (GGML's get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
+    return sc, mn
+
+
 def decode(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
-    """The blocks of a GGUF tensor's raw bytes ([N, row bytes] uint8) as rows of 32 levels."""
+    """The blocks of a GGUF tensor's raw bytes ([N, row bytes] uint8) as rows of levels."""
     nb = k // BLOCK
     if kind == "Q8_0":
         b = raw.reshape(n, nb, 34)
@@ -76,16 +92,33 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     if kind == "Q4_1":
         b = raw.reshape(n, nb, 20)
         return Blocks(kind, 4, _nibbles(b[..., 4:]), _f16(b[..., 0:2]), _f16(b[..., 2:4]))
-    if kind == "Q4_K":                       # super-blocks of 256: 8 sub-blocks of 32, 6-bit scales and mins
-        b = raw.reshape(n, k // 256, 144)
+    if kind in ("Q5_0", "Q5_1"):
+        at = 2 if kind == "Q5_0" else 4
+        b = raw.reshape(n, nb, at + 20)
+        q = _nibbles(b[..., at + 4:]) | (_fifth_bit(b[..., at:at + 4]) << 4)
+        d = _f16(b[..., 0:2])
+        return Blocks(kind, 5, q, d, -16 * d if kind == "Q5_0" else _f16(b[..., 2:4]))
+    if kind in ("Q4_K", "Q5_K"):             # super-blocks of 256: 8 sub-blocks of 32, 6-bit scales and mins
+        five = kind == "Q5_K"
+        b = raw.reshape(n, k // 256, 176 if five else 144)
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
-        s = b[..., 4:16]
-        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-        sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
-        mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
-        qs = b[..., 16:].reshape(n, k // 256, 4, 32)            # 4 x 64 elements: low nibbles, then high
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, BLOCK).astype(np.uint8)
-        return Blocks(kind, 4, q, (d * sc).reshape(n, nb), (-(dmin * mn)).reshape(n, nb))
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., 48 if five else 16:].reshape(n, k // 256, 4, 32)   # 4 x 64 elements: low nibbles, then high
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
+        if five:                              # bit i of qh[j]: the fifth bit of sub-block i, element j
+            qh = b[..., 16:48]
+            q = q | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        return Blocks(kind, 5 if five else 4, q.reshape(n, nb, BLOCK).astype(np.uint8),
+                      (d * sc).reshape(n, nb), (-(dmin * mn)).reshape(n, nb))
+    if kind == "Q6_K":                       # super-blocks of 256: 16 sub-blocks of 16, int8 scales, q - 32
+        b = raw.reshape(n, k // 256, 210)
+        ql = b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        ql = (ql & 0x0F).reshape(n, -1, 8, 32)
+        qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        qh = (qh & 0x03).reshape(n, -1, 8, 32)
+        q = (ql | (qh << 4)).reshape(n, k // 16, 16).astype(np.uint8)
+        s = (_f16(b[..., 208:210])[..., None] * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(n, -1)
+        return Blocks(kind, 6, q, s, -32 * s)
     raise ValueError(f"GGUF type {kind} has no exact MatMulNBits form")
 
 

@@ -2,12 +2,20 @@
 
 Every MatMul with a constant 2D weight becomes ``com.microsoft.MatMulNBits`` (blocks along K);
 the embedding Gather becomes ``GatherBlockQuantized``. Where the fp32 weights came from a GGUF,
-the file's own blocks are carried over (``gguf_blocks.py``) instead of rounding them a second
-time; everything else is rounded by onnxruntime's own blockwise quantizer (round-to-nearest,
-with a zero point per block at 4 bits). Its other methods were weighed: HQQ writes float zero
-points, which the CPU kernel runs off its fast path (~40x slower per MatMul, measured), and RTN /
-k-quant / GPTQ need Intel Neural Compressor. What the library lacks and this module keeps: the
-plan (which node gets which width), the tied 8-bit table and the carried GGUF blocks.
+the file's own blocks are carried over exactly (``gguf_blocks.py``, ``carry``) instead of rounding
+them a second time; everything else is rounded by onnxruntime's own blockwise quantizer
+(round-to-nearest). Its other methods were weighed: HQQ writes float zero points, which the CPU
+kernel runs off its fast path (20-140x slower per MatMul on AVX2 and AVX-512, measured), and RTN /
+k-quant / GPTQ need Intel Neural Compressor.
+
+A block with a minimum (Q4_1, Q4_K, Q5_1, Q5_K: ``w = d*q + m``) is carried as the symmetric
+kernel's ``d * (q - 8)`` plus an offset term ``(m + 8d) * sum(x over the block)``: the block sums
+are one fp32 MatMul of x with a 0/1 [K, blocks] matrix (shared by every projection reading x),
+times an fp32 [blocks, N] matrix, added to MatMulNBits' output. Both MatMuls are fp32 and
+row-invariant at every row count (measured); siblings' offset MatMuls read the same block sums,
+so the in-place flavours' sibling fusion concatenates them along N like the 4-bit weights.
+Q5_x and Q6_K levels do not fit 4 bits: they are carried at 8 bits (Q6_K in blocks of 16).
+What the library lacks and this module keeps: the plan (which node gets which width), the tied 8-bit table and the carried GGUF blocks.
 The lm-head and the embedding are found by name (``/lm_head/MatMul``,
 ``/model/embed_tokens/Gather``, set by the exporter), never by guessing.
 
@@ -20,6 +28,7 @@ We never write ``QAttention`` or touch ONNX ``Attention`` (a trap of ``quantize_
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,8 +52,9 @@ class QuantPlan:
     embed_bits: int = 8
     accuracy_level: int = 4          # int8 activations inside MatMulNBits: faster on CPU
     symmetric: bool = False          # re-quantized blocks: False = a zero point per block (asymmetric)
-    gguf_min: str = "nearest"        # GGUF blocks with a minimum (Q4_1, Q4_K): "nearest" integer zero
-                                     # point (fast kernels) or "exact" float zero point (slow kernels)
+    gguf_min: str = "offset"         # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
+                                     # kernels + an fp32 block-sum term), "nearest" integer zero point
+                                     # (fast, not exact) or "float_zp" (exact, slow kernels)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,28 +71,32 @@ PLANS: dict[str, QuantPlan] = {
     "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
     "int4": QuantPlan(body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True),
 }
-GGUF_MIN_FORMS = ("nearest", "exact")
+GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
 
 
 @dataclass
 class Encoded:
     """One weight in MatMulNBits' layout: levels [N, nb, block] uint8 (unpacked), scales [N, nb],
-    zero points [N, nb] (uint8 levels, float32, or None for the default 2^(bits-1))."""
+    zero points [N, nb] (uint8 levels, float32, or None for the default 2^(bits-1)), and an
+    optional offset [N, nb] float32 added to every weight of its block (the block-sum term)."""
 
     bits: int
     q: np.ndarray
     scales: np.ndarray
     zp: np.ndarray | None
     note: str
+    offset: np.ndarray | None = None
 
     @property
     def block(self) -> int:
         return int(self.q.shape[-1])
 
     def dequantize(self) -> np.ndarray:
-        """[N, K] float32, as MatMulNBits computes it: (q - zero_point) * scale."""
+        """[N, K] float32, as the graph computes it: (q - zero_point) * scale (+ offset)."""
         zp = np.float32(2 ** (self.bits - 1)) if self.zp is None else self.zp.astype(np.float32)[..., None]
         w = (self.q.astype(np.float32) - zp) * self.scales[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
         return w.reshape(self.q.shape[0], -1)
 
     def packed(self) -> np.ndarray:
@@ -116,41 +130,66 @@ def _unpack(x: np.ndarray, bits: int) -> np.ndarray:
 
 
 def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
-    """The GGUF blocks ``src`` (gguf_blocks.Blocks, rows already in the weight's order) at ``bits``:
-    exact where MatMulNBits holds them; a block minimum becomes the nearest integer zero point
-    (per block, a fresh asymmetric rounding where that is closer) or, with ``gguf_min="exact"``,
-    a float zero point. None where the blocks have no such form at ``bits`` (a minimum at 8 bits)."""
+    """The GGUF blocks ``src`` (gguf_blocks.Blocks, rows already in the weight's order) at ``bits``.
+
+    Levels wider than 4 bits (Q5_x, Q6_K, Q8_0) go to 8 bits. Centred blocks (Q4_0, Q5_0, Q6_K,
+    Q8_0) are MatMulNBits' own form. A block minimum (Q4_1, Q4_K, Q5_1, Q5_K) is, by
+    ``plan.gguf_min``: "offset", exact (levels re-centred, the rest in the block-sum term);
+    "float_zp", exact on slow kernels; "nearest", the nearest integer zero point (per block a
+    fresh asymmetric rounding where that is closer); those two hold 4-bit levels only. None where
+    the blocks have no such form: a minimum in an 8-bit plan (an 8-bit rounding of the file's
+    weights loses nothing measurable and needs no offset term), or 5-bit levels with a minimum
+    outside the "offset" form."""
     name = src.kind
-    if src.bits == 8 or (src.centred and bits == 8):          # Q8_0 stays 8-bit; Q4_0 at 8 bits: shifted levels
-        shift = 128 - 2 ** (src.bits - 1)
-        return Encoded(8, (src.q.astype(np.int16) + shift).astype(np.uint8), src.scale, None, f"{name} carried exactly (q8)")
+    width = 8 if bits == 8 or src.bits > 4 else 4
+    shift = 2 ** (width - 1) - 2 ** (src.bits - 1)          # centre the file's levels in the kernel's range
+    q = (src.q.astype(np.int16) + shift).astype(np.uint8)
+    bs = "" if src.block == BLOCK else f" bs{src.block}"
+    if src.centred:
+        return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs})")
     if bits == 8:
         return None
-    if src.centred:
-        return Encoded(4, src.q, src.scale, None, f"{name} carried exactly (q4)")
+    if plan.gguf_min == "offset":                             # s*q + o = s*(q' - 2^(w-1)) + (o + s*2^(b-1))
+        c = (src.offset + src.scale * np.float32(2 ** (src.bits - 1))).astype(np.float32)
+        return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs} + block-sum offset)", c)
+    if width != 4:                                               # onnxruntime has no 8-bit float zero points
+        return None
     flat = src.scale == 0                                        # a constant block: w = offset
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = -src.offset / src.scale
-    if plan.gguf_min == "exact":                                 # (q - zp) * scale = scale * q + offset
-        q = np.where(flat[..., None], 0, src.q).astype(np.uint8)
+        ratio = shift - src.offset / src.scale
+    if plan.gguf_min == "float_zp":                              # (q' - zp) * scale = scale * q + offset
+        qf = np.where(flat[..., None], 0, q).astype(np.uint8)
         zp = np.where(flat, -1.0, ratio).astype(np.float32)      # a constant block: (0 + 1) * offset
         s = np.where(flat, src.offset, src.scale).astype(np.float32)
-        return Encoded(4, q, s, zp, f"{name} carried exactly (q4, float zero points)")
+        return Encoded(width, qf, s, zp, f"{name} carried exactly (q{width}{bs}, float zero points)")
     # Nearest integer zero point: w = scale * (q - z) + r, |r| <= scale / 2 per block.
     z = np.where(flat, 0, ratio)
     ok = (z >= 0) & (z <= 15) & np.isfinite(z)
     own = Encoded(4, src.q, src.scale, np.clip(np.nan_to_num(z), 0, 15).astype(np.uint8), "")
     w = src.dequantize()
     n, k = w.shape
-    fresh = _quantize_rows(w, 4, src.q.shape[-1], symmetric=False)
-    err_own = ((own.dequantize() - w) ** 2).reshape(n, -1, src.q.shape[-1]).sum(-1)
-    err_fresh = ((fresh.dequantize() - w) ** 2).reshape(n, -1, src.q.shape[-1]).sum(-1)
+    fresh = _quantize_rows(w, 4, src.block, symmetric=False)
+    err_own = ((own.dequantize() - w) ** 2).reshape(n, -1, src.block).sum(-1)
+    err_fresh = ((fresh.dequantize() - w) ** 2).reshape(n, -1, src.block).sum(-1)
     use_own = ok & (err_own <= err_fresh)
     q = np.where(use_own[..., None], own.q, fresh.q)
     s = np.where(use_own, own.scales, fresh.scales).astype(np.float32)
     zp = np.where(use_own, own.zp, fresh.zp).astype(np.uint8)
     return Encoded(4, q, s, zp, f"{name} carried (q4, minimum as the nearest integer zero point; "
                                 f"{100 * (1 - use_own.mean()):.1f}% of blocks re-rounded where closer)")
+
+
+def _sibling_name(node, role: str) -> str:
+    """``/model/layers.0/self_attn/q_proj/MatMul`` -> ``/model/layers.0/self_attn/q_proj_<role>/MatMul``:
+    the in-place flavours name a fused group after its members' parent scopes, so the offset
+    MatMuls of q/k/v fuse under a name of their own, apart from the fused MatMulNBits'."""
+    scope, _, op = node.name.rpartition("/")
+    return f"{scope}_{role}/{op}" if scope else f"{node.name}_{role}"
+
+
+def block_sum_matrix(k: int, block: int) -> np.ndarray:
+    """[K, K/block] float32 of 0/1: x @ it is x's sums over each block of ``block`` along K."""
+    return np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)
 
 
 def fit_block(k: int, block: int) -> int | None:
@@ -174,7 +213,10 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
 def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None = None,
                    gguf: str | Path | None = None) -> dict:
     """Quantize the fp32 decoder at ``src`` into ``dst`` following ``plan``; returns a report.
-    ``gguf``: the GGUF file the fp32 weights came from, whose own blocks are carried over."""
+    ``gguf``: the GGUF file the fp32 weights came from, whose own blocks are carried over.
+
+    Memory: each fp32 weight is read from the loaded model, quantized, and its bytes dropped
+    from the model at once, so the peak stays near one fp32 model plus its quantized copy."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -192,6 +234,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     producers = {o: nd for nd in g.node for o in nd.output}
+    users = Counter(x for nd in g.node for x in nd.input)
     by_name = {nd.name: nd for nd in g.node}
     lm = by_name.get(LM_HEAD_NODE)
     emb = by_name.get(EMBED_NODE)
@@ -200,6 +243,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     new_inits: list = []
     replaced: dict[int, list] = {}     # id(node) -> replacement nodes
     drop_nodes: set[int] = set()
+    block_sums: dict[tuple[str, int], str] = {}   # (input, block) -> its block sums, shared by its readers
     report: dict = {"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None}
     fp_bytes = q_bytes = 0
 
@@ -208,6 +252,13 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         new_inits.append(numpy_helper.from_array(arr, name))
         q_bytes += arr.nbytes
         return name
+
+    def release(name: str, readers: int = 1) -> None:
+        """Drop an fp32 initializer's bytes once its only readers are replaced (the streaming)."""
+        if name in inits and users[name] <= readers:
+            t = inits[name]
+            for f in ("raw_data", "float_data"):
+                t.ClearField(f)
 
     def encode(w_nk: np.ndarray, bits: int, block: int) -> Encoded:
         """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
@@ -223,8 +274,28 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             report["gguf"]["requantized"] += 1
         return _quantize_rows(w_nk, bits, block, symmetric=plan.symmetric or bits == 8)
 
+    def offset_term(node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
+        """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns
+        (nodes, the MatMulNBits' own output name). The block sums of ``x`` are computed once."""
+        k = enc.q.shape[1] * enc.block
+        nodes = []
+        key = (x, enc.block)
+        if key not in block_sums:
+            e_name = f"quant.block_sums.k{k}_bs{enc.block}"
+            if e_name not in {i.name for i in new_inits}:
+                add_init(block_sum_matrix(k, enc.block), e_name)
+            block_sums[key] = f"{prefix}.block_sums"
+            nodes.append(helper.make_node("MatMul", [x, e_name], [block_sums[key]], name=_sibling_name(node, "blocksums")))
+        c = add_init(np.ascontiguousarray(enc.offset.T), prefix + f".q{enc.bits}_offset")
+        y0, off = node.output[0] + "_nbits", node.output[0] + "_offset"
+        nodes += [helper.make_node("MatMul", [block_sums[key], c], [off], name=_sibling_name(node, "offset")),
+                  helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset")]
+        return nodes, y0
+
     def matmul_nbits(node, w_kn: np.ndarray | None, bits: int, block: int, prefix: str,
                      shared: tuple[str, str, int] | None = None) -> tuple[list, str]:
+        after: list = []
+        out = node.output[0]
         if shared is None:
             k, n = w_kn.shape
             enc = encode(w_kn.T, bits, block)
@@ -233,6 +304,8 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                    add_init(enc.scales, prefix + f".q{bits}_scales")]
             if enc.zp is not None:
                 ins.append(add_init(enc.packed_zp(), prefix + f".q{bits}_zero_points"))
+            if enc.offset is not None:
+                after, out = offset_term(node, node.input[0], enc, prefix)
             extra: list = []
             note = enc.note
         else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
@@ -243,10 +316,10 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             extra = [helper.make_node("Reshape", [data, shape], [b_name], name=node.name + "_ViewTied")]
             ins = [node.input[0], b_name, s_name]
             note = ""
-        mm = helper.make_node("MatMulNBits", ins, list(node.output),
+        mm = helper.make_node("MatMulNBits", ins, [out],
                               name=node.name + "NBits", domain=MS, K=k, N=n, bits=bits, block_size=block,
                               accuracy_level=plan.accuracy_level)
-        return extra + [mm], note or f"q{bits} bs{block}"
+        return extra + [mm] + after, note or f"q{bits} bs{block}"
 
     lm_w = lm.input[1]
     lm_tied = False
@@ -262,16 +335,18 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         if eb != 8 or eblock is None:
             raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
         enc = encode(table, 8, eblock)
-        if enc.bits != 8 or enc.zp is not None:     # a 4-bit table in the file: hold it at 8 bits
-            enc = _quantize_rows(table, 8, eblock, symmetric=True)
+        if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
+            enc = _quantize_rows(table, 8, eblock, symmetric=True)   # a 4-bit or Q6_K table: 8 bits, the plan's block
         eblock = enc.block
         data_name = add_init(enc.q.reshape(table.shape), "model.embed_tokens.q8")
         s_name = add_init(enc.scales, "model.embed_tokens.q8_scales")
         fp_bytes += table.nbytes
+        report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
+        del table, enc
+        release(table_name, 2 if lm_tied else 1)
         replaced[id(emb)] = [helper.make_node("GatherBlockQuantized", [data_name, emb.input[1], s_name],
                                               list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
                                               bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
-        report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
         if lm_tied:
             replaced[id(lm)], _ = matmul_nbits(lm, None, 8, eblock, "lm_head", shared=(data_name, s_name, eblock))
             drop_nodes.add(id(producers[lm_w]))
@@ -280,32 +355,40 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
     report["tied_embeddings"] = bool(lm_tied)
 
-    def const_weight(nd) -> np.ndarray | None:
-        """The [K, N] constant weight of a MatMul, seen through a Transpose of an initializer
-        (a tied lm-head whose embedding lives outside the graph, in inputs_embeds decoders)."""
+    def const_source(nd) -> tuple[str, bool] | None:
+        """(initializer, read through a Transpose) of a MatMul's constant 2D weight: directly, or
+        through a Transpose of an initializer (a tied lm-head whose embedding lives outside the
+        graph, in inputs_embeds decoders)."""
         x = nd.input[1]
         if x in inits and len(inits[x].dims) == 2:
-            return numpy_helper.to_array(inits[x])
+            return x, False
         t = producers.get(x)
         if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
-            drop_nodes.add(id(t))
-            return numpy_helper.to_array(inits[t.input[0]]).T
+            return t.input[0], True
         return None
 
-    # Every other MatMul with a constant weight (lm-head untied included).
-    todo = [(nd, w) for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
-            and len(nd.input) == 2 and (w := const_weight(nd)) is not None]
-    for nd, w in progress(todo, desc="quantize"):
+    # Every other MatMul with a constant weight (lm-head untied included), one weight in memory at a time.
+    todo = [(nd, src_) for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
+            and len(nd.input) == 2 and (src_ := const_source(nd)) is not None]
+    for nd, (w_name, transposed) in progress(todo, desc="quantize"):
         is_head = nd.name == LM_HEAD_NODE
         bits = plan.lm_head_bits if is_head else plan.body_bits
-        block = fit_block(w.shape[0], plan.lm_head_block if is_head else plan.body_block)
+        dims = list(inits[w_name].dims)
+        k = dims[1] if transposed else dims[0]
+        block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
         if block is None:
-            report["nodes"][nd.name] = f"float32 {list(w.shape)} kept (no block size divides K)"
+            report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
             continue
+        w = numpy_helper.to_array(inits[w_name])
+        if transposed:
+            drop_nodes.add(id(producers[nd.input[1]]))
+            w = w.T
         fp_bytes += w.nbytes
         replaced[id(nd)], note = matmul_nbits(nd, w, bits, block, nd.input[1].removesuffix(".weight_T") or nd.name)
-        report["nodes"][nd.name] = f"float32 {list(w.shape)} --> {note}"
-        logger.debug("  %s: float32 %s --> %s", nd.name, list(w.shape), note)
+        del w
+        release(w_name)
+        report["nodes"][nd.name] = f"float32 {[k, dims[0] if transposed else dims[1]]} --> {note}"
+        logger.debug("  %s: float32 %s --> %s", nd.name, dims, note)
 
     nodes = []
     for nd in g.node:
@@ -318,6 +401,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     keep = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend(keep + new_inits)
+    del new_inits[:]
     if not any(o.domain == MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS, 1))
     save_model(model, dst)
