@@ -224,8 +224,8 @@ def _finish(m, layout: str, capacity: int):
     TopologicalSortPass()(m)
     out = ir.to_proto(m)
     del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
-    out.metadata_props.add(key="dejavuu.kv_layout", value=layout)
-    out.metadata_props.add(key="dejavuu.kv_capacity", value=str(capacity))
+    out.metadata_props.add(key=S.KV_LAYOUT_KEY, value=layout)
+    out.metadata_props.add(key=S.KV_CAPACITY_KEY, value=str(capacity))
     if tensor_bytes(out) < EXTERNAL_DATA_BYTES:
         onnx.checker.check_model(out)
     return out

@@ -66,27 +66,34 @@ def _limit(dec) -> int:
     return dec.capacity or dec.c.max_positions or 1 << 30
 
 
-def _chain_exact(dec) -> bool:
-    """Batched verify == padded single steps, bit for bit, at short and boundary-crossing pasts."""
+def _chain_exact(dec, pasts=(9, 13, 60, 250, 1020), rows=(2, 3, 5, 8)) -> bool:
+    """Batched verify == single steps run as the runtime runs them, bit for bit, at short and
+    boundary-crossing pasts. One prefill serves every past (descending: a step only overwrites
+    rows at or after its past, with the same tokens)."""
     lim = _limit(dec)
-    toks = _tokens(dec, 1100)
-    for past in (p for p in (9, 13, 60, 250, 1020) if p + 10 < lim):
-        kv = dec.new_cache()
-        _, _, pres = dec.forward(toks[:past], None, kv)
-        kv.commit(pres, past, list(range(past)))
-        inc = []
-        for t in toks[past:past + 8]:
-            li, _, pres = dec.forward([t], None, kv)
-            kv.commit(pres, 1, [0])
-            inc.append(li[0])
-        kv.truncate(past)
-        for n in (2, 3, 5, 8):
-            lb, _, _ = dec.forward(toks[past:past + n], None, kv)
-            if not np.array_equal(lb, np.stack(inc[:n])):
-                kv.release()
-                return False
+    pasts = sorted((p for p in pasts if p + max(rows) + 2 < lim), reverse=True)
+    if not pasts:
+        return True
+    toks = _tokens(dec, pasts[0] + max(rows) + 1)
+    kv = dec.new_cache()
+    try:
+        _, _, pres = dec.forward(toks[:pasts[0]], None, kv)
+        kv.commit(pres, pasts[0], list(range(pasts[0])))
+        for past in pasts:
+            kv.truncate(past)
+            inc = []
+            for t in toks[past:past + max(rows)]:
+                li, _, pres = dec.forward([t], None, kv)
+                kv.commit(pres, 1, [0])
+                inc.append(li[0])
+            kv.truncate(past)
+            for n in rows:
+                lb, _, _ = dec.forward(toks[past:past + n], None, kv)
+                if not np.array_equal(lb, np.stack(inc[:n])):
+                    return False
+        return True
+    finally:
         kv.release()
-    return True
 
 
 def _periods(dec):
@@ -189,16 +196,46 @@ def calibration_key(graph_id: str, threads: int) -> str:
                           f"{flags}|{threads}|v{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
 
 
+def spot_check(dec) -> bool:
+    """A cheap re-check of a recorded ``chain_exact``: one short past, verifies of 2 and 5 rows
+    against single steps (a few forwards). A record that claims exactness where this fails would
+    lose it, so it is never trusted over the measurement."""
+    return _chain_exact(dec, pasts=(11,), rows=(2, 5))
+
+
 def cached_calibration(dec, graph_id: str, threads: int, folder: Path) -> Calibration:
-    """calibrate(), remembered in ``folder/calibration-<key>.json``; invalid records are re-measured."""
+    """calibrate(), remembered in ``folder/calibration-<key>.json`` (the build writes it for the
+    machine it ran on: record_calibration); invalid records, and records whose exactness claim
+    fails the spot check, are re-measured, with a line on screen (it takes seconds)."""
     f = folder / f"calibration-{calibration_key(graph_id, threads)}.json"
     try:
-        return Calibration.from_json(json.loads(f.read_text()))
+        cal = Calibration.from_json(json.loads(f.read_text()))
+        if not cal.chain_exact or spot_check(dec):
+            return cal
+        logger.warning("the exactness calibration %s claims exact verification, which this machine contradicts: "
+                       "measuring again", f)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("ignoring an invalid exactness calibration %s (%s): measuring again", f, e)
+    logger.info("measuring decoding exactness of this decoder on this machine (once; seconds) …")
     cal = calibrate(dec)
+    logger.info("  exactness: verify %s, tree period %s, tile %s (%.1fs)",
+                "exact" if cal.chain_exact else "NOT exact (plain decoding)", cal.period, cal.tile, cal.seconds)
+    _save(f, cal)
+    return cal
+
+
+def record_calibration(dec, graph_id: str, threads: int, folder: Path) -> dict:
+    """The build's calibration of a variant on the machine it runs on, written where the runtime
+    looks first (so the first ``generate`` measures nothing) and returned for the manifest."""
+    cal = calibrate(dec)
+    key = calibration_key(graph_id, threads)
+    _save(folder / f"calibration-{key}.json", cal)
+    return {"key": key, "threads": threads, **asdict(cal)}
+
+
+def _save(f: Path, cal: Calibration) -> None:
     logger.debug("exactness calibration: %s", cal)
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -207,4 +244,3 @@ def cached_calibration(dec, graph_id: str, threads: int, folder: Path) -> Calibr
         os.replace(tmp, f)
     except OSError:
         pass
-    return cal

@@ -94,9 +94,10 @@ class Decoder:
         self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
                        for i in range(contract.num_layers) for kv in ("key", "value")]
         self.has_hidden = contract.hidden_output is not None
-        # rowwise graphs run every row on one-row kernels: a single token needs no pad row
+        # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
+        # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
         self.rowwise = contract.kv_layout == "rowwise"
-        self.pad_single = not self.rowwise   # see forward(); changed only through padding()
+        self.pad_single = not (self.rowwise or contract.length_invariant)   # see forward(); changed only through padding()
         self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
         self.static = in_place(contract.kv_layout)     # buffers bound as past and present

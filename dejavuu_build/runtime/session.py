@@ -11,8 +11,8 @@ import re
 import numpy as np
 
 from ..errors import ContractError
-from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, KV_WRITE_INDEX, LOGITS, POSITION_IDS,
-                      Contract, TensorSpec)
+from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, KV_CAPACITY_KEY, KV_WRITE_INDEX, LOGITS,
+                      POSITION_IDS, Contract, TensorSpec, row_guard_info)
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32",
               "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16", "tensor(bool)": "bool"}
@@ -89,14 +89,14 @@ def derive_contract(session) -> Contract:
     # a static past length means the in-place flavour: past and present are one buffer; a write
     # index means the rowwise one (a grown buffer, its capacity recorded in the graph's metadata)
     layout, capacity = "concat", 0
+    meta = session.get_modelmeta().custom_metadata_map
     if isinstance(k0.shape[2], int) and k0.shape[2] > 0:
         layout, capacity = "static", k0.shape[2]
     elif KV_WRITE_INDEX in ins:
-        meta = session.get_modelmeta().custom_metadata_map
         try:
-            layout, capacity = "rowwise", int(meta.get("dejavuu.kv_capacity", ""))
+            layout, capacity = "rowwise", int(meta.get(KV_CAPACITY_KEY, ""))
         except ValueError:
-            raise ContractError("a rowwise decoder without its dejavuu.kv_capacity metadata: rebuild it") from None
+            raise ContractError(f"a rowwise decoder without its {KV_CAPACITY_KEY} metadata: rebuild it") from None
     return Contract(
         primary_input=primary,
         inputs=list(ins.values()), outputs=list(outs.values()),
@@ -113,6 +113,7 @@ def derive_contract(session) -> Contract:
         kv_dtype=k0.dtype,
         kv_layout=layout,
         kv_capacity=capacity,
+        length_invariant=row_guard_info(meta).get("length_invariant") is True,
     )
 
 
@@ -121,7 +122,7 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
     problems = []
     for f in ("primary_input", "mask_input", "mask_kind", "position_input", "hidden_output",
               "kv_input_pattern", "kv_output_pattern", "num_layers", "num_kv_heads", "head_dim", "vocab_size",
-              "kv_layout", "kv_capacity"):
+              "kv_layout", "kv_capacity", "length_invariant"):
         a, b = getattr(derived, f), getattr(declared, f)
         if a != b:
             problems.append(f"{f}: graph {a!r} vs contract {b!r}")

@@ -1,0 +1,1 @@
+"""Graph passes over our decoders, one module per pass."""
