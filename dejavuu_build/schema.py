@@ -36,6 +36,11 @@ KV_LAYOUTS = ("concat", "static", "rowwise")
 STATIC_SUFFIX = "-static"                        # "int4-static": int4 with the in-place KV cache
 LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}   # "int4-rowwise": in place, one-row attention
 
+# Graph metadata keys (written by the export passes, read by the runtime).
+KV_LAYOUT_KEY = "dejavuu.kv_layout"
+KV_CAPACITY_KEY = "dejavuu.kv_capacity"
+ROW_GUARD_KEY = "dejavuu.row_guard"    # JSON: length_invariant, guarded ops, the machine they were measured on
+
 
 def variant_file(variant: str) -> str:
     return f"decoder_{variant}.onnx"
@@ -109,6 +114,9 @@ class Contract:
     # buffer grown in tiles, each query row attended on its own (export.inplace.to_rowwise_kv)
     kv_layout: str = "concat"
     kv_capacity: int = 0                    # static / rowwise: positions the buffer holds (at most)
+    # a row gets the same bits whatever the forward's row count, as measured where the graph was
+    # built (export.exactness + passes.row_guard): a lone token runs as one row, unpadded
+    length_invariant: bool = False
 
     @property
     def tree_capable(self) -> bool:
@@ -144,20 +152,39 @@ class VariantRecord:
     kv_layout: str = "concat"                        # see Contract.kv_layout
     kv_capacity: int = 0
     timing_rounds_ms: list = field(default_factory=list)   # per interleaved round: mean forward ms
+    length_invariant: bool = False                   # see Contract.length_invariant
+    row_guard: dict = field(default_factory=dict)    # per-op row invariance measured at build, what was guarded
+    calibration: dict = field(default_factory=dict)  # runtime.calibration measured at build: key, record
 
 
 def variant_contract(contract: "Contract", record: "VariantRecord | None") -> "Contract":
-    """contract.json describes the concat flavour; a static variant differs in its KV layout only."""
+    """contract.json describes the unguarded concat flavour; a variant differs in its KV layout and
+    in whether the build made it length-invariant."""
     import dataclasses
 
-    if record is None or record.kv_layout == contract.kv_layout:
+    if record is None or (record.kv_layout == contract.kv_layout and record.length_invariant == contract.length_invariant):
         return contract
-    return dataclasses.replace(contract, kv_layout=record.kv_layout, kv_capacity=record.kv_capacity)
+    return dataclasses.replace(contract, kv_layout=record.kv_layout, kv_capacity=record.kv_capacity,
+                               length_invariant=record.length_invariant)
+
+
+def row_guard_info(metadata: dict[str, str]) -> dict:
+    """A graph's row-guard record (ROW_GUARD_KEY) from its metadata map; {} when it has none."""
+    try:
+        d = json.loads(metadata.get(ROW_GUARD_KEY, "{}"))
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+# 2: manifest.json also carries the `provenance` view (manifest_provenance); nothing else changed,
+# and readers of 1 (no view) keep working: the view is derived, never read back.
+MANIFEST_SCHEMA_VERSION = 2
 
 
 @dataclass
 class Manifest:
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = MANIFEST_SCHEMA_VERSION
     name: str = ""
     kind: str = "decoder"                            # decoder | datastore | vlm
     created: str = ""
@@ -174,7 +201,12 @@ class Manifest:
     files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        view = manifest_provenance(self)
+        if view:   # what is written is this version's format, whatever version was read
+            d["schema_version"] = max(self.schema_version, MANIFEST_SCHEMA_VERSION)
+            d["provenance"] = view
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Manifest":
@@ -182,6 +214,39 @@ class Manifest:
         d = {k: v for k, v in d.items() if k in known}
         d["variants"] = {k: VariantRecord(**v) for k, v in d.get("variants", {}).items()}
         return cls(**d)
+
+
+def manifest_provenance(m: "Manifest") -> dict:
+    """The view of a decoder build that the `dejavuu` package (0.2.0) resolves its files through.
+
+    ``DejaVu.from_pretrained(<entry>, variant=V)`` opens ``provenance.variants[V].file`` (text,
+    ``dejavuu.decoders.text``); its VLM class opens ``provenance.graphs[role][V]`` for the roles
+    decoder / embed_tokens / vision_encoder and takes ``provenance.image_token_id``; its bench reads
+    ``model_kind`` and warns on ``variants[V].speculative_compatible`` false. Only concat variants are
+    listed: an in-place one (static, rowwise) takes inputs a plain loop does not feed (slot_rows,
+    row_slots / kv_write_index, a bound fixed-capacity buffer). A decoder on inputs_embeds appears
+    under ``graphs`` only. Derived from the rest of the manifest on every write, never read back:
+    the manifest's own fields keep their meaning. {} for a datastore.
+    """
+    if m.kind not in ("decoder", "vlm"):
+        return {}
+    concat = sorted((v for v, r in m.variants.items() if r.kv_layout == "concat"), key=variant_order)
+    view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == "vlm" else "text_onnx"}
+    if m.build_config.get("primary_input", INPUT_IDS) == INPUT_IDS:
+        view["variants"] = {v: {"file": m.variants[v].file, "sha256": m.variants[v].sha256,
+                                "precision": split_variant(v)[0],
+                                "speculative_compatible": bool(getattr(m.variants[v], "length_invariant", False))}
+                            for v in concat}
+    embed = "embed_tokens.onnx" if "embeddings" in m.export or "embed_tokens.onnx" in m.files else None
+    vision = "vision_encoder.onnx" if "vision" in m.export or "vision_encoder.onnx" in m.files else None
+    if embed:
+        view["graphs"] = {"decoder": {v: m.variants[v].file for v in concat},
+                          "embed_tokens": {v: embed for v in concat}}
+        if vision:
+            view["graphs"]["vision_encoder"] = {v: vision for v in concat}
+    if isinstance(m.export.get("vision"), dict) and "image_token_id" in m.export["vision"]:
+        view["image_token_id"] = int(m.export["vision"]["image_token_id"])
+    return view
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:

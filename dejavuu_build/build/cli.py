@@ -181,12 +181,27 @@ def verify(name):
 
 @main.command()
 @click.argument("path", type=click.Path(exists=False))
+@click.option("--exactness", is_flag=True,
+              help="PATH is a cache name or entry: measure, per op and for the whole decoder, whether a row "
+                   "gets the same bits alone as among verified rows on this machine.")
+@click.option("--variant", default=None, help="With --exactness: the variant [default: the entry's default].")
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="With --exactness: the full record as JSON.")
 @_friendly
-def inspect(path):
-    """Print the I/O contract derived from any ONNX decoder graph."""
+def inspect(path, exactness, variant, threads, as_json):
+    """Print the I/O contract derived from any ONNX decoder graph (or, with --exactness, why a
+    built decoder is or is not lossless on this CPU)."""
     from ..errors import ContractError
     from ..runtime.session import derive_contract, make_session
 
+    if exactness:
+        from .inspect_exactness import exactness_report
+
+        lines, record = exactness_report(path, variant, _check_threads(threads))
+        click.echo(json.dumps(record, indent=2, default=str) if as_json else "\n".join(lines))
+        return
+    if variant:
+        raise ContractError("--variant goes with --exactness (a cache name); plain inspect reads one .onnx file")
     if not Path(path).is_file():
         raise ContractError(f"{path} is not a file: pass the path of an .onnx decoder")
     c = derive_contract(make_session(path, threads=1))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,24 +59,42 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
 
 def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = 2,
                timing: bool = True) -> BuildResult:
-    """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references."""
+    """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references.
+
+    Every file it carries into the new entry is verified first, and checked again as committed: a
+    new manifest is never written over bytes nobody checked (a corrupt entry is refused, not blessed)."""
+    from ..errors import IntegrityError
+
     final = entry_dir(name)
-    with build_lock(name):
-        needed = [variant_file("fp32"), REFERENCE_FILE, S.CONTRACT_FILE]
-        if not (final / S.MANIFEST_FILE).is_file():
-            raise CacheError(f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first")
-        manifest = verify_entry(final, files=needed)
-        with staging(name) as tmp:
-            redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
-            for rel in manifest.files:
-                if rel not in redo:
+    redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
+    try:
+        with build_lock(name):
+            if not (final / S.MANIFEST_FILE).is_file():
+                raise CacheError(f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first")
+            try:
+                manifest = verify_entry(final, skip=redo)    # all it carries; the variants it redoes are replaced
+            except CacheError as e:
+                raise CacheError(f"quant-only will not carry the files of an entry that does not verify: {e}") from None
+            if manifest.kind not in ("decoder", "vlm"):
+                raise CacheError(f"{name} is a {manifest.kind} entry: quant-only re-quantizes decoder builds")
+            carried = {rel: rec["sha256"] for rel, rec in manifest.files.items() if rel not in redo}
+            with staging(name) as tmp:
+                for rel in carried:
                     link_or_copy(final / rel, tmp / rel)
-            manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
-                                                       key=S.VARIANTS.index)
-            _quantize_and_validate(tmp, manifest, list(variants), threads, timing)
-            _requant_key(manifest, tool_versions())
-            _finish(tmp, manifest)
-            out = commit(tmp, name)
+                manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
+                                                           key=S.VARIANTS.index)
+                _quantize_and_validate(tmp, manifest, list(variants), threads, timing)
+                _requant_key(manifest, tool_versions())
+                _finish(tmp, manifest)
+                drift = [rel for rel, sha in carried.items() if manifest.files.get(rel, {}).get("sha256") != sha]
+                if drift:       # changed between the check and the copy: nothing is committed
+                    raise IntegrityError(f"{final / drift[0]} changed while quant-only ran; {name} is unchanged: "
+                                         f"run `dejavuu-build verify {name}`, then quant-only again")
+                out = commit(tmp, name)
+    except OSError as e:
+        raise CacheError(f"could not write the re-quantized {name} under {final.parent} "
+                         f"({e.strerror or type(e).__name__}): free disk space or make the cache writable; "
+                         f"{name} is unchanged") from None
     return BuildResult(out, manifest)
 
 
@@ -215,12 +235,13 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         embed = load_embedder(folder, threads)
     gguf = gguf_of(manifest.source) if variants else None
     t_q = 0.0
-    for v in variants:
-        with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
-            rep = quantize_model(folder / variant_file("fp32"), folder / variant_file(v), PLANS[v],
-                                 tied=manifest.export.get("tied_embeddings"), gguf=gguf)
-        t_q += t.seconds
-        manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
+    with _unguarded(folder / variant_file("fp32"), bool(variants)) as source:
+        for v in variants:
+            with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
+                rep = quantize_model(source, folder / variant_file(v), PLANS[v],
+                                     tied=manifest.export.get("tied_embeddings"), gguf=gguf)
+            t_q += t.seconds
+            manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
     if variants:
         manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
     layouts = manifest.build_config.get("kv_layouts", ["concat"])
@@ -230,6 +251,8 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
             if not _layout_variant(folder, manifest, v, capacity, layout):
                 break
     todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
+    for v in todo:
+        _row_guard(folder, manifest, v, contract, threads)
     sessions: dict[str, tuple] = {}
     for v in todo:
         precision, _ = S.split_variant(v)
@@ -271,7 +294,95 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         if not manifest.variants[v].passed:
             logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
                            v, _failed(manifest.variants[v]))
+    _calibrate(folder, manifest, sessions, threads)
     manifest.default_variant, manifest.default_reason = _choose_default(manifest)
+
+
+def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int) -> None:
+    """Measure every op of variant ``v`` for row invariance on this machine (export.exactness) and
+    guard the ops that need two rows (export.passes.row_guard), so the graph is length-invariant
+    by construction where its ops allow: a lone token then runs as one graph row, in our runtime or
+    any other. The static flavour is left as it is: GroupQueryAttention's lone row differs from its
+    multi-row one whatever the pad, so its runtime pads a lone token instead."""
+    import onnx
+
+    from ..export.exactness import probe
+    from ..export.exporter import save_model
+    from ..export.passes.row_guard import guard_rows
+
+    precision, layout = S.split_variant(v)
+    rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
+    if rec.row_guard:                 # carried from an earlier build (quant-only): measured and guarded there
+        return
+    if layout == "static":
+        rec.row_guard = {"length_invariant": False, "why": "GroupQueryAttention: lone tokens are padded by the runtime"}
+        return
+    path = folder / variant_file(v)
+    with step(f"row invariance of {v}, per op, on this CPU"):
+        proto = onnx.load(str(path))
+        rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
+        bad = [p for p in rep.probes if p.verdict == "variant"]     # the batched gate still checks the whole graph
+        guard = rep.guard_nodes()
+        summary = {"length_invariant": not bad, "machine": rep.machine,
+                   "guarded": sorted({p.signature for p in rep.probes if p.verdict == "guardable"}),
+                   "guarded_nodes": len(guard), "not_exact": sorted(p.signature for p in bad),
+                   "first_break": rep.first_break.signature if rep.first_break else None}
+        tmp = path.with_name(path.name + ".guard.tmp")      # a new file: a carried (linked) one is never written
+        save_model(guard_rows(proto, guard, length_invariant=not bad,
+                              record={k: summary[k] for k in ("machine", "guarded")}), tmp)
+        os.replace(tmp, path)
+    rec.row_guard = {**summary, "probes": [p.to_json() for p in rep.probes]}
+    rec.length_invariant = not bad
+    for p in rep.probes:
+        logger.info("  %-58s %-10s alone %d/%d, beside a pad row %d/%d", p.signature, p.verdict,
+                    p.equal_alone, p.rows, p.equal_padded, p.rows)
+    logger.info("  %s: %s", v, f"length-invariant, {len(guard)} nodes guarded" if not bad else
+                f"NOT length-invariant here ({', '.join(summary['not_exact'])}): lone tokens get a pad row")
+
+
+def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int) -> None:
+    """What the runtime measures before its first speculative step (runtime.calibration: verify
+    exactness, tree period and tile), measured here for every passing variant on this machine and
+    stored twice: in the manifest (the record) and in the runtime's calibration cache under the
+    file's sha256, so the first ``generate`` after a build measures nothing. Another machine or
+    onnxruntime has another key and measures again."""
+    from ..cache import cache_root
+    from ..runtime.calibration import record_calibration
+    from ..runtime.engine import Decoder
+
+    for v, (sess, declared) in sessions.items():
+        rec = manifest.variants[v]
+        if not rec.passed:
+            continue
+        with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
+            rec.calibration = record_calibration(Decoder(sess, declared), S.sha256_file(folder / rec.file), threads,
+                                                 cache_root() / ".runtime")
+        c = rec.calibration
+        logger.info("  %s: verify %s, tree period %s, tile %s (%.1fs)", v,
+                    "exact" if c["chain_exact"] else "NOT exact", c["period"], c["tile"], c["seconds"])
+
+
+@contextmanager
+def _unguarded(path: Path, needed: bool):
+    """``path`` as the quantizer must read it: without a row guard (guard_rows is applied last, per
+    variant, after measuring it). A guarded fp32 export (a quant-only of a guarded build) is written
+    unguarded to a temporary file beside it, removed afterwards."""
+    import onnx
+
+    from ..export.exporter import save_model
+    from ..export.passes.row_guard import strip_row_guard
+
+    proto = onnx.load(str(path), load_external_data=False) if needed else None
+    if proto is None or not any("row_guard/" in n.name for n in proto.graph.node):
+        yield path
+        return
+    tmp = path.with_name(".unguarded-" + path.name)
+    try:
+        save_model(strip_row_guard(onnx.load(str(path))), tmp)
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".data").unlink(missing_ok=True)
 
 
 def static_capacity(max_context: int | None, max_positions: int) -> int:
@@ -293,12 +404,13 @@ def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: 
 
     from ..export.exporter import save_model
     from ..export.inplace import to_rowwise_kv, to_static_kv
+    from ..export.passes.row_guard import strip_row_guard
 
     name = S.variant_name(precision, layout)
     rewrite = {"static": to_static_kv, "rowwise": to_rowwise_kv}[layout]
     with step(_LAYOUT_STEPS[layout].format(p=precision, c=capacity)):
         try:
-            proto = rewrite(onnx.load(str(folder / variant_file(precision))), capacity)
+            proto = rewrite(strip_row_guard(onnx.load(str(folder / variant_file(precision)))), capacity)
         except ExportError as e:
             if layout == "static":
                 raise
