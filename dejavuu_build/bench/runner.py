@@ -560,7 +560,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     todo = [p for p in prompts if not store.done(p, cfg.timed)]
     peers = load_peers(model, cfg) if todo else []
     logger.info("bench %s (%s): %d prompts × %d methods%s into %s%s", cfg.model, model.variant, len(prompts),
-                len(cfg.methods), f" + {', '.join(cfg.compare)}" if cfg.compare else "", out,
+                len(cfg.methods), f" + {', '.join(cfg.timed[len(cfg.methods):])}" if cfg.compare else "", out,
                 f" ({len(prompts) - len(todo)} already done)" if resume else "")
     if not cfg.greedy:
         logger.info("temperature %.2f: outputs may differ from baseline; match %% is reported, not gated",

@@ -13,7 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from dejavuu_build.bench import BenchConfig, BenchError
+from dejavuu_build.bench import ngram as NGRAM
+from dejavuu_build.bench.genai import PeerResult
 from dejavuu_build.bench.report import aggregate, write_outputs
+from dejavuu_build.bench.runner import Prompt, peer_record, select_next
 from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
 
 TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.",
@@ -81,6 +84,10 @@ def _rec(qid, cat, method, tokens, decode_s, turn=1):
 
 def _gm(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def _prefix(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
@@ -161,6 +168,9 @@ def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
 ROWS = [
     {"question_id": 1, "category": "qa", "turns": ["Q: what is the cat on? The cat sat on the mat. The cat sat on"]},
     {"question_id": 81, "category": "writing", "turns": ["Write a short poem about rain.", "Now make it rhyme."]},
+    # the next prompt of each category: where genai's n-gram options are chosen, never measured
+    {"question_id": 2, "category": "qa", "turns": ["The dog ran in the park. The dog ran in the park. The dog"]},
+    {"question_id": 82, "category": "roleplay", "turns": ["Say arr, pirate: arr arr arr arr arr.", "Again."]},
 ]
 
 
@@ -201,10 +211,45 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["gate"]["passed"] and "genai" in res["peers"]
     assert res["peers"]["genai"]["onnxruntime_genai"] == rec["onnxruntime_genai"]
-    for m in ("baseline", "pld", "genai"):
+    for m in ("baseline", "pld", "genai", "genai-ngram"):
         assert report.row("overall", m).x_genai is not None
+        assert report.row("overall", m).x_genai_ngram is not None
     assert report.row("overall", "genai").x_genai == pytest.approx(1.0)
-    assert "× genai" in report.table()
+    assert report.row("overall", "genai-ngram").x_genai_ngram == pytest.approx(1.0)
+    assert "× genai" in report.table() and "× genai-ngram" in report.table()
+    # genai's n-gram decoding ran for real, interleaved on the measured prompts, with genai's own stats
+    ngram = [r for r in recs if r["method"] == "genai-ngram"]
+    assert [(r["qid"], r["turn"]) for r in ngram] == [(r["qid"], r["turn"]) for r in peer]
+    assert not any(r["gated"] for r in ngram)
+    assert all(r["speculative"]["target_forward_passes"] >= r["steps"] >= 1 for r in ngram)
+    # its token match is against genai plain's tokens of the same prompt and turn
+    plain = {(r["qid"], r["turn"]): r["ids"] for r in peer}
+    for r in ngram:
+        g = plain[r["qid"], r["turn"]]
+        assert r["genai_common_prefix"] == _prefix(r["ids"], g) and r["genai_match"] == (r["ids"] == g)
+        assert r["genai_compared"] == max(len(r["ids"]), len(g))
+    row = report.row("overall", "genai-ngram")
+    assert row.match_genai_pct == pytest.approx(100.0 * sum(r["genai_common_prefix"] for r in ngram)
+                                                / sum(r["genai_compared"] for r in ngram))
+    assert report.row("overall", "genai").match_genai_pct is None
+    assert res["peers"]["genai-ngram"]["vs_genai"] == {
+        "generations": 3, "identical": sum(r["genai_match"] for r in ngram), "match_pct": row.match_genai_pct}
+    assert "genai-ngram" in res["gate"]["not_gated"]
+    # the sweep: on the next prompts of each category, every config recorded, the fastest over genai plain chosen
+    sweep_rec = json.loads((tmp_path / "run" / NGRAM.SWEEP_FILE).read_text())
+    assert sweep_rec["prompts"] == ["2", "82"] and not set(sweep_rec["prompts"]) & {r["qid"] for r in recs}
+    assert [[r["ngram_size"], r["max_draft_tokens"]] for r in sweep_rec["results"]] == \
+        [list(c) for c in NGRAM.SWEEP_CONFIGS]
+    best = max(sweep_rec["results"], key=lambda r: r["x_genai"])
+    chosen = {"ngram_size": best["ngram_size"], "max_draft_tokens": best["max_draft_tokens"]}
+    assert sweep_rec["chosen"] == chosen == res["peers"]["genai-ngram"]["speculative"]
+    assert res["peers"]["genai-ngram"]["chosen_by"] == "sweep"
+    assert res["peers"]["genai-ngram"]["sweep"]["results"] == sweep_rec["results"]
+    for r in sweep_rec["results"]:
+        assert r["prompts"] == 2 and 0.0 <= r["match_pct"] <= 100.0 and r["decode_tok_s"] > 0
+    csv_rows = list(csv.DictReader((tmp_path / "run" / "results.csv").open()))
+    assert {"x_genai_ngram", "match_genai_pct"} <= set(csv_rows[0])
+    assert {r["method"] for r in csv_rows} == {"baseline", "pld", "genai", "genai-ngram"}
     # genai's build is scored by our variant's quality gate: same texts, same positions, its own numbers
     ours_q = manifest.variants[res["model_variant"]].gates["quality"]
     peer_q = res["peers"]["genai"]["quality"]
@@ -272,3 +317,122 @@ def test_verify_rows_needs_contexts_and_two_rows():
         BenchConfig(model="m", contexts=(64,), verify_rows=(1, 4))
     r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--contexts", "64", "--verify-rows", "2,x"])
     assert r.exit_code == 2 and "--verify-rows takes comma-separated whole numbers" in r.output
+
+
+# ---------------------------------------------------------------------------------- genai's n-gram decoding
+def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
+    recs = [_rec("1", "qa", "baseline", 101, 1.0), _rec("1", "qa", "genai", 101, 0.8),
+            _rec("1", "qa", "genai-ngram", 101, 0.5), _rec("2", "qa", "baseline", 101, 2.0),
+            _rec("2", "qa", "genai", 101, 1.0), _rec("2", "qa", "genai-ngram", 101, 1.25)]
+    recs[2].update(genai_match=False, genai_common_prefix=40, genai_compared=101)
+    recs[5].update(genai_match=True, genai_common_prefix=101, genai_compared=101)
+    rep = aggregate(recs, ("baseline", "genai", "genai-ngram"), ("qa",))
+    assert rep.row("qa", "baseline").x_genai_ngram == pytest.approx(_gm([0.5 / 1.0, 1.25 / 2.0]))
+    assert rep.row("qa", "genai").x_genai_ngram == pytest.approx(_gm([0.5 / 0.8, 1.25 / 1.0]))
+    assert rep.row("qa", "genai-ngram").x_genai == pytest.approx(_gm([0.8 / 0.5, 1.0 / 1.25]))
+    assert rep.row("overall", "genai-ngram").match_genai_pct == pytest.approx(100.0 * 141 / 202)
+    assert rep.row("qa", "genai").match_genai_pct is None
+    table = rep.table()
+    assert "× genai-ngram" in table and f"{100.0 * 141 / 202:.1f}%" in table
+    out = tmp_path / "o"
+    out.mkdir()
+    write_outputs(rep, out, {"model_folder": "m", "model_variant": "int4"})
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert float(next(r for r in rows if r["method"] == "baseline" and r["category"] == "overall")["x_genai_ngram"]) \
+        == pytest.approx(_gm([0.5, 0.625]))
+    qa_ngram = json.loads((out / "results.json").read_text())["rows"][2]
+    assert qa_ngram["method"] == "genai-ngram" and qa_ngram["match_genai_pct"] == pytest.approx(100.0 * 141 / 202)
+    no_ngram = aggregate([r for r in recs if r["method"] != "genai-ngram"], ("baseline", "genai"), ("qa",))
+    assert all(r.x_genai_ngram is None for r in no_ngram.rows) and "× genai-ngram" not in no_ngram.table()
+
+
+def test_peer_record_matches_ngram_with_genai_plain_not_our_baseline():
+    p = Prompt("7", "qa", "qa", ("x",))
+    res = PeerResult([1, 2, 9, 4], 10, 0.01, 0.02, [0.003] * 3, forwards=2,
+                     speculative={"draft_tokens_evaluated": 5, "draft_tokens_accepted": 3, "target_forward_passes": 3})
+    rec = peer_record(p, 1, res, [1, 2, 3, 4], "genai-ngram", genai_ids=[1, 2, 9, 9, 9])
+    assert (rec["method"], rec["common_prefix"], rec["match"]) == ("genai-ngram", 2, False)   # vs ours
+    assert (rec["genai_common_prefix"], rec["genai_compared"], rec["genai_match"]) == (3, 5, False)
+    assert (rec["steps"], rec["drafted"], rec["accepted"]) == (2, 5, 3)   # genai's forwards and counts
+    assert "genai_common_prefix" not in peer_record(p, 1, res, [1, 2, 3, 4])
+
+
+class _FakeGenai:
+    """genai's generator reduced to what the sweep reads: a config's speed and tokens, set by the test."""
+
+    def __init__(self, speeds: dict, tokens: dict):
+        self.speeds, self.tokens, self.calls = speeds, tokens, []
+
+    def generate(self, ids, max_new_tokens, *, ignore_eos=False, speculative=None):
+        self.calls.append(speculative)
+        toks = self.tokens.get(speculative, [5] * max_new_tokens)
+        decode_s = (len(toks) - 1) / self.speeds[speculative]
+        return PeerResult(list(toks), len(ids), 0.01, 0.01 + decode_s, [0.001] * (len(toks) - 1),
+                          forwards=None if speculative is None else 4,
+                          speculative=None if speculative is None else {"draft_tokens_evaluated": 4,
+                                                                        "draft_tokens_accepted": 2})
+
+
+def test_ngram_sweep_records_every_config_and_picks_the_fastest_over_genai_plain():
+    model = type("M", (), {"encode": staticmethod(lambda msgs: [1, 2, 3])})()
+    configs = ((2, 4), (3, 8), (4, 16))
+    speeds = {None: 100.0, (2, 4): 90.0, (3, 8): 150.0, (4, 16): 120.0}
+    genai = _FakeGenai(speeds, {(3, 8): [5, 5, 7, 7, 7, 7, 7, 7]})
+    prompts = [Prompt("a", "qa", "qa", ("x",)), Prompt("b", "rag", "rag", ("y", "z"))]
+    rec = NGRAM.run_ngram_sweep(model, genai, prompts, 8, configs)
+    assert genai.calls == [None, (2, 4), (3, 8), (4, 16), None, (3, 8), (4, 16), (2, 4)]   # plain first, rotated
+    by = {(r["ngram_size"], r["max_draft_tokens"]): r for r in rec["results"]}
+    assert by[3, 8]["x_genai"] == pytest.approx(1.5) and by[2, 4]["x_genai"] == pytest.approx(0.9)
+    assert rec["chosen"] == {"ngram_size": 3, "max_draft_tokens": 8}
+    assert by[3, 8]["match_pct"] == pytest.approx(25.0) and by[3, 8]["identical"] == 0   # against genai plain
+    assert by[4, 16]["match_pct"] == 100.0 and by[4, 16]["identical"] == 2
+    assert by[2, 4]["acceptance_rate"] == pytest.approx(0.5) and by[2, 4]["tokens_per_forward"] == pytest.approx(7 / 4)
+    assert rec["prompts"] == ["a", "b"] and len(rec["per_prompt"]) == 2
+
+
+def test_ngram_options_fixed_resumed_or_refused(tmp_path, monkeypatch):
+    genai = _FakeGenai({}, {})
+
+    def no_sweep(*a, **k):
+        raise AssertionError("swept although the options were given")
+
+    monkeypatch.setattr(NGRAM, "run_ngram_sweep", no_sweep)
+    fixed = BenchConfig(model="m", compare=("genai",), genai_ngram="4, 16")
+    assert fixed.genai_ngram == "4,16" and fixed.timed[-2:] == ("genai", "genai-ngram")
+    peer = NGRAM.ngram_peer(None, genai, fixed, tmp_path, [], [], lambda p: True, resume=False)
+    assert (peer.options, peer.chosen_by, peer.name) == ((4, 16), "--genai-ngram", "genai-ngram")
+    (tmp_path / NGRAM.SWEEP_FILE).write_text(json.dumps({"chosen": {"ngram_size": 2, "max_draft_tokens": 8},
+                                                         "results": [], "per_prompt": []}))
+    resumed = NGRAM.ngram_peer(None, genai, BenchConfig(model="m", compare=("genai",)), tmp_path, [], [],
+                               lambda p: True, resume=True)
+    assert (resumed.options, resumed.chosen_by, resumed.sweep["file"]) == ((2, 8), "sweep", NGRAM.SWEEP_FILE)
+    with pytest.raises(BenchError, match="outside the measured set"):
+        NGRAM.sweep_prompts([Prompt("1", "qa", "qa", ("x",))], BenchConfig(model="m", categories=("qa",)),
+                            [Prompt("1", "qa", "qa", ("x",))], lambda p: True)
+
+
+def test_sweep_prompts_are_the_next_of_each_category():
+    ps = [Prompt(str(i), c, s, ("t",)) for i, (c, s) in enumerate(
+        [("qa", "qa"), ("qa", "qa"), ("qa", "qa"), ("mt_bench", "writing"), ("mt_bench", "writing"),
+         ("mt_bench", "roleplay"), ("mt_bench", "roleplay")])]
+    from dejavuu_build.bench.runner import select
+
+    measured = select(ps, ("qa", "mt_bench"), 2)
+    assert [p.qid for p in measured] == ["0", "1", "3", "5"]                 # sources take turns
+    assert [p.qid for p in select_next(ps, ("qa", "mt_bench"), measured, 1)] == ["2", "4"]
+    assert [p.qid for p in select_next(ps, ("qa", "mt_bench"), measured, 5, lambda p: p.qid != "4")] == ["2", "6"]
+
+
+def test_genai_ngram_flags():
+    assert BenchConfig(model="m").genai_ngram == "off"                          # no genai to run it beside
+    assert BenchConfig(model="m", compare=("genai",)).genai_ngram == "sweep"
+    assert BenchConfig(model="m", compare=("genai",), contexts=(64,)).genai_ngram == "off"
+    assert "genai-ngram" not in BenchConfig(model="m", compare=("genai",), genai_ngram="off").timed
+    for argv, msg in ((["--genai-ngram", "3,8"], "add --compare genai"),
+                      (["--compare", "genai", "--genai-ngram", "1,8"], "ngram_size 2..16"),
+                      (["--compare", "genai", "--genai-ngram", "3,17"], "max_draft_tokens 1..16"),
+                      (["--compare", "genai", "--genai-ngram", "3"], "NGRAM_SIZE,MAX_DRAFT_TOKENS"),
+                      (["--compare", "genai", "--genai-ngram", "3,8", "--no-genai-ngram"], "contradict"),
+                      (["--compare", "genai", "--genai-ngram", "3,8", "--contexts", "64"], "context sweep")):
+        r = CliRunner().invoke(_cli(), ["bench", "--model", "m", *argv])
+        assert r.exit_code == 2 and msg in r.output, (argv, r.output)
