@@ -28,7 +28,6 @@ We never write ``QAttention`` or touch ONNX ``Attention`` (a trap of ``quantize_
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,15 +60,18 @@ class QuantPlan:
 
 
 # int8: 8-bit blocks lose so little that a zero point buys nothing measurable; its 8-bit table in
-# blocks of 32 carries a Q8_0 embedding exactly. int4: symmetric too, though a zero point per block
-# measured better (top-1 vs fp32: SmolLM2 0.784 vs 0.773, Gemma-3 0.929 vs 0.892): with zero
-# points, onnxruntime 1.32's int8-activation kernel gave an 18-row forward last-bit different
-# logits from a 2-row one (a tree row vs its chain, tiny Llama), and losslessness rests on those
-# being identical; zero points also take SmolLM2's int4-static past 100 MB. Its table in blocks of
-# 64: half the scales (1.8 MB on SmolLM2) for no measurable loss.
+# blocks of 32 carries a Q8_0 embedding exactly. int4: for a GGUF source, the file's own blocks
+# carried exactly (gguf_min="offset": the model as published, not a second rounding of it); what
+# the file does not hold (other sources, the lm-head's table) is rounded symmetric. A zero point per
+# block measured better than symmetric re-rounding (top-1 vs fp32: SmolLM2 0.784 vs 0.773,
+# Gemma-3 0.929 vs 0.892) but, with zero points, onnxruntime 1.32's int8-activation kernel gave an
+# 18-row forward last-bit different logits from a 2-row one (a tree row vs its chain, tiny Llama),
+# and losslessness rests on those being identical. Its table in blocks of 64: half the scales
+# (1.8 MB on SmolLM2) for no measurable loss.
 PLANS: dict[str, QuantPlan] = {
     "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
-    "int4": QuantPlan(body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True),
+    "int4": QuantPlan(body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True,
+                      gguf_min="offset"),
 }
 GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
 
@@ -215,9 +217,9 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     """Quantize the fp32 decoder at ``src`` into ``dst`` following ``plan``; returns a report.
     ``gguf``: the GGUF file the fp32 weights came from, whose own blocks are carried over.
 
-    Memory: each fp32 weight is read from the loaded model, quantized, and its bytes dropped
-    from the model at once, so the peak stays near one fp32 model plus its quantized copy."""
-    import onnx
+    Memory: the graph is read without its weights (``stream.py``); each fp32 weight is read from
+    the file when it is quantized and dropped after, so the peak is the quantized model plus the
+    largest weight's working copies, not the fp32 model."""
     from onnx import helper, numpy_helper
 
     from ..export.exporter import save_model
@@ -230,11 +232,13 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         from .gguf_blocks import GGUFBlocks
 
         blocks = GGUFBlocks(gguf)
-    model = onnx.load(str(src))
+    from .stream import StreamedModel
+
+    streamed = StreamedModel(src)
+    model = streamed.model
     g = model.graph
-    inits = {i.name: i for i in g.initializer}
+    inits = streamed
     producers = {o: nd for nd in g.node for o in nd.output}
-    users = Counter(x for nd in g.node for x in nd.input)
     by_name = {nd.name: nd for nd in g.node}
     lm = by_name.get(LM_HEAD_NODE)
     emb = by_name.get(EMBED_NODE)
@@ -252,13 +256,6 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         new_inits.append(numpy_helper.from_array(arr, name))
         q_bytes += arr.nbytes
         return name
-
-    def release(name: str, readers: int = 1) -> None:
-        """Drop an fp32 initializer's bytes once its only readers are replaced (the streaming)."""
-        if name in inits and users[name] <= readers:
-            t = inits[name]
-            for f in ("raw_data", "float_data"):
-                t.ClearField(f)
 
     def encode(w_nk: np.ndarray, bits: int, block: int) -> Encoded:
         """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
@@ -310,7 +307,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             note = enc.note
         else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
             data, s_name, block = shared
-            n, k = inits[emb.input[0]].dims
+            n, k = inits.dims(emb.input[0])
             shape = add_init(np.array([n, k // block, block], dtype=np.int64), prefix + ".q_shape")
             b_name = prefix + ".q8_view"
             extra = [helper.make_node("Reshape", [data, shape], [b_name], name=node.name + "_ViewTied")]
@@ -327,7 +324,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         table_name = emb.input[0]
         if table_name not in inits:
             raise ExportError(f"{EMBED_NODE} does not read a constant table")
-        table = numpy_helper.to_array(inits[table_name])
+        table = inits.array(table_name)
         lm_tied = lm_w not in inits and lm_w in producers and producers[lm_w].op_type == "Transpose" \
             and producers[lm_w].input[0] == table_name
         eb = plan.lm_head_bits if lm_tied else plan.embed_bits
@@ -343,7 +340,6 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         fp_bytes += table.nbytes
         report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
         del table, enc
-        release(table_name, 2 if lm_tied else 1)
         replaced[id(emb)] = [helper.make_node("GatherBlockQuantized", [data_name, emb.input[1], s_name],
                                               list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
                                               bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
@@ -360,10 +356,10 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         through a Transpose of an initializer (a tied lm-head whose embedding lives outside the
         graph, in inputs_embeds decoders)."""
         x = nd.input[1]
-        if x in inits and len(inits[x].dims) == 2:
+        if x in inits and len(inits.dims(x)) == 2:
             return x, False
         t = producers.get(x)
-        if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
+        if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits.dims(t.input[0])) == 2:
             return t.input[0], True
         return None
 
@@ -373,20 +369,19 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     for nd, (w_name, transposed) in progress(todo, desc="quantize"):
         is_head = nd.name == LM_HEAD_NODE
         bits = plan.lm_head_bits if is_head else plan.body_bits
-        dims = list(inits[w_name].dims)
+        dims = list(inits.dims(w_name))
         k = dims[1] if transposed else dims[0]
         block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
         if block is None:
             report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
             continue
-        w = numpy_helper.to_array(inits[w_name])
+        w = inits.array(w_name)
         if transposed:
             drop_nodes.add(id(producers[nd.input[1]]))
             w = w.T
         fp_bytes += w.nbytes
         replaced[id(nd)], note = matmul_nbits(nd, w, bits, block, nd.input[1].removesuffix(".weight_T") or nd.name)
         del w
-        release(w_name)
         report["nodes"][nd.name] = f"float32 {[k, dims[0] if transposed else dims[1]]} --> {note}"
         logger.debug("  %s: float32 %s --> %s", nd.name, dims, note)
 
@@ -398,10 +393,9 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     del g.node[:]
     g.node.extend(nodes)
     used = {x for nd in g.node for x in nd.input}
-    keep = [i for i in g.initializer if i.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep + new_inits)
+    g.initializer.extend([inits.proto(n) for n in inits.names if n in used] + new_inits)
     del new_inits[:]
+    streamed.close()
     if not any(o.domain == MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS, 1))
     save_model(model, dst)

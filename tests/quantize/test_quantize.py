@@ -111,4 +111,7 @@ def test_quantizing_twice_gives_the_same_bytes(tiny_llama, tmp_path):
     a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
     for out in (a, b):
         quantize_model(tiny_llama / variant_file("fp32"), out, PLANS["int4"], tied=True)
-    assert sha256_file(a) == sha256_file(b) == read_manifest(tiny_llama).variants["int4"].sha256
+    assert sha256_file(a) == sha256_file(b)
+    rec = read_manifest(tiny_llama).variants["int4"]
+    if not getattr(rec, "row_guard", None):            # a row-guarded variant is rewritten after quantizing
+        assert sha256_file(a) == rec.sha256
