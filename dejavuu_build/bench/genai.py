@@ -17,6 +17,9 @@ model, so that is what the bench compares with (``--compare genai``):
   ``generate_next_token`` only samples from its logits, so the first token is prefill, as in
   :class:`~dejavuu_build.runtime.engine.GenerationStats`; every later ``generate_next_token``
   (one forward + sampling) is a decode step.
+* **Its own speculative decoding too.** genai 0.18 drafts by n-gram lookup
+  (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``); :class:`GenaiNgram`
+  times it as the ``genai-ngram`` peer on the same model, options chosen by :mod:`.ngram`.
 """
 
 from __future__ import annotations
