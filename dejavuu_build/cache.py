@@ -36,6 +36,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 STAGING = ".staging"
 
 # Files every entry of a kind must list (beyond what is on disk, which must all be listed too).
+KINDS = ("decoder", "vlm", "datastore")
 REQUIRED_FILES = {
     "decoder": (CONTRACT_FILE,),
     "vlm": (CONTRACT_FILE, "embed_tokens.onnx", "vision_encoder.onnx", "vlm.json", "preprocessor_config.json"),
@@ -372,23 +373,55 @@ def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> 
     return p
 
 
+def no_manifest(folder: Path) -> CacheError:
+    """What every reader says of a folder without a manifest: nothing in it can be checked, and no
+    build replaces such a folder, so it has to be moved away before the rebuild."""
+    cmd = "datastore --from FILE --tokenizer MODEL" if (folder / "datastore.json").is_file() else "tree-decoder"
+    return CacheError(f"{folder} has no {MANIFEST_FILE}, so none of its files can be checked: move that folder "
+                      f"away, then rebuild it with `dejavuu-build {cmd} --name {folder.name}`")
+
+
+def _check_fields(m: Manifest) -> None:
+    """Refuse a parsed manifest whose fields have the wrong types (a hand edit, a truncation):
+    readers index and compare them, and a wrong type would pass as "verified" or crash later."""
+    if not isinstance(m.files, dict) or not all(
+            isinstance(k, str) and isinstance(r, dict) and isinstance(r.get("sha256"), str)
+            and isinstance(r.get("bytes"), int) and not isinstance(r.get("bytes"), bool) for k, r in m.files.items()):
+        raise ValueError("files is not a mapping of path -> {sha256, bytes}")
+    if not isinstance(m.kind, str) or m.kind not in KINDS:
+        raise ValueError(f"kind {m.kind!r} is not one of {', '.join(KINDS)}")
+    for v, rec in m.variants.items():
+        if not isinstance(rec.file, str):
+            raise ValueError(f"variant {v!r} names no file")
+    if m.default_variant is not None and (not isinstance(m.default_variant, str) or m.default_variant not in m.variants):
+        raise ValueError(f"default_variant {m.default_variant!r} is not one of its variants "
+                         f"({', '.join(m.variants) or 'none'})")
+
+
+def read_checked_manifest(folder: str | os.PathLike) -> Manifest:
+    """The manifest of ``folder``, parsed and type-checked; CacheError when missing or corrupted."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_FILE).is_file():
+        raise no_manifest(folder)
+    try:
+        m = read_manifest(folder)
+        _check_fields(m)
+    except Exception as e:  # noqa: BLE001 - any parse failure is corruption
+        raise CacheError(f"{folder / MANIFEST_FILE} is corrupted ({' '.join(str(e).split())[:200]}); rebuild it with "
+                         f"`dejavuu-build tree-decoder --name {folder.name} --force`") from None
+    return m
+
+
 def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
                  skip: Iterable[str] = ()) -> Manifest:
     """Check an entry against its manifest; raise IntegrityError on drift.
 
     Without ``files``: every file on disk, every file the manifest lists, every variant file and
     the files its kind requires (less ``skip``: what the caller will not read) must be listed,
-    present, inside the entry and match its sha256; each checked variant's own recorded sha256
-    must agree. With ``files``: just those (and the variants among them)."""
+    present, plain files inside the entry and match its sha256; each checked variant's own recorded
+    sha256 must agree. With ``files``: just those (and the variants among them)."""
     folder = Path(folder)
-    if not (folder / MANIFEST_FILE).is_file():
-        raise CacheError(f"{folder} has no {MANIFEST_FILE}: rebuild it with `dejavuu-build tree-decoder --name {folder.name}`")
-    try:
-        m = read_manifest(folder)
-        if not isinstance(m.files, dict):
-            raise ValueError("files is not a mapping")
-    except Exception as e:  # noqa: BLE001 - any parse failure is corruption
-        raise CacheError(f"{folder / MANIFEST_FILE} is corrupted ({e}); rebuild with `dejavuu-build tree-decoder --name {folder.name} --force`") from None
+    m = read_checked_manifest(folder)
     rebuild = _rebuild_hint(m, folder.name)
     for rel in m.files:
         member(folder, rel, rebuild)
@@ -403,9 +436,13 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
         wanted = set(files)
     for rel in sorted(wanted):
         rec = m.files.get(rel)
-        p = member(folder, rel, rebuild)
+        here = folder / rel
+        if here.is_symlink():     # named as found: a link is not the manifest's doing
+            raise IntegrityError(f"{here} is a symbolic link{'' if rec else ' not listed in the manifest'}: an entry "
+                                 f"holds plain files only; {rebuild}")
         if rec is None:
-            raise IntegrityError(f"{p} is not listed in the manifest; {rebuild}")
+            raise IntegrityError(f"{here} is not listed in the manifest; {rebuild}")
+        p = member(folder, rel, rebuild)
         if not p.is_file():
             raise IntegrityError(f"{p} is missing; {rebuild}")
         if p.stat().st_size != rec.get("bytes") or sha256_file(p) != rec.get("sha256"):

@@ -145,6 +145,8 @@ def quant_only_cmd(name, variants, threads, no_timing):
     _check_threads(threads)
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
     bad = [v for v in vs if v not in ("int8", "int4")]
+    if not vs:      # nothing to quantize: it would re-validate every variant for nothing
+        raise DejavuuError(f"--variants {variants!r} names no variant: pass int8, int4 or int8,int4")
     if bad:
         raise DejavuuError(f"quant-only variants are int8 and int4 (got {', '.join(bad)})")
     res = quant_only(name, variants=vs, threads=threads, timing=not no_timing)

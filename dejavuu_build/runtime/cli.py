@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import closing
 from functools import wraps
 
 import click
@@ -29,6 +30,8 @@ def friendly(fn):
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was written to the cache", err=True)
             sys.exit(130)
+        except BrokenPipeError:
+            _reader_left()
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - never a bare traceback; -v shows it
@@ -37,6 +40,19 @@ def friendly(fn):
             click.echo(f"error: unexpected {type(e).__name__}: {_one_line(e)[:300]} (run with -v for details)", err=True)
             sys.exit(1)
     return inner
+
+
+def _reader_left():
+    """The reader of stdout went away (``| head``): stop quietly with the shell's SIGPIPE status,
+    pointing stdout at /dev/null so the interpreter's final flush does not complain again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(141)
 
 
 def _one_line(e: BaseException) -> str:
@@ -89,9 +105,10 @@ def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_
     if draft_model:
         kw["draft_model"] = draft_model
     if stream and not as_json:
-        for piece in model.stream(inp, **kw):
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+        with closing(model.stream(inp, **kw)) as pieces:   # a reader that leaves stops the decoding at once
+            for piece in pieces:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
         click.echo()
         return
     res = model.generate(inp, **kw)

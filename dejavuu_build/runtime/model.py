@@ -1,12 +1,19 @@
-"""A loaded decoder: the Python API (`load`, `Model.generate`, `Model.stream`)."""
+"""A loaded decoder: the Python API (`load`, `Model.generate`, `Model.stream`).
+
+A Model may be shared between threads: its calls run one at a time (its decoder reuses buffers
+and bindings between steps), so each thread gets exactly the answer it would get alone. Load a
+Model per thread to decode in parallel."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import queue
 import threading
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -14,7 +21,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import schema as S
-from ..cache import cache_root, is_path_like, locate, member, read_entry, verify_entry
+from ..cache import (cache_root, is_path_like, locate, member, no_manifest, read_checked_manifest, read_entry,
+                     verify_entry)
 from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
 from .drafters.base import DraftBudget, Drafter
@@ -84,6 +92,68 @@ def _check_text(text: str, what: str = "the prompt") -> str:
     return text
 
 
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_ids(prompt, vocab_size: int | None) -> list[int]:
+    """A 1-D sequence of integer token ids inside the vocabulary (an id past it would be decoded
+    from whatever the embedding gather reads, or wrap around when negative)."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+            raise GenerationError(f"token ids must be a 1-D array of integers, got a {prompt.ndim}-D {prompt.dtype} "
+                                  f"array: pass one prompt's ids")
+        prompt = prompt.tolist()
+    ids = []
+    for i, t in enumerate(prompt):
+        if not _integer(t):
+            raise GenerationError(f"token ids must be integers, but item {i} is {str(repr(t))[:40]}: pass one "
+                                  f"prompt as a flat list of ids")
+        if t < 0 or (vocab_size and t >= vocab_size):
+            raise GenerationError(f"token id {t} (item {i}) is outside this model's vocabulary "
+                                  f"[0, {vocab_size or '?'}): pass ids the tokenizer gives")
+        ids.append(int(t))
+    return ids
+
+
+def _check_messages(messages) -> list[dict]:
+    """Chat messages: dicts with a string role and a string (or, for VLMs, list) content."""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
+                or not isinstance(msg.get("content"), (str, list)):
+            raise GenerationError(f"chat message {i} is {str(repr(msg))[:60]}: every message must be a dict with "
+                                  f"a string 'role' and a string 'content'")
+        if isinstance(msg["content"], str):
+            _check_text(msg["content"], "a chat message")
+    return list(messages)
+
+
+class _StreamClosed(Exception):
+    """Raised inside a stream's worker once its consumer has stopped reading."""
+
+
+_LIVE_STREAMS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_streams() -> None:
+    """A stream still open when the interpreter exits is stopped and waited for: a worker killed
+    inside onnxruntime's run aborts the process ("terminate called without an active exception")."""
+    for st in list(_LIVE_STREAMS):
+        st.stop()
+
+
+class _StreamWorker:
+    def __init__(self, target):
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=target, name="dejavuu-stream", daemon=True)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.closed.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -129,6 +199,27 @@ class Model:
     # empty drafts verify a successor guess: in the pad row where there is one (free), else in a
     # row of its own while it pays (engine.FillPolicy)
     fill: bool = True
+    _lock: object = field(default_factory=threading.Lock, repr=False, compare=False)
+    _owner: int | None = field(default=None, repr=False, compare=False)
+
+    @contextmanager
+    def _exclusive(self, reentrant: bool = False):
+        """One generation (or calibration) at a time on this Model: its decoder reuses output
+        buffers, bindings and KV memory between calls, so two at once would read each other's.
+        Other threads wait their turn; a generate from inside this Model's own callback is refused."""
+        me = threading.get_ident()
+        if self._owner == me:
+            if not reentrant:
+                raise GenerationError("generate was called from inside a callback of a generate on the same Model: "
+                                      "finish that call first, or load a second Model")
+            yield              # the calibration inside generate's plan: already held
+            return
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
 
     @property
     def tree_capable(self) -> bool:
@@ -136,21 +227,22 @@ class Model:
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        """Token ids of a prompt (text, chat messages or ids), each refused with one line when bad."""
+        if isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise GenerationError("this model has no tokenizer: pass token ids")
-            for msg in prompt:
-                if isinstance(msg.get("content"), str):
-                    _check_text(msg["content"], "a chat message")
-            ids = self.tokenizer.encode_chat(list(prompt))
+            ids = self.tokenizer.encode_chat(_check_messages(prompt))
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise GenerationError("this model has no tokenizer: pass token ids")
             if not prompt.strip():
                 raise GenerationError("the prompt is empty: give some text")
             ids = self.tokenizer.encode(_check_text(prompt))
+        elif isinstance(prompt, (list, tuple)) and any(isinstance(t, str) for t in prompt):
+            raise GenerationError("prompt must be a string, a list of chat messages (dicts) or a list of token ids; "
+                                  "got a list holding text: pass the text as one string")
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
+            ids = _check_ids(prompt, self.contract.vocab_size)
         else:
             raise GenerationError("prompt must be a string, a list of chat messages or a list of token ids")
         if not ids:
@@ -169,6 +261,16 @@ class Model:
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width,
                         max_depth=max_depth, max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=stop)
+        with self._exclusive():
+            return self._generate(prompt, method=method, tree=tree, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                                  datastore=datastore, width=width, max_nodes=max_nodes, max_depth=max_depth,
+                                  on_tokens=on_tokens, validate_drafts=validate_drafts, residual_fn=residual_fn,
+                                  images=images, prefill_embeds=prefill_embeds, drafter_params=drafter_params)
+
+    def _generate(self, prompt, *, method, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, datastore,
+                  width, max_nodes, max_depth, on_tokens, validate_drafts, residual_fn, images, prefill_embeds,
+                  drafter_params) -> GenerationResult:
         if images:
             if self.vision is None:
                 raise GenerationError(f"{self.folder.name} takes no images: build a VLM with `dejavuu-build vlm`")
@@ -252,8 +354,10 @@ class Model:
     def calibration(self):
         """Measured once per machine, onnxruntime, graph and thread count (runtime.calibration)."""
         if self._calibration is None:
-            self._calibration = _calibration(self)
-            logger.debug("exactness calibration: %s", self._calibration)
+            with self._exclusive(reentrant=True):     # it runs the decoder
+                if self._calibration is None:
+                    self._calibration = _calibration(self)
+                    logger.debug("exactness calibration: %s", self._calibration)
         return self._calibration
 
     @property
@@ -263,7 +367,9 @@ class Model:
     def stream(self, prompt, **kw) -> Iterator[str]:
         """Yield text pieces as tokens are committed (a chunk per verify step); the pieces join to
         ``generate(...).text``. Text is decoded incrementally (a short window per step), and with stop
-        strings the last few characters are held back until they cannot begin one."""
+        strings the last few characters are held back until they cannot begin one. When the consumer
+        stops (``break``, ``close()``, an error in its loop) the decoding stops at its next step and is
+        waited for, so the Model is ready for the next call."""
         if self.tokenizer is None:
             raise GenerationError("this model has no tokenizer: use generate() with token ids")
         stop = kw.get("stop") or ()
@@ -275,6 +381,8 @@ class Model:
         dec = IncrementalDecoder(self.tokenizer)
 
         def on_tokens(new):
+            if worker.closed.is_set():
+                raise _StreamClosed()
             if piece := dec.push(new):
                 q.put(piece)
 
@@ -283,26 +391,32 @@ class Model:
                 self.generate(prompt, on_tokens=on_tokens, **kw)
                 if piece := dec.flush():
                     q.put(piece)
+            except _StreamClosed:
+                pass
             except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
                 err.append(e)
             finally:
                 q.put(done)
 
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
-        pending, stopped = "", False
-        while (item := q.get()) is not done:
-            if stopped:
-                continue
-            pending += item
-            cut = min((i for i in (pending.find(s_) for s_ in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                pending, stopped = pending[:cut], True
-            ready = len(pending) if stopped else len(pending) - hold
-            if ready > 0:
-                yield pending[:ready]
-                pending = pending[ready:]
-        th.join()
+        worker = _StreamWorker(run)
+        _LIVE_STREAMS.add(worker)
+        worker.thread.start()
+        try:
+            pending, stopped = "", False
+            while (item := q.get()) is not done:
+                if stopped:
+                    continue
+                pending += item
+                cut = min((i for i in (pending.find(s_) for s_ in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    pending, stopped = pending[:cut], True
+                ready = len(pending) if stopped else len(pending) - hold
+                if ready > 0:
+                    yield pending[:ready]
+                    pending = pending[ready:]
+        finally:      # the consumer stopped (or finished): stop the worker and wait for it
+            worker.stop()
+            _LIVE_STREAMS.discard(worker)
         if err:
             raise err[0]
         if pending:
@@ -338,9 +452,16 @@ class Model:
             dm = params.pop("draft_model", None)
             if dm is None:
                 raise GenerationError("method draft_model needs draft_model=NAME[:VARIANT] (a build in the cache)")
+            if not isinstance(dm, (str, Model)):
+                raise GenerationError(f"draft_model must be NAME[:VARIANT] (a build in the cache) or a loaded Model, "
+                                      f"got {str(repr(dm))[:40]}")
             if isinstance(dm, str):
-                name, _, variant = dm.partition(":")
+                name, colon, variant = dm.partition(":")
+                if colon and not variant:
+                    raise GenerationError(f"draft_model {dm!r} names no variant after ':': pass NAME or NAME:VARIANT")
                 dm = load(name, variant=variant or None)
+            if dm.decoder is self.decoder:   # one decoder's buffers cannot hold both models' steps
+                raise GenerationError("the draft model is this Model itself: load it a second time to draft with it")
             if dm.contract.vocab_size != self.contract.vocab_size:
                 raise GenerationError("the draft model's vocabulary differs from the target's")
             return ModelDrafter(dm, temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
@@ -376,7 +497,10 @@ def load_datastore(name_or_path: str):
         if not folder.is_dir():
             raise CacheError(f"no datastore {str(name_or_path)!r}; build it with `dejavuu-build datastore --from FILE "
                              f"--tokenizer MODEL --name {folder.name}`")
-        verify_entry(folder)
+        m = verify_entry(folder)
+        if m.kind != "datastore":
+            raise CacheError(f"{str(name_or_path)!r} is a {m.kind} build, not a datastore: pass a datastore's name "
+                             f"(build one with `dejavuu-build datastore --from FILE --tokenizer MODEL --name NAME`)")
         return Datastore.load(folder)
 
     return read_entry(folder, read)
@@ -423,6 +547,9 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
     .onnx file inside a build must be one of its variants. Every file read is verified against the
     manifest, and all of them come from one committed build even while it is being rebuilt."""
     threads = check_threads(threads)
+    if variant is not None and (not isinstance(variant, str) or not variant.strip()):
+        raise CacheError(f"variant must name one of the build's variants (such as int4), got {variant!r}; "
+                         f"leave it out for the manifest's default")
     folder, onnx_file = _target(name_or_path)
     if onnx_file is not None:
         _check_target(folder, onnx_file, name_or_path)
@@ -446,11 +573,13 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
           verify: bool) -> Model:
     _check_target(folder, onnx_file, name_or_path)
     manifest = None
+    if not (folder / S.MANIFEST_FILE).is_file() and _ours(folder, name_or_path):
+        raise no_manifest(folder)
     if (folder / S.MANIFEST_FILE).is_file():
-        try:
-            manifest = S.read_manifest(folder)
-        except Exception as e:  # noqa: BLE001 - any parse failure is corruption
-            raise CacheError(f"{folder / S.MANIFEST_FILE} is corrupted ({e}); rebuild with --force") from None
+        manifest = read_checked_manifest(folder)
+        if manifest.kind not in ("decoder", "vlm"):
+            raise CacheError(f"{folder.name} is a {manifest.kind} entry, not a decoder build: pass a decoder's name "
+                             f"(a datastore goes to --datastore)")
         if onnx_file is not None:
             variant = _variant_of_file(folder, manifest, onnx_file, variant)
         variant = variant or manifest.default_variant
@@ -487,6 +616,18 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         t = tok.token_id(tok.eos_token)
         eos = [t] if t is not None else []
     return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest, vision=vision)
+
+
+def _ours(folder: Path, name_or_path) -> bool:
+    """Whether ``folder`` is (or was) one of our cache entries, which load only through their
+    manifest: a cache name, a folder inside the cache, or one holding our contract.json. Anything
+    else without a manifest is a third-party export, whose graph is its only contract."""
+    if not is_path_like(name_or_path) or (folder / S.CONTRACT_FILE).is_file():
+        return True
+    try:
+        return folder.resolve().is_relative_to(cache_root().resolve())
+    except (OSError, RuntimeError):
+        return True
 
 
 def _eos_from_configs(folder: Path) -> list[int]:

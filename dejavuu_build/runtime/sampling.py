@@ -33,7 +33,13 @@ class Sampler:
             p = np.zeros_like(x)
             p[int(np.argmax(x))] = 1.0
             return p
-        x = x / self.temperature
+        with np.errstate(over="ignore"):
+            scaled = x / self.temperature
+            if not np.isfinite(scaled).all():
+                # a tiny temperature (down to subnormal) overflows x / t; shifted first, the top logit is
+                # 0 and the others saturate to -inf (exp 0) instead of becoming inf - inf = NaN
+                scaled = (x - x.max()) / self.temperature
+        x = scaled
         if self.top_k and self.top_k < x.size:
             kth = np.partition(x, -self.top_k)[-self.top_k]
             x = np.where(x < kth, -np.inf, x)
