@@ -404,13 +404,12 @@ def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: 
 
     from ..export.exporter import save_model
     from ..export.inplace import to_rowwise_kv, to_static_kv
-    from ..export.passes.row_guard import strip_row_guard
 
     name = S.variant_name(precision, layout)
     rewrite = {"static": to_static_kv, "rowwise": to_rowwise_kv}[layout]
     with step(_LAYOUT_STEPS[layout].format(p=precision, c=capacity)):
         try:
-            proto = rewrite(strip_row_guard(onnx.load(str(folder / variant_file(precision)))), capacity)
+            proto = rewrite(onnx.load(str(folder / variant_file(precision))), capacity)
         except ExportError as e:
             if layout == "static":
                 raise
@@ -504,6 +503,10 @@ def _summary(manifest: Manifest) -> None:
                              f"(floor {r['floor']:.2f})")
             else:
                 parts.append(f"{m} batched=incremental {r['total'] - r['mismatches']}/{r['total']}")
+        g = rec.row_guard
+        if g:
+            parts.append(f"lone token = 1 row ({g.get('guarded_nodes', 0)} ops guarded)" if rec.length_invariant else
+                         "lone token padded" + (f" ({', '.join(g['not_exact'])} not row-exact)" if g.get("not_exact") else ""))
         t = rec.timings_ms
         tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if "n1_p256" in t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""

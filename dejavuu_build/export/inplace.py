@@ -40,6 +40,7 @@ import numpy as np
 from .. import schema as S
 from ..errors import ExportError
 from ..log import logger
+from .passes.row_guard import strip_row_guard
 
 MS_DOMAIN = "com.microsoft"
 KV_LAYOUT_STATIC = "static"
@@ -53,6 +54,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
+    model = strip_row_guard(model)      # the pass rewrites the graph as exported; the guard comes last
     tables = _rotary_tables(model, capacity)
     m = ir.from_proto(model)
     g = m.graph
@@ -495,6 +497,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
+    model = strip_row_guard(model)      # the pass rewrites the graph as exported; the guard comes last
     m = ir.from_proto(model)
     g = m.graph
     inputs = {v.name: v for v in g.inputs}
