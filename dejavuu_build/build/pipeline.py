@@ -435,15 +435,28 @@ MIN_SPEEDUP = 0.10
 PREFERRED_LAYOUTS = ("rowwise", "static", "concat")
 
 
+# What a default must keep of the model, whatever its size or speed (its quality gate against
+# fp32): a variant under these passes its own gate and can be asked for, but is not the default.
+DEFAULT_FLOORS = {"top1": 0.95, "mean_kl": 0.02}
+
+
+def keeps_answers(rec: VariantRecord) -> bool:
+    """The variant's quality gate meets DEFAULT_FLOORS (fp32, the reference, has none: it does)."""
+    q = rec.gates.get("quality")
+    return q is None or (q["top1"] >= DEFAULT_FLOORS["top1"] and q["mean_kl"] <= DEFAULT_FLOORS["mean_kl"])
+
+
 def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
-    """The default variant and why. Quality first: only variants that passed every gate (the
-    quality floors included). Among those the smallest precision, static layout first -- what a
-    user keeps. A larger one replaces it only where interleaved timing shows it faster in every
+    """The default variant and why. Quality first: only variants that passed every gate, and of
+    those the ones that keep the model's answers (DEFAULT_FLOORS; all passing ones if none does).
+    Among those the smallest precision, rowwise then static layout first -- what a user keeps. A larger one replaces it only where interleaved timing shows it faster in every
     round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the choice.
     Untimed (--no-timing): the smallest passing file."""
     passing = {n: r for n, r in manifest.variants.items() if r.passed}
     if not passing:
         return None, {"rule": "no variant passed its gates"}
+    below = sorted(n for n, r in passing.items() if not keeps_answers(r))
+    passing = {n: r for n, r in passing.items() if n not in below} or passing
 
     def pref(n: str):
         precision, layout = S.split_variant(n)
@@ -451,10 +464,11 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
         return (size, PREFERRED_LAYOUTS.index(layout), n)
 
     first = min(passing, key=pref)
-    why: dict = {"rule": "passing variants (quality floors first), smallest precision and in-place layout "
-                         "(rowwise, then static) preferred; a larger one only if faster in every interleaved "
-                         "round by more than "
-                         f"max({MIN_SPEEDUP:.0%}, 3x noise)", "preferred": first, "passing": sorted(passing)}
+    why: dict = {"rule": "passing variants that keep the model's answers (top-1 >= "
+                         f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), smallest "
+                         "precision and in-place layout (rowwise, then static) preferred; a larger one only if "
+                         f"faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
+                 "preferred": first, "passing": sorted(passing), "below_default_floors": below}
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
     if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:
         smallest = min(passing, key=lambda n: (passing[n].bytes or 0, n))

@@ -57,3 +57,22 @@ def test_rowwise_is_preferred_at_equal_precision_and_only_timing_displaces_it():
     assert name == "int4-rowwise" and why["preferred"] == "int4-rowwise" and why["clearly_faster"] == []
     m.variants["int4-static"].timing_rounds_ms = [7.0] * 3                  # > 10% faster in every round
     assert _pick_default(m) == "int4-static"
+
+
+def _quality(rec, top1, kl):
+    rec.gates["quality"] = {"passed": True, "top1": top1, "mean_kl": kl}
+    return rec
+
+
+def test_a_default_keeps_the_answers_whatever_its_size_or_speed():
+    """int4 passes its own gate (0.77 top-1) but is under the default floors (0.95 / 0.02): the
+    larger int8 that keeps the answers is the default, even where int4 times faster."""
+    m = Manifest(variants={"int4-rowwise": _quality(_rec([5] * 3, 97, layout="rowwise"), 0.77, 0.28),
+                           "int8-rowwise": _quality(_rec([9] * 3, 152, layout="rowwise"), 0.97, 0.004),
+                           "fp32": _rec([20] * 3, 538)})
+    name, why = _choose_default(m)
+    assert name == "int8-rowwise" and why["below_default_floors"] == ["int4-rowwise"]
+    m.variants["int4-rowwise"].gates["quality"].update(top1=0.973, mean_kl=0.0039)     # an exact GGUF carry
+    assert _pick_default(m) == "int4-rowwise"
+    m.variants["int4-rowwise"].gates["quality"].update(top1=0.96, mean_kl=0.03)        # KL over its floor
+    assert _pick_default(m) == "int8-rowwise"

@@ -61,3 +61,48 @@ def test_a_machine_without_exact_batches_decodes_plainly(tiny_llama, caplog):
         m.generate(PROMPT, method="pld", max_new_tokens=24)
     assert r.tokens == base.tokens and r.stats.drafted == 0 and not r.tree
     assert caplog.text.count("decoding plainly") == 1
+
+
+def test_the_build_measured_it_and_the_first_load_measures_nothing(tiny_llama, cache_dir, monkeypatch):
+    """The build stores each passing variant's calibration in the manifest and in the runtime's
+    cache under the file's sha256: loading it then measures nothing (calibrate would raise)."""
+    from dejavuu_build import schema as S
+
+    man = S.read_manifest(tiny_llama)
+    rec = man.variants["int4-rowwise"]
+    key = C.calibration_key(rec.sha256, 2)
+    assert rec.calibration["key"] == key and rec.calibration["chain_exact"] is True
+    stored = json.loads((cache_dir / ".runtime" / f"calibration-{key}.json").read_text())
+    assert {k: stored[k] for k in ("chain_exact", "period", "tile")} == \
+        {k: rec.calibration[k] for k in ("chain_exact", "period", "tile")}
+
+    def boom(dec):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(C, "calibrate", boom)
+    m = load(tiny_llama, variant="int4-rowwise")
+    assert m.calibration.chain_exact is True
+
+
+def test_a_recorded_exactness_claim_is_rechecked(tiny_llama, tmp_path, caplog):
+    """A record saying chain_exact where this machine's verify is not exact (here: the concat graph
+    without its row guard, lone tokens unpadded) is contradicted by the spot check and re-measured."""
+    import onnx
+
+    from dejavuu_build import schema as S
+    from dejavuu_build.export.passes.row_guard import strip_row_guard
+    from dejavuu_build.runtime.engine import Decoder
+    from dejavuu_build.runtime.session import make_session
+
+    raw = tmp_path / "unguarded.onnx"
+    onnx.save(strip_row_guard(onnx.load(str(tiny_llama / "decoder_int4.onnx"))), str(raw))
+    dec = Decoder(make_session(raw, threads=2), S.read_contract(tiny_llama))
+    with dec.padding(False):
+        assert C.spot_check(dec) is False
+        f = tmp_path / "rt" / f"calibration-{C.calibration_key('forged', 2)}.json"
+        f.parent.mkdir()
+        f.write_text(json.dumps({"version": C.CALIBRATION_VERSION, "chain_exact": True, "period": 16, "tile": None}))
+        with caplog.at_level(logging.WARNING, logger="dejavuu"):
+            cal = C.cached_calibration(dec, "forged", 2, tmp_path / "rt")
+    assert cal.chain_exact is False and "contradicts" in caplog.text
+    assert json.loads(f.read_text())["chain_exact"] is False
