@@ -289,13 +289,12 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                   helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset")]
         return nodes, y0
 
-    def matmul_nbits(node, w_kn: np.ndarray | None, bits: int, block: int, prefix: str,
-                     shared: tuple[str, str, int] | None = None) -> tuple[list, str]:
+    def matmul_nbits(node, enc: Encoded | None, prefix: str,
+                     shared: tuple[str, str, int] | None = None) -> list:
         after: list = []
         out = node.output[0]
         if shared is None:
-            k, n = w_kn.shape
-            enc = encode(w_kn.T, bits, block)
+            n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
             bits, block = enc.bits, enc.block
             ins = [node.input[0], add_init(enc.packed(), prefix + f".q{bits}"),
                    add_init(enc.scales, prefix + f".q{bits}_scales")]
@@ -304,19 +303,36 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             if enc.offset is not None:
                 after, out = offset_term(node, node.input[0], enc, prefix)
             extra: list = []
-            note = enc.note
         else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
             data, s_name, block = shared
+            bits = 8
             n, k = inits.dims(emb.input[0])
             shape = add_init(np.array([n, k // block, block], dtype=np.int64), prefix + ".q_shape")
             b_name = prefix + ".q8_view"
             extra = [helper.make_node("Reshape", [data, shape], [b_name], name=node.name + "_ViewTied")]
             ins = [node.input[0], b_name, s_name]
-            note = ""
         mm = helper.make_node("MatMulNBits", ins, [out],
                               name=node.name + "NBits", domain=MS, K=k, N=n, bits=bits, block_size=block,
                               accuracy_level=plan.accuracy_level)
-        return extra + [mm] + after, note or f"q{bits} bs{block}"
+        return extra + [mm] + after
+
+    def fused_nbits(members: list[tuple]) -> list:
+        """Siblings on one input, each carried with an offset term, as ONE MatMulNBits, one offset
+        MatMul and one Add over their columns concatenated along N, then a Split into their outputs:
+        per column the same arithmetic as apart (MatMulNBits' rows are per output column), a third
+        of the nodes (node dispatch, not arithmetic, is what a one-row step pays for them)."""
+        nds, encs, prefixes = zip(*members)
+        scope = nds[0].name.rsplit("/", 2)[0]
+        name = scope + "/" + "_".join(nd.name.rsplit("/", 2)[-2] for nd in nds)
+        scope_p = prefixes[0].rpartition(".")[0]
+        prefix = (scope_p + "." if scope_p else "") + "_".join(p.rpartition(".")[2] for p in prefixes)
+        enc = Encoded(encs[0].bits, np.concatenate([e.q for e in encs]), np.concatenate([e.scales for e in encs]),
+                      None, "", np.concatenate([e.offset for e in encs]))
+        fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
+        sizes = add_init(np.array([e.q.shape[0] for e in encs], np.int64), prefix + ".split")
+        split = helper.make_node("Split", [fused.output[0], sizes], [nd.output[0] for nd in nds], axis=-1,
+                                 name=name + "/Split")
+        return matmul_nbits(fused, enc, prefix) + [split]
 
     lm_w = lm.input[1]
     lm_tied = False
@@ -344,7 +360,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                                               list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
                                               bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
         if lm_tied:
-            replaced[id(lm)], _ = matmul_nbits(lm, None, 8, eblock, "lm_head", shared=(data_name, s_name, eblock))
+            replaced[id(lm)] = matmul_nbits(lm, None, "lm_head", shared=(data_name, s_name, eblock))
             drop_nodes.add(id(producers[lm_w]))
             report["nodes"][LM_HEAD_NODE] = f"tied to the embedding table --> q8 bs{eblock} (one shared table)"
     if tied is not None and tied != lm_tied and emb is not None:
@@ -363,28 +379,51 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             return t.input[0], True
         return None
 
-    # Every other MatMul with a constant weight (lm-head untied included), one weight in memory at a time.
+    # Every other MatMul with a constant weight (lm-head untied included), one weight in memory at a
+    # time; siblings reading one input (q/k/v, gate/up) are encoded together, so that those carried
+    # with an offset term can be fused (fused_nbits).
     todo = [(nd, src_) for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
             and len(nd.input) == 2 and (src_ := const_source(nd)) is not None]
-    for nd, (w_name, transposed) in progress(todo, desc="quantize"):
-        is_head = nd.name == LM_HEAD_NODE
-        bits = plan.lm_head_bits if is_head else plan.body_bits
-        dims = list(inits.dims(w_name))
-        k = dims[1] if transposed else dims[0]
-        block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
-        if block is None:
-            report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
-            continue
-        w = inits.array(w_name)
-        if transposed:
-            drop_nodes.add(id(producers[nd.input[1]]))
-            w = w.T
-        fp_bytes += w.nbytes
-        replaced[id(nd)], note = matmul_nbits(nd, w, bits, block, nd.input[1].removesuffix(".weight_T") or nd.name)
-        del w
-        report["nodes"][nd.name] = f"float32 {[k, dims[0] if transposed else dims[1]]} --> {note}"
-        logger.debug("  %s: float32 %s --> %s", nd.name, dims, note)
-
+    siblings: dict[str, list] = {}
+    for nd, src_ in todo:
+        siblings.setdefault(nd.input[0], []).append((nd, src_))
+    bar = progress(iter(()), desc="quantize", total=len(todo))
+    for members in siblings.values():
+        encoded = []
+        for nd, (w_name, transposed) in members:
+            is_head = nd.name == LM_HEAD_NODE
+            bits = plan.lm_head_bits if is_head else plan.body_bits
+            dims = list(inits.dims(w_name))
+            k = dims[1] if transposed else dims[0]
+            block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
+            if block is None:
+                report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
+                continue
+            w = inits.array(w_name)
+            if transposed:
+                drop_nodes.add(id(producers[nd.input[1]]))
+                w = w.T
+            fp_bytes += w.nbytes
+            enc = encode(w.T, bits, block)
+            del w
+            encoded.append((nd, enc, nd.input[1].removesuffix(".weight_T") or nd.name))
+            note = enc.note or f"q{enc.bits} bs{enc.block}"
+            report["nodes"][nd.name] = f"float32 {[k, dims[0] if transposed else dims[1]]} --> {note}"
+            logger.debug("  %s: float32 %s --> %s", nd.name, dims, note)
+            if hasattr(bar, "update"):
+                bar.update(1)
+        kinds: dict = {}
+        for m in encoded:
+            kinds.setdefault((m[1].bits, m[1].block) if m[1].offset is not None else id(m[0]), []).append(m)
+        for group in kinds.values():
+            if len(group) > 1:
+                replaced[id(group[0][0])] = fused_nbits(group)
+                for nd, _, _ in group[1:]:
+                    replaced[id(nd)] = []
+            else:
+                replaced[id(group[0][0])] = matmul_nbits(*group[0])
+    if hasattr(bar, "close"):
+        bar.close()
     nodes = []
     for nd in g.node:
         if id(nd) in drop_nodes:

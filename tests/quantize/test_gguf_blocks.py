@@ -141,10 +141,11 @@ def test_graph_computes_the_files_weights(synthetic, tmp_path, form):
             assert np.abs(y[0] - ref).max() < step * np.abs(x).sum(-1).max()
 
 
-def test_offset_term_is_shared_and_fuses_like_the_weights(synthetic, tmp_path):
-    """Siblings on one input share one block-sum MatMul; the in-place flavours' sibling fusion
-    (export.inplace._fuse_siblings) concatenates their offset MatMuls along N and their 4-bit
-    weights, and the fused graph computes what the unfused one does."""
+def test_siblings_fuse_into_one_projection_with_one_offset_term(synthetic, tmp_path):
+    """Siblings on one input carried with offsets (here Q4_1 and Q4_1b, as q/k/v) become one
+    MatMulNBits + one offset MatMul + one Add + a Split, with the same bits per column as apart;
+    block sums are computed once per input; the in-place flavours' own sibling fusion
+    (export.inplace._fuse_siblings) leaves the graph computing the same."""
     import onnx_ir as ir
 
     from dejavuu_build.export.inplace import _fuse_siblings
@@ -153,28 +154,42 @@ def test_offset_term_is_shared_and_fuses_like_the_weights(synthetic, tmp_path):
     dst = tmp_path / "q.onnx"
     quantize_model(src, dst, PLANS["int4"], gguf=path)
     m = onnx.load(str(dst))
-    ops = [n for n in m.graph.node]
-    sums = [n for n in ops if n.output[0].endswith(".block_sums")]
+    ops = {n.name: n for n in m.graph.node}
+    sums = [n for n in m.graph.node if n.output[0].endswith(".block_sums")]
     assert sorted(n.input[0] for n in sums) == ["x", "x256"]             # once per input, not per weight
-    offsets = [n for n in ops if n.output[0].endswith("_offset")]
-    assert {n.name for n in offsets} == {"/model/Q4_1_offset/MatMul", "/model/Q4_1b_offset/MatMul",
-                                         "/model/Q4_K_offset/MatMul", "/model/Q5_1_offset/MatMul",
-                                         "/model/Q5_K_offset/MatMul"}
+    assert {n for n in ops if n.endswith("_offset/MatMul")} == {
+        "/model/Q4_1_Q4_1b_offset/MatMul", "/model/Q4_K_offset/MatMul", "/model/Q5_1_offset/MatMul",
+        "/model/Q5_K_offset/MatMul"}
+    assert list(ops["/model/Q4_1_Q4_1b/Split"].output) == ["y2", "y5"]
+    assert _attr(ops["/model/Q4_1_Q4_1b/MatMulNBits"], "N") == 2 * N
+    # The same weight alone (its sibling removed from the source graph) gives the same bits.
+    alone = onnx.load(str(src))
+    keep = [n for n in alone.graph.node if n.name != "/model/Q4_1b/MatMul"]
+    del alone.graph.node[:]
+    alone.graph.node.extend(keep)
+    outs = [o for o in alone.graph.output if o.name != "y5"]
+    del alone.graph.output[:]
+    alone.graph.output.extend(outs)
+    onnx.save(alone, str(tmp_path / "alone_fp32.onnx"))
+    quantize_model(tmp_path / "alone_fp32.onnx", tmp_path / "alone.onnx", PLANS["int4"], gguf=path)
+    assert "/model/Q4_1/MatMulNBits" in {n.name for n in onnx.load(str(tmp_path / "alone.onnx")).graph.node}
+    feeds = _feeds(np.random.default_rng(2), rows=4)
+    fused_y = dict(zip([o.name for o in m.graph.output], _session(dst).run(None, feeds)))
+    alone_y = dict(zip([o.name for o in outs], _session(tmp_path / "alone.onnx").run(None, feeds)))
+    np.testing.assert_array_equal(fused_y["y2"], alone_y["y2"])
+    # What the in-place flavours do to it afterwards.
     for o in m.graph.output:                    # as in a decoder, the projections feed other ops, not outputs
         m.graph.node.append(helper.make_node("Identity", [o.name], [o.name + "_out"]))
         o.name += "_out"
-    dst2 = tmp_path / "q_outs.onnx"
-    onnx.save(m, str(dst2))
     mi = ir.from_proto(m)
     _fuse_siblings(mi.graph)
-    fused = ir.to_proto(mi)
-    f_ops = [n for n in fused.graph.node if n.op_type == "MatMul" and n.input[0].endswith(".block_sums")]
-    assert len(f_ops) < len(offsets) and any("Q4_1_offset_Q4_1b_offset" in n.name for n in f_ops)
-    feeds = _feeds(np.random.default_rng(2), rows=4)
-    a = _session(dst2).run(None, feeds)
-    b = _session(fused.SerializeToString()).run(None, feeds)
-    for x, y in zip(a, b):
+    b = _session(ir.to_proto(mi).SerializeToString()).run(None, feeds)
+    for x, y in zip(fused_y.values(), b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _attr(node, name):
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
 
 
 def _row_mismatches(sess, out_names, rng, k_inputs, max_rows=17):
