@@ -150,3 +150,16 @@ def test_a_missing_manifest_is_refused_by_generate_and_verify(tiny_llama):
     for args in (("generate", "lost-manifest", "abc", "--max-new-tokens", "2"), ("verify", "lost-manifest"),
                  ("generate", folder / S.variant_file("fp32-rowwise"), "abc", "--max-new-tokens", "2")):
         one_line_error(invoke(*args), "has no manifest.json", "move that folder away")
+
+
+def test_a_datastore_is_not_keyed_on_a_corrupt_tokenizer(tiny_llama, tmp_path):
+    folder = clone_entry(tiny_llama, "bad-tokenizer")
+    _flip(folder / "tokenizer.json", at=10)
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"turns": ["abc abc abc"]}\n')
+    one_line_error(invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"),
+                   "tokenizer.json does not match")
+    assert not (cache.cache_root() / "ds-bad-tok").exists()
+    (folder / S.MANIFEST_FILE).unlink()
+    one_line_error(invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"),
+                   "has no manifest.json")

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from .. import schema as S
-from ..cache import build_lock, check_name, check_replace, commit, entry_dir, record_files, staging
+from ..cache import (build_lock, check_name, check_replace, commit, entry_dir, no_manifest, read_entry, record_files,
+                     staging, verify_entry)
 from ..errors import CacheError, DejavuuError
 from ..log import logger, step
 
@@ -20,7 +21,7 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     different one is replaced only with ``force``; an entry of another kind (a decoder build) or
     a folder that is not an entry (bench results) is never replaced. A corpus that is not UTF-8,
     has a line that is not JSON or holds no text is refused before anything is written."""
-    from ..runtime.model import resolve_folder
+    from ..runtime.model import _ours, resolve_folder
     from ..runtime.tokenizer import TextTokenizer
 
     check_name(name)
@@ -30,9 +31,17 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     if path.suffix not in (".jsonl", ".txt"):
         raise DejavuuError(f"{src}: the datastore reads .jsonl or .txt files")
     folder, _ = resolve_folder(tokenizer)
-    tok = TextTokenizer(folder)
+
+    def read_tokenizer(f: Path):
+        """The tokenizer the datastore is keyed on, checked against its entry's manifest first."""
+        if (f / S.MANIFEST_FILE).is_file():
+            verify_entry(f, files=["tokenizer.json"])
+        elif _ours(f, tokenizer):
+            raise no_manifest(f)
+        return TextTokenizer(f), S.sha256_file(f / "tokenizer.json")
+
+    tok, tok_digest = read_entry(folder, read_tokenizer)
     digest = S.sha256_file(path)
-    tok_digest = S.sha256_file(folder / "tokenizer.json")
     key = hashlib.sha256(json.dumps({"kind": "datastore", "source": digest, "tokenizer": tok_digest},
                                     sort_keys=True).encode()).hexdigest()[:32]
     final = entry_dir(name)

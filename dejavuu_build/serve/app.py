@@ -10,7 +10,10 @@ VLM builds take ``image_url`` parts with ``data:`` URLs (nothing is fetched).
 Every error is OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``) with its
 status: 400 bad body or settings, 404 unknown model or route, 429 queue full, 500 a bug. The
 body is parsed by hand (not by FastAPI's validator) so that a malformed body is a 400 in that
-shape rather than a 422 in another.
+shape rather than a 422 in another, whatever its depth.
+
+Work that grows with a request (parsing, tokenizing, decoding images) runs in a worker thread,
+never on the event loop, so one large request does not stall /health or the other streams.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
     limit = min(limits) if limits else 0
     # room for one verify step past the last token: a chain of max_nodes, or a tree's period-aligned slots
     step_rows = 1 + max(scheduler.max_nodes or 16, scheduler.max_depth, 16 * scheduler.width)
+    token_chars = longest_token(tok) if tok is not None else 0
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -210,18 +214,7 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise APIError(413, f"the body is larger than {MAX_BODY >> 20} MiB", code="body_too_large")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        try:
-            body = cls.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(x) for x in err.get("loc", ())) or None
-            raise APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param=param) from None
+        body = await asyncio.to_thread(parse_body, raw, cls)
         if body.model != served_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_name!r}",
                            param="model", code="model_not_found")
@@ -248,8 +241,17 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
                       seed=seed, stop=list(body.stop or []), method=m, tree=tree if body.tree is None else body.tree,
                       namespace=body.memory_key or namespace)
 
+    def too_long(n_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit: every token stands for at most
+        ``token_chars`` characters, so more than ``limit`` tokens' worth is over the context."""
+        if limit and n_chars > 2 * token_chars * limit + 4096:
+            raise APIError(400, f"the prompt ({n_chars} characters) cannot fit this model's context of {limit} tokens: "
+                                f"shorten it", param=param, code="context_length_exceeded")
+
     def encode_chat(body: ChatBody):
         images, msgs, vlm = [], [], model.vision is not None
+        too_long(sum(len(m.content) if isinstance(m.content, str) else
+                     sum(len(p.text or "") for p in m.content or ()) for m in body.messages), "messages")
         for i, msg in enumerate(body.messages):
             if isinstance(msg.content, list):
                 parts = []
@@ -291,9 +293,13 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
             if not p:
                 raise APIError(400, "the prompt is empty", param="prompt")
             V = model.contract.vocab_size
+            if limit and len(p) > limit:
+                raise APIError(400, f"the prompt ({len(p)} tokens) exceeds this model's context of {limit} tokens: "
+                                    f"shorten it", param="prompt", code="context_length_exceeded")
             if any(not 0 <= t < V for t in p):
                 raise APIError(400, f"token ids must be in [0, {V})", param="prompt")
             return list(p), None
+        too_long(len(p), "prompt")
         try:
             return model.encode(p), None
         except GenerationError as e:
@@ -403,7 +409,7 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
         body = await parse(request, ChatBody)
         if tok is None:
             raise APIError(400, f"{served_name} has no tokenizer: use /v1/completions with token ids")
-        ids, embeds = encode_chat(body)
+        ids, embeds = await asyncio.to_thread(encode_chat, body)
         prm = params(body, body.max_completion_tokens or body.max_tokens, len(ids))
         return await run(request, ids, embeds, prm, "chat",
                          bool(body.stream_options and body.stream_options.include_usage), body.stream)
@@ -411,12 +417,40 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await parse(request, CompletionBody)
-        ids, embeds = encode_prompt(body)
+        ids, embeds = await asyncio.to_thread(encode_prompt, body)
         prm = params(body, body.max_tokens, len(ids))
         return await run(request, ids, embeds, prm, "completion",
                          bool(body.stream_options and body.stream_options.include_usage), body.stream)
 
     return app
+
+
+def parse_body(raw: bytes, cls):
+    """The request body as ``cls``, or a 400 saying what is wrong with it (at any depth: JSON nested
+    past the parser's recursion limit is malformed, not a server error)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply to be a request", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply to be a request", code="invalid_json") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        raise APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param=param) from None
+
+
+def longest_token(tok) -> int:
+    """The most characters any one token of ``tok`` stands for (decoded, specials included)."""
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    return max([1] + [len(tok.tok.decode([i], skip_special_tokens=False)) for i in vocab.values()]
+               + [len(t) for t in vocab])
 
 
 def ext_stats(res: Result) -> dict:

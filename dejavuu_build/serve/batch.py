@@ -23,11 +23,9 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import GenerationError
-from ..log import logger
 from ..runtime.engine import Rows
 from ..runtime.tree import NEG, step_inputs
-from .graph import (GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, batched_graph,
-                    batched_path)
+from .graph import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, ensure_batched
 
 
 class BatchUnavailable(GenerationError):
@@ -61,10 +59,12 @@ class BatchDecoder:
         self.model = model
         self.c = c
         src = model.folder / model.manifest.variants[model.variant].file
-        path = batched_path(src, cache)
-        if not path.is_file():
-            logger.info("writing the batched flavour of %s to %s", src.name, path)
-            batched_graph(src, path)
+        try:
+            path = ensure_batched(src, cache)
+        except OSError as e:   # read-only or full cache: serve, one request at a time
+            raise BatchUnavailable(f"the batched graph cannot be written under {cache} "
+                                   f"({getattr(e, 'strerror', None) or e}); make the cache writable or free disk "
+                                   f"space to batch requests") from None
         threads = model.decoder.s.get_session_options().intra_op_num_threads
         self.s = make_session(path, threads)
         self.max_batch = max_batch

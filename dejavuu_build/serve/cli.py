@@ -39,6 +39,18 @@ class ServeConfig:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def validate(self) -> "ServeConfig":
+        """Refuse bounds that would fail later with a traceback (or serve nothing), one line each."""
+        def integer(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for flag, v, lo in (("--max-batch", self.max_batch, 1), ("--max-queue", self.max_queue, 0),
+                            ("--memory-tokens", self.memory_tokens, 1)):
+            if not integer(v) or v < lo:
+                raise DejavuuError(f"{flag} must be an integer >= {lo}, got {v!r}"
+                                   + ("; pass --no-memory for no drafter memory" if flag == "--memory-tokens" else ""))
+        return self
+
 
 def need(module: str, extra: str):
     import importlib
@@ -59,6 +71,7 @@ def build_app(cfg: ServeConfig):
     from .memory import Memory
     from .scheduler import Scheduler
 
+    cfg.validate()
     if cfg.method not in METHODS:
         raise DejavuuError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
     _check_settings(temperature=0.0, top_p=1.0, top_k=0, seed=0, width=cfg.width, max_depth=cfg.max_depth,
@@ -106,20 +119,46 @@ def serve(name, host, port, method, tree, variant, threads, max_batch, max_queue
                       memory_key=memory_key, datastore=datastore, served_name=served_name)
     if not 0 < port < 65536:
         raise DejavuuError(f"--port must be in 1..65535, got {port}")
+    cfg.validate()
     if use_ray:
+        if replicas < 1:
+            raise DejavuuError(f"--replicas must be >= 1, got {replicas}")
         from .ray_app import run_ray
 
         run_ray(cfg, host=host, port=port, replicas=replicas)
         return
     uvicorn = need("uvicorn", "serve")
-    app, sched = build_app(cfg)
-    logger.info("serving %s on http://%s:%d/v1 (%s, method %s%s)", name, host, port,
-                f"batched, up to {sched.max_batch} requests per forward" if sched.batched else "one request at a time",
-                method, ", tree" if tree else "")
+    sock = listen_socket(host, port)       # before the model loads: a taken port fails at once
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        app, sched = build_app(cfg)
+        logger.info("serving %s on http://%s:%d/v1 (%s, method %s%s)", name, host, port,
+                    f"batched, up to {sched.max_batch} requests per forward" if sched.batched else
+                    "one request at a time", method, ", tree" if tree else "")
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+        finally:
+            sched.close()
     finally:
-        sched.close()
+        sock.close()
+
+
+def listen_socket(host: str, port: int):
+    """A socket bound to (host, port), so "serving ... on ..." is printed only once it is ours."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise DejavuuError(f"--host {host!r} does not resolve ({e}): pass an address such as 127.0.0.1") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn does: TIME_WAIT is no owner
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise DejavuuError(f"cannot listen on {host}:{port} ({e.strerror or e}): another process holds the port or "
+                           f"the address is not this machine's; pass another --port or --host") from None
+    return sock
 
 
 @click.command("bench-serve")

@@ -15,12 +15,15 @@ for any row count >= 2, which is what keeps each request's tokens equal to decod
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ContractError
+from ..log import logger
 from ..schema import ROW_SLOTS, SLOT_ROWS
 
 SEQLENS_K = "seqlens_k"            # [B] int32: tokens in each entry's cache after this step, minus one
@@ -31,6 +34,8 @@ GQA_POSITIONS = "padded_position_ids"   # [B, S] int64: positions in the padded 
 _GQA_SEQLENS, _GQA_POSITIONS, _GQA_BIAS, _GQA_QUERY_SEQLENS = 5, 9, 10, 16
 _BATCH = "batch"
 GRAPH_VERSION = 3                  # part of the cache key: bump when the pass changes
+RECORD = "batched.json"            # beside the graph: its sha256 and size, written after it
+TMP_MARK = ".tmp"                  # a graph or record being written (a dead writer's, once the lock is held)
 
 
 def batched_graph(src: Path, dst: Path) -> None:
@@ -125,9 +130,15 @@ def batched_graph(src: Path, dst: Path) -> None:
     for v in [i for i in g.input if i.name not in used]:   # e.g. position_ids, now read by GQA only
         g.input.remove(v)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(f".tmp{os.getpid()}")
-    onnx.save(m, str(tmp))
-    os.replace(tmp, dst)
+    tmp = dst.with_name(f"{dst.name}{TMP_MARK}{os.getpid()}")
+    try:
+        onnx.save(m, str(tmp))
+        with open(tmp, "rb+") as f:      # on disk before it is renamed into place
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)      # a full disk leaves no half file behind
+        raise
 
 
 def _attr(node, name: str) -> int:
@@ -156,3 +167,92 @@ def batched_path(src: Path, cache: Path) -> Path:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return cache / h.hexdigest()[:24] / "decoder_batched.onnx"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _intact(path: Path) -> bool:
+    """The graph at ``path`` is the one its record describes (size and sha256): not truncated by a
+    kill or a full disk, not edited since it was written."""
+    try:
+        rec = json.loads((path.parent / RECORD).read_text())
+        return (isinstance(rec, dict) and rec.get("version") == GRAPH_VERSION and path.is_file()
+                and path.stat().st_size == rec.get("bytes") and _sha256(path) == rec.get("sha256"))
+    except (OSError, ValueError):
+        return False
+
+
+def _locked(folder: Path, wait_s: float = 600.0):
+    """An exclusive lock on ``folder`` (one writer of a batched graph at a time, across servers)."""
+    from contextlib import contextmanager
+
+    from ..cache import _try_lock, _unlock
+
+    @contextmanager
+    def hold():
+        with open(folder / ".lock", "a+") as fh:
+            deadline = time.monotonic() + wait_s
+            while not _try_lock(fh):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another server kept {folder} locked for {wait_s:.0f} s")
+                time.sleep(0.05)
+            try:
+                yield
+            finally:
+                _unlock(fh)
+    return hold()
+
+
+def _sweep(folder: Path) -> None:
+    """Remove a killed writer's temp files beside a good graph, if no writer holds the lock now
+    (best effort: a read-only cache keeps them, and they are never read)."""
+    from ..cache import _try_lock, _unlock
+
+    try:
+        temps = [p for p in folder.iterdir() if TMP_MARK in p.name]
+        if not temps:
+            return
+        with open(folder / ".lock", "a+") as fh:
+            if _try_lock(fh):
+                try:
+                    for p in temps:
+                        p.unlink(missing_ok=True)
+                finally:
+                    _unlock(fh)
+    except OSError:
+        pass
+
+
+def ensure_batched(src: Path, cache: Path) -> Path:
+    """The batched flavour of ``src`` under ``cache``, checked against its record (sha256, size) on
+    every use and rewritten when missing or wrong, atomically, under a lock; a dead writer's temp
+    files are removed. Raises OSError when it cannot be written (a read-only or full cache)."""
+    path = batched_path(src, cache)
+    if _intact(path):          # the common case reads only: a read-only cache with a good graph serves batched
+        _sweep(path.parent)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent):
+        for p in path.parent.iterdir():        # no other writer holds the lock: these are a killed one's
+            if TMP_MARK in p.name:
+                p.unlink(missing_ok=True)
+        if _intact(path):                      # written by another server while we waited
+            return path
+        (path.parent / RECORD).unlink(missing_ok=True)
+        logger.info("writing the batched flavour of %s to %s", src.name, path)
+        batched_graph(src, path)
+        rec = {"version": GRAPH_VERSION, "sha256": _sha256(path), "bytes": path.stat().st_size, "source": src.name}
+        tmp = path.parent / f"{RECORD}{TMP_MARK}{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            os.replace(tmp, path.parent / RECORD)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return path
