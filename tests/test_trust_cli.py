@@ -91,7 +91,7 @@ def test_a_default_variant_that_is_not_a_variant_does_not_verify(tiny_llama):
     for i, value in enumerate((["int4"], "int3", 4)):
         name = f"bad-default-{i}"
         folder = clone_entry(tiny_llama, name)
-        _edit(folder, lambda d: d.update(default_variant=value))
+        _edit(folder, lambda d, value=value: d.update(default_variant=value))
         one_line_error(invoke("verify", name), "default_variant", "corrupted")
         one_line_error(invoke("generate", name, "abc", "--max-new-tokens", "2"), "default_variant")
 

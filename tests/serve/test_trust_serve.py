@@ -5,7 +5,6 @@ the event loop, a body of any depth is a 400, a taken port fails before "serving
 bounds are one line. The server runs as a real process where the existing tests do so."""
 
 import errno
-import json
 import logging
 import socket
 import subprocess
