@@ -347,16 +347,22 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     file's sha256, so the first ``generate`` after a build measures nothing. Another machine or
     onnxruntime has another key and measures again."""
     from ..cache import cache_root
-    from ..runtime.calibration import record_calibration
+    from ..runtime.calibration import Calibration, record_calibration
     from ..runtime.engine import Decoder
 
-    for v, (sess, declared) in sessions.items():
+    # per attention flavour, what the smallest precision found (searched there: its forwards are the cheapest)
+    hints: dict[tuple[str, bool], Calibration] = {}
+    for v, (sess, declared) in sorted(sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])):
         rec = manifest.variants[v]
         if not rec.passed:
             continue
+        flavour = (declared.kv_layout, declared.length_invariant)
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
             rec.calibration = record_calibration(Decoder(sess, declared), S.sha256_file(folder / rec.file), threads,
-                                                 cache_root() / ".runtime")
+                                                 cache_root() / ".runtime", hints.get(flavour))
+        if rec.calibration["period"] is not None:
+            hints[flavour] = Calibration.from_json({k: rec.calibration[k] for k in ("version", "chain_exact", "period",
+                                                                                   "tile", "seconds")})
         c = rec.calibration
         logger.info("  %s: verify %s, tree period %s, tile %s (%.1fs)", v,
                     "exact" if c["chain_exact"] else "NOT exact", c["period"], c["tile"], c["seconds"])

@@ -96,7 +96,7 @@ def _chain_exact(dec, pasts=(9, 13, 60, 250, 1020), rows=(2, 3, 5, 8)) -> bool:
         kv.release()
 
 
-def _periods(dec):
+def _periods(dec, periods=PERIODS):
     """Candidate periods G, smallest first: nodes whose parent sits G, 2G or 3G masked slots earlier get
     logits bit-identical to the plain chain, at 16 consecutive pasts (every tail of the key loop)
     and two token streams (a wrong G can match by luck on one; a right one never misses)."""
@@ -121,14 +121,14 @@ def _periods(dec):
         return True
 
     try:
-        for g in PERIODS:
+        for g in periods:
             if 25 + 3 * g + 4 < _limit(dec) and all(exact(k * g, seed) for seed in (0, 1) for k in (1, 2)):
                 yield g
     finally:
         kv.release()
 
 
-def _tile(dec, period: int) -> tuple[bool, int | None]:
+def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
     """(found, tile): the least-pruning tile rule under which a two-branch tree laid out by
     aligned_layout matches its chains bit for bit at pasts just before 64..1024-key boundaries."""
     lim = _limit(dec)
@@ -140,7 +140,7 @@ def _tile(dec, period: int) -> tuple[bool, int | None]:
     if not pasts:
         return True, None
     kv = dec.new_cache()
-    ok = dict.fromkeys(TILES, True)
+    ok = dict.fromkeys(tiles, True)
     try:
         _, _, pres = dec.forward(toks[:max(pasts)], None, kv)
         kv.commit(pres, max(pasts), list(range(max(pasts))))
@@ -152,18 +152,21 @@ def _tile(dec, period: int) -> tuple[bool, int | None]:
                 out, _, _ = dec.forward([step[i] for i in paths[leaf]], None, kv)
                 for d, node in enumerate(paths[leaf]):
                     chains[node] = out[d]
-            for tile in (t for t in TILES if ok[t]):
+            for tile in (t for t in tiles if ok[t]):
                 slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
                 kept = [i for i, s_ in enumerate(slot) if s_ >= 0]     # as the engine feeds it
                 out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
                 ok[tile] = all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
-        best = next((t for t in TILES if ok[t]), "none")
+        best = next((t for t in tiles if ok[t]), "none")
         return (best != "none"), (None if best == "none" else best)
     finally:
         kv.release()
 
 
-def calibrate(dec) -> Calibration:
+def calibrate(dec, hint: Calibration | None = None) -> Calibration:
+    """Measure chain exactness, then the tree period and tile. ``hint``: a calibration of another
+    graph with the same attention (the build: another precision of this layout): its period and
+    tile are checked first, and only searched for when they fail here."""
     t0 = time.perf_counter()
     chain = _chain_exact(dec)
     period = tile = None
@@ -171,16 +174,22 @@ def calibrate(dec) -> Calibration:
     # node never shares its block with the same keys as in a chain (measured: no period up to 64
     # is exact, whatever the layout): they verify chains only, and the search is skipped
     if chain and dec.c.tree_capable and not dec.rowwise:
-        # a period exact on short rows may still fail on long ones (some kernels change their key
-        # blocking with the row length): the first candidate that also passes the long-row tree
-        # probe under some tile rule wins
-        for g in _periods(dec):
-            found, tile = _tile(dec, g)
-            if found:
-                period = g
-                break
-        else:
-            tile = None
+        found = False
+        if hint is not None and hint.period is not None:
+            if next(_periods(dec, (hint.period,)), None) is not None:
+                found, tile = _tile(dec, hint.period, (hint.tile,))
+                period = hint.period if found else None
+        if not found:
+            # a period exact on short rows may still fail on long ones (some kernels change their
+            # key blocking with the row length): the first candidate that also passes the
+            # long-row tree probe under some tile rule wins
+            for g in _periods(dec):
+                found, tile = _tile(dec, g)
+                if found:
+                    period = g
+                    break
+            else:
+                tile = None
     return Calibration(chain, period, tile, round(time.perf_counter() - t0, 2))
 
 
@@ -226,10 +235,10 @@ def cached_calibration(dec, graph_id: str, threads: int, folder: Path) -> Calibr
     return cal
 
 
-def record_calibration(dec, graph_id: str, threads: int, folder: Path) -> dict:
+def record_calibration(dec, graph_id: str, threads: int, folder: Path, hint: Calibration | None = None) -> dict:
     """The build's calibration of a variant on the machine it runs on, written where the runtime
     looks first (so the first ``generate`` measures nothing) and returned for the manifest."""
-    cal = calibrate(dec)
+    cal = calibrate(dec, hint)
     key = calibration_key(graph_id, threads)
     _save(folder / f"calibration-{key}.json", cal)
     return {"key": key, "threads": threads, **asdict(cal)}
