@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import build_tiny
 
 import dejavuu_build
-from dejavuu_build import cache, schema as S
-from dejavuu_build.build.config import TreeDecoderConfig, tool_versions
+from dejavuu_build import cache
+from dejavuu_build import schema as S
 from dejavuu_build.build import pipeline, sources
+from dejavuu_build.build.config import TreeDecoderConfig, tool_versions
 from dejavuu_build.errors import CacheError, IntegrityError
-
-from conftest import build_tiny
 
 
 def clone(src: Path, name: str) -> Path:

@@ -31,7 +31,7 @@ def spec_prompts():
 
         return ["Summarize: " + LONG_TEXT * 6, "Using the passage, answer: what hides complexity?\n" + LONG_TEXT * 4,
                 PROMPTS[3]]
-    rows = [json.loads(l) for l in open(path)]
+    rows = [json.loads(line) for line in open(path)]
     out = []
     for cat in CATEGORIES:
         row = next(r for r in rows if r["category"] == cat and len(r["turns"][0]) < 4000)

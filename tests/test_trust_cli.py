@@ -6,11 +6,11 @@ import errno
 import json
 
 from click.testing import CliRunner
-
-from dejavuu_build import cache, schema as S
-from dejavuu_build.build.cli import main
-
 from conftest import clone_entry
+
+from dejavuu_build import cache
+from dejavuu_build import schema as S
+from dejavuu_build.build.cli import main
 
 
 def _flip(path, at=None):

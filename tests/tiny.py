@@ -18,7 +18,7 @@ VLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | c
 
 def tiny_tokenizer(vocab_size: int = 256, vlm: bool = False):
     """A byte-level BPE-free tokenizer: one token per byte-ish character, plus specials."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]

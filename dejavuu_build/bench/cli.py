@@ -9,8 +9,16 @@ from pathlib import Path
 import click
 
 from ..build.cli import _friendly
-from .runner import DEFAULT_CATEGORIES, NGRAM_OFF, NGRAM_SWEEP, PEERS, BenchConfig, BenchError, ExactnessError, \
-    run_bench
+from .runner import (
+    DEFAULT_CATEGORIES,
+    NGRAM_OFF,
+    NGRAM_SWEEP,
+    PEERS,
+    BenchConfig,
+    BenchError,
+    ExactnessError,
+    run_bench,
+)
 
 
 def _csv(value: str | None) -> tuple[str, ...]:

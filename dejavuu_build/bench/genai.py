@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..log import logger, step
-from .report import PEER_NGRAM as GENAI_NGRAM   # genai's n-gram speculative decoding, beside its plain one
+from .report import PEER_NGRAM as GENAI_NGRAM  # genai's n-gram speculative decoding, beside its plain one
 from .runner import BenchError
 
 PEERS: tuple[str, ...] = ("genai",)

@@ -337,7 +337,7 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=color, label=label)
     contexts = sorted({r.context for r in report.rows})
-    for ax, (key, ylabel) in zip(axes, panels):
+    for ax, (_key, ylabel) in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [str(c) for c in contexts])
         ax.minorticks_off()

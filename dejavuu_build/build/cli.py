@@ -171,7 +171,7 @@ def verify(name):
         m = verify_entry(folder)
         if m.kind in ("decoder", "vlm"):
             c = read_contract(folder)
-            for v, rec in m.variants.items():
+            for rec in m.variants.values():
                 cross_check(derive_contract(make_session(member(folder, rec.file), threads=1)),
                             variant_contract(c, rec), rec.file)
         return m

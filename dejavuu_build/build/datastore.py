@@ -8,8 +8,18 @@ import json
 from pathlib import Path
 
 from .. import schema as S
-from ..cache import (build_lock, check_name, check_replace, commit, entry_dir, no_manifest, read_entry, record_files,
-                     staging, verify_entry)
+from ..cache import (
+    build_lock,
+    check_name,
+    check_replace,
+    commit,
+    entry_dir,
+    no_manifest,
+    read_entry,
+    record_files,
+    staging,
+    verify_entry,
+)
 from ..errors import CacheError, DejavuuError
 from ..log import logger, step
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import schema as S
-from ..cache import (build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging,
-                     verify_entry)
+from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError, ExportError, ValidationFailed
 from ..log import logger, step
 from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json

@@ -330,7 +330,7 @@ def probe(model, *, layout: str = "concat", heads: int = 0, head_dim: int = 0, t
         p.nodes.append(node.name)
     rep = ExactnessReport(machine())
     nodes = {n.name: n for n in model.graph.node}
-    for sig, p in sorted(groups.items(), key=lambda kv: kv[1].first_index):
+    for p in sorted(groups.values(), key=lambda p: p.first_index):
         node = nodes[p.nodes[0]]
         if p.op == "Attention":
             if not heads:

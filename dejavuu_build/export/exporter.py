@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import collections
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -99,7 +98,7 @@ def dynamo_export(module, args, out_path: Path, in_names, out_names, dynamic, wh
             warnings.simplefilter("ignore")
             torch.onnx.export(module, args, str(tmp), dynamo=True, opset_version=OPSET, input_names=in_names,
                               output_names=out_names, dynamic_shapes=dynamic, external_data=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - surface the exporter's reason in one line
+    except Exception as e:
         raise ExportError(f"torch.onnx export of the {what} failed: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
     seconds = time.perf_counter() - t0

@@ -114,8 +114,7 @@ class Encoded:
 def _quantize_rows(w_rows: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Encoded:
     """Round ``w_rows`` [N, K] to ``bits`` in blocks of ``block`` along K with onnxruntime's own
     blockwise quantizer (MLAS, the one its MatMulNBitsQuantizer uses)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
-                                                                 DefaultWeightOnlyQuantizer)
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
     n, k = w_rows.shape
     cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, bits=bits)

@@ -34,7 +34,7 @@ def friendly(fn):
             _reader_left()
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
-        except Exception as e:  # noqa: BLE001 - never a bare traceback; -v shows it
+        except Exception as e:
             if logger.isEnabledFor(logging.DEBUG):
                 raise
             click.echo(f"error: unexpected {type(e).__name__}: {_one_line(e)[:300]} (run with -v for details)", err=True)

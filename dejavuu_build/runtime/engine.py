@@ -470,12 +470,12 @@ class Engine:
                     kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
                 logits, hidden, present = self.dec.forward(
                     rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
-                job.after_prefill(lambda n, keep: kv.commit(present, n, keep), logits, hidden)
+                job.after_prefill(lambda n, keep, present=present: kv.commit(present, n, keep), logits, hidden)
             while not job.done:
                 rows = job.plan(kv.length)
                 t0 = time.perf_counter()
                 logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False, slots=rows.slots)
-                job.after_step(lambda n, keep: kv.commit(present, n, keep), logits, hidden,
+                job.after_step(lambda n, keep, present=present: kv.commit(present, n, keep), logits, hidden,
                                time.perf_counter() - t0, self.dec.last_run_s)
         finally:
             kv.release()

@@ -171,7 +171,7 @@ def _load_path(path: str | os.PathLike):
             return im.convert("RGB")
     except GenerationError:
         raise
-    except Exception as e:  # noqa: BLE001 - PIL raises many types (UnidentifiedImageError, OSError, ...)
+    except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GenerationError(f"cannot read image {p}: {reason}") from e
 

@@ -21,8 +21,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import schema as S
-from ..cache import (cache_root, is_path_like, locate, member, no_manifest, read_checked_manifest, read_entry,
-                     verify_entry)
+from ..cache import (
+    cache_root,
+    is_path_like,
+    locate,
+    member,
+    no_manifest,
+    read_checked_manifest,
+    read_entry,
+    verify_entry,
+)
 from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
 from .drafters.base import DraftBudget, Drafter

@@ -11,8 +11,19 @@ import re
 import numpy as np
 
 from ..errors import ContractError
-from ..schema import (ATTENTION_BIAS, HIDDEN_STATES, INPUT_IDS, INPUTS_EMBEDS, KV_CAPACITY_KEY, KV_WRITE_INDEX, LOGITS,
-                      POSITION_IDS, Contract, TensorSpec, row_guard_info)
+from ..schema import (
+    ATTENTION_BIAS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    INPUTS_EMBEDS,
+    KV_CAPACITY_KEY,
+    KV_WRITE_INDEX,
+    LOGITS,
+    POSITION_IDS,
+    Contract,
+    TensorSpec,
+    row_guard_info,
+)
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32",
               "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16", "tensor(bool)": "bool"}

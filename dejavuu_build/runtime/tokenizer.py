@@ -171,7 +171,7 @@ def _bounded_env():
             _too_big(_size(out))
             return out
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        def call(__self, __context, __obj, *args, **kwargs):
             target = getattr(__obj, "__wrapped__", __obj)      # str.format comes wrapped by the sandbox
             if isinstance(getattr(target, "__self__", None), str):
                 _check_str_call(target.__self__, getattr(target, "__name__", ""), args, kwargs)

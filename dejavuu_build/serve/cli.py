@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 import click
 
 from ..errors import DejavuuError
-from ..runtime.cli import friendly
 from ..log import logger
+from ..runtime.cli import friendly
 
 
 @dataclass
@@ -82,7 +82,7 @@ def build_app(cfg: ServeConfig):
         logger.info("serving %s: the batched scheduler runs the static KV layout (the default %s decodes one "
                     "request at a time); pass --variant %s to serve that one", twin, model.variant, model.variant)
         model = load(cfg.name, variant=twin, threads=cfg.threads)
-    model.calibration      # measured (or read from its cache) now, not inside the first request
+    _ = model.calibration  # measured (or read from its cache) now, not inside the first request
     memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
     ds = load_datastore(cfg.datastore) if cfg.datastore else None
     sched = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, batch=cfg.batch, memory=memory,

@@ -157,14 +157,14 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
     """baseline_n1 (ORT's one-row path, unpadded) is reported beside the gated methods."""
     import json as _json
 
-    from dejavuu_build.bench.runner import BenchConfig, run_bench, default_data_path
+    from dejavuu_build.bench.runner import BenchConfig, default_data_path, run_bench
 
     if default_data_path() is None:
         pytest.skip("Spec-Bench question.jsonl not present")
     cfg = BenchConfig(model=str(tiny_llama), methods=("baseline", "baseline_n1", "pld"), categories=("qa",),
                       per_category=1, max_new_tokens=8, data=str(default_data_path()))
-    report = run_bench(cfg, tmp_path / "out")
-    recs = [_json.loads(l) for l in open(tmp_path / "out" / "records.jsonl")]
+    run_bench(cfg, tmp_path / "out")
+    recs = [_json.loads(line) for line in open(tmp_path / "out" / "records.jsonl")]
     raw = [r for r in recs if r["method"] == "baseline_n1"]
     assert raw and all(r["gated"] is False for r in raw)
     assert all(r["gated"] for r in recs if r["method"] != "baseline_n1")

@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
+from conftest import build_tiny, clone_entry
 
 from dejavuu_build.build.cli import main
 from dejavuu_build.schema import variant_file
-
-from conftest import build_tiny, clone_entry
 
 
 def run(*args):
@@ -118,7 +117,8 @@ def _one_line_error(r, *needles):
 
 # ---------------------------------------------------------------- item 1: datastore never destroys another entry
 def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_dir, tmp_path):
-    from dejavuu_build import cache, schema as S
+    from dejavuu_build import cache
+    from dejavuu_build import schema as S
 
     victim = clone_entry(tiny_llama, "victim")
     before = (victim / S.MANIFEST_FILE).read_text()

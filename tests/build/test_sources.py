@@ -3,7 +3,6 @@
 import hashlib
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 

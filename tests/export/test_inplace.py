@@ -6,14 +6,13 @@ import collections
 import numpy as np
 import onnx
 import pytest
+from conftest import build_tiny
 
 from dejavuu_build import schema as S
 from dejavuu_build.build.gates import Runner
 from dejavuu_build.export.inplace import to_static_kv
 from dejavuu_build.runtime.session import derive_contract, make_session
 from dejavuu_build.runtime.tree import step_inputs
-
-from conftest import build_tiny
 
 
 def _runner(path):
@@ -30,7 +29,7 @@ def test_static_graph_computes_what_the_concat_graph_computes(recipe, cache_dir)
     static = _runner(folder / S.variant_file("fp32-static"))
     assert static.c.kv_layout == "static" and static.c.kv_capacity > 0 and concat.c.kv_layout == "concat"
     ps = matches_concat(concat, static)
-    for k, v in ps.items():
+    for v in ps.values():
         assert v.shape[2] == static.c.kv_capacity
         assert not v[:, :, 21:].any()                          # nothing written past the new rows
 

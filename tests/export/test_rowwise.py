@@ -7,6 +7,8 @@ import collections
 import numpy as np
 import onnx
 import pytest
+from conftest import build_tiny
+from test_inplace import _runner, matches_concat
 
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
@@ -14,9 +16,6 @@ from dejavuu_build.export.inplace import to_rowwise_kv
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.engine import ROWWISE_TILE
 from dejavuu_build.runtime.session import derive_contract, make_session
-
-from conftest import build_tiny
-from test_inplace import _runner, matches_concat
 
 
 def test_rowwise_graph_computes_what_the_concat_graph_computes(tiny_llama):

@@ -196,7 +196,9 @@ def _row_mismatches(sess, out_names, rng, k_inputs, max_rows=17):
     """(rows differing alone vs among M rows, rows differing in [x_r, 0] vs among M rows), over
     M = 2..max_rows and every row, bit for bit, for the named outputs."""
     x = {n: (rng.standard_normal((1, max_rows, k)) * 2).astype(np.float32) for n, k in k_inputs.items()}
-    run = lambda f: dict(zip(out_names, sess.run(out_names, f)))
+    def run(f):
+        return dict(zip(out_names, sess.run(out_names, f)))
+
     alone = [run({n: v[:, r:r + 1] for n, v in x.items()}) for r in range(max_rows)]
     pair = [run({n: np.concatenate([v[:, r:r + 1], np.zeros_like(v[:, :1])], 1) for n, v in x.items()})
             for r in range(max_rows)]

@@ -2,12 +2,11 @@
 
 import numpy as np
 import onnx
+from conftest import build_tiny
 from onnx import numpy_helper
 
 from dejavuu_build.quantize.nbits import PLANS, QuantPlan, _quantize_rows, fit_block, quantize_model
 from dejavuu_build.schema import read_manifest, variant_file
-
-from conftest import build_tiny
 
 
 def _nodes(path):

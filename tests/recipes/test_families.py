@@ -8,15 +8,19 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import build_tiny
 
 from dejavuu_build import schema as S
 from dejavuu_build.build.gates import Reference
 from dejavuu_build.build.pipeline import REFERENCE_FILE
 from dejavuu_build.recipes import registered
-from dejavuu_build.recipes.base import STATIC_ROPE_TYPES, attention_features, config_windows, original_rope_length, \
-    rope_type
-
-from conftest import build_tiny
+from dejavuu_build.recipes.base import (
+    STATIC_ROPE_TYPES,
+    attention_features,
+    config_windows,
+    original_rope_length,
+    rope_type,
+)
 
 CASES = [(n, c) for n, cls in sorted(registered().items()) for c in cls().tiny_cases()]
 _built: dict[str, object] = {}
@@ -30,8 +34,8 @@ def build_case(recipe: str, case: str, cache_dir):
     name = f"tiny-{recipe}-{case}"
     if name not in _built:
         import torch
-        from transformers import AutoModelForCausalLM
         from tiny import tiny_tokenizer
+        from transformers import AutoModelForCausalLM
 
         from dejavuu_build.build.config import TreeDecoderConfig
         from dejavuu_build.build.pipeline import build_tree_decoder

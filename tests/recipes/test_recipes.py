@@ -1,12 +1,11 @@
 """Every registered recipe builds from a tiny random model and passes every gate."""
 
 import pytest
+from conftest import build_tiny
 
 from dejavuu_build.errors import UnsupportedArchitecture
 from dejavuu_build.recipes import recipe_for, registered
 from dejavuu_build.schema import read_manifest
-
-from conftest import build_tiny
 
 
 def test_every_recipe_has_a_tiny_config():

@@ -1,7 +1,6 @@
 """The engine on tiny random exports: every drafter, chain and tree, greedy and seeded sampling,
 reproduces plain decoding token for token; KV handling; tree acceptance; stop conditions."""
 
-import numpy as np
 import pytest
 
 from dejavuu_build.errors import GenerationError
@@ -9,8 +8,6 @@ from dejavuu_build.runtime import load
 from dejavuu_build.runtime.drafters import METHODS
 from dejavuu_build.runtime.drafters.base import Draft, Drafter
 from dejavuu_build.runtime.engine import Engine
-
-from conftest import build_tiny
 
 PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3"]
 
@@ -104,7 +101,7 @@ def test_kv_cache_stays_the_committed_length(tiny, monkeypatch):
                      tile=tiny.calibration.tile if tree else None)
         committed, checks = [0], []
 
-        def on_tokens(toks):
+        def on_tokens(toks, committed=committed, checks=checks):
             committed[0] += len(toks)
             checks.append((commits[-1][0], len(ids) + committed[0] - 1))
 

@@ -6,12 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import build_tiny, clone_entry
 
 from dejavuu_build import schema as S
 from dejavuu_build.errors import CacheError, IntegrityError
 from dejavuu_build.runtime import load
-
-from conftest import build_tiny, clone_entry
 
 
 def test_runtime_never_imports_torch(tiny_llama, cache_dir):
@@ -90,10 +89,12 @@ def test_optimum_export_runs_in_chain_mode(tmp_path, caplog):
 
 
 def build_tiny_for(src, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
     from dejavuu_build.export.exporter import export_decoder
     from dejavuu_build.recipes import registered
-    from transformers import AutoModelForCausalLM
-    import shutil
 
     d = tmp_path / "ours"
     d.mkdir()

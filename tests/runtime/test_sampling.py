@@ -44,7 +44,6 @@ T = 1.0
 def _exact_second_token(target) -> tuple[np.ndarray, np.ndarray]:
     """Exact marginals of the 1st and 2nd generated tokens under the target."""
     s = Sampler(temperature=T)
-    from dejavuu_build.runtime.kv import KVCache
 
     dec = target.decoder
     kv = dec.new_cache()

@@ -3,11 +3,10 @@ are reused, bad drafts are refused. (Every drafter's losslessness on it: test_en
 
 import numpy as np
 import pytest
+from test_engine import PROMPTS
 
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.kv import StaticKV
-
-from test_engine import PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import clone_entry
 
 from dejavuu_build import schema as S
 from dejavuu_build.errors import CacheError, GenerationError
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.sampling import Sampler
-
-from conftest import clone_entry
 
 PROMPTS = ["abcabcabc abc", "the cat sat on the mat. the cat", "1 2 3 1 2 3 1 2", "hello hello hello"]
 
@@ -36,7 +35,7 @@ def test_one_model_shared_by_threads_answers_each_as_alone(model):
         got = [None] * 4
         start = threading.Barrier(4)
 
-        def one(i):
+        def one(i, start=start, got=got):
             start.wait()
             got[i] = model.generate(PROMPTS[i], **kw[i]).tokens
 

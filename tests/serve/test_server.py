@@ -5,7 +5,6 @@ bad requests get OpenAI-shaped errors, and random bodies never take the server d
 
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -19,10 +19,10 @@ from click.testing import CliRunner
 
 pytest.importorskip("fastapi")
 
-from dejavuu_build.runtime import load  # noqa: E402
-from dejavuu_build.serve import graph  # noqa: E402
-from dejavuu_build.serve.bench import free_port, start_server  # noqa: E402
-from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler  # noqa: E402
+from dejavuu_build.runtime import load
+from dejavuu_build.serve import graph
+from dejavuu_build.serve.bench import free_port, start_server
+from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler
 
 NAME = "tiny-llama"
 VARIANT = "int4-static"
