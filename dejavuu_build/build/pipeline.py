@@ -346,7 +346,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     file's sha256, so the first ``generate`` after a build measures nothing. Another machine or
     onnxruntime has another key and measures again."""
     from ..cache import cache_root
-    from ..runtime.calibration import Calibration, record_calibration
+    from ..runtime.calibration import Calibration, calibration_key, record_calibration
     from ..runtime.engine import Decoder
 
     # per attention flavour, what the smallest precision found (searched there: its forwards are the cheapest)
@@ -356,8 +356,11 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
         if not rec.passed:
             continue
         flavour = (declared.kv_layout, declared.length_invariant)
+        sha = S.sha256_file(folder / rec.file)
+        if rec.calibration.get("key") == calibration_key(sha, threads):
+            continue          # carried unchanged (quant-only) and measured on this machine already
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
-            rec.calibration = record_calibration(Decoder(sess, declared), S.sha256_file(folder / rec.file), threads,
+            rec.calibration = record_calibration(Decoder(sess, declared), sha, threads,
                                                  cache_root() / ".runtime", hints.get(flavour))
         if rec.calibration["period"] is not None:
             hints[flavour] = Calibration.from_json({k: rec.calibration[k] for k in ("version", "chain_exact", "period",
