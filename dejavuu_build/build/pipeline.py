@@ -293,7 +293,7 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         if not manifest.variants[v].passed:
             logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
                            v, _failed(manifest.variants[v]))
-    _calibrate(folder, manifest, sessions, threads)
+    _calibrate(folder, manifest, sessions, threads, embed)
     manifest.default_variant, manifest.default_reason = _choose_default(manifest)
 
 
@@ -339,7 +339,7 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
                 f"NOT length-invariant here ({', '.join(summary['not_exact'])}): lone tokens get a pad row")
 
 
-def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int) -> None:
+def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, embed=None) -> None:
     """What the runtime measures before its first speculative step (runtime.calibration: verify
     exactness, tree period and tile), measured here for every passing variant on this machine and
     stored twice: in the manifest (the record) and in the runtime's calibration cache under the
@@ -360,7 +360,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
         if rec.calibration.get("key") == calibration_key(sha, threads):
             continue          # carried unchanged (quant-only) and measured on this machine already
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
-            rec.calibration = record_calibration(Decoder(sess, declared), sha, threads,
+            rec.calibration = record_calibration(Decoder(sess, declared, embed), sha, threads,
                                                  cache_root() / ".runtime", hints.get(flavour))
         if rec.calibration["period"] is not None:
             hints[flavour] = Calibration.from_json({k: rec.calibration[k] for k in ("version", "chain_exact", "period",
