@@ -85,7 +85,8 @@ def test_a_hostile_template_through_the_cli_is_one_line(tmp_path, tiny_llama, ca
     d = tmp_path / "entry"
     shutil.copytree(tiny_llama, d)
     (d / "chat_template.jinja").write_text(HOSTILE["huge repeat"])
-    (d / "manifest.json").unlink()          # a third-party folder: its template is run (sandboxed)
+    (d / "manifest.json").unlink()          # a third-party folder (neither our manifest nor our contract):
+    (d / "contract.json").unlink()          # its template is run (sandboxed)
     r = CliRunner().invoke(main, ["generate", str(d / "decoder_fp32.onnx"), "--chat", "hi", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error: chat template"), r.output
 
