@@ -293,8 +293,8 @@ def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str]
         if not manifest.variants[v].passed:
             logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
                            v, _failed(manifest.variants[v]))
-    _calibrate(folder, manifest, sessions, threads, embed)
     manifest.default_variant, manifest.default_reason = _choose_default(manifest)
+    _calibrate(folder, manifest, sessions, threads, embed)
 
 
 def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int) -> None:
@@ -341,7 +341,8 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
 
 def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, embed=None) -> None:
     """What the runtime measures before its first speculative step (runtime.calibration: verify
-    exactness, tree period and tile), measured here for every passing variant on this machine and
+    exactness, tree period and tile), measured here on this machine for the variants a runtime opens
+    unasked (the default and its static twin; others measure on first use, with a line on screen) and
     stored twice: in the manifest (the record) and in the runtime's calibration cache under the
     file's sha256, so the first ``generate`` after a build measures nothing. Another machine or
     onnxruntime has another key and measures again."""
@@ -351,9 +352,12 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
 
     # per attention flavour, what the smallest precision found (searched there: its forwards are the cheapest)
     hints: dict[tuple[str, bool], Calibration] = {}
+    default = manifest.default_variant
+    # what a runtime opens without being told: the default and the static twin a server batches
+    wanted = {default, S.variant_name(S.split_variant(default)[0], "static")} if default else set()
     for v, (sess, declared) in sorted(sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])):
         rec = manifest.variants[v]
-        if not rec.passed:
+        if not rec.passed or v not in wanted:
             continue
         flavour = (declared.kv_layout, declared.length_invariant)
         sha = S.sha256_file(folder / rec.file)
