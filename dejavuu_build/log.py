@@ -27,17 +27,41 @@ class StepTimer:
         self.seconds = 0.0
 
 
+_timelines: list[list[tuple[str, float]]] = []
+
+
+@contextmanager
+def timeline() -> Iterator[list[tuple[str, float]]]:
+    """Collect ``(step, seconds)`` of every step() run inside (outermost steps only), so a build can
+    record and print where its time went."""
+    steps: list[tuple[str, float]] = []
+    _timelines.append(steps)
+    try:
+        yield steps
+    finally:
+        _timelines.remove(steps)
+
+
+_depth = 0
+
+
 @contextmanager
 def step(name: str) -> Iterator[StepTimer]:
     """Log the start and the duration of a long build step."""
+    global _depth
     t = StepTimer()
     logger.info("▶ %s …", name)
     t0 = time.perf_counter()
+    _depth += 1
     try:
         yield t
     finally:
+        _depth -= 1
         t.seconds = time.perf_counter() - t0
         logger.info("  %s done in %.1fs", name, t.seconds)
+        if _depth == 0:
+            for steps in _timelines:
+                steps.append((name, round(t.seconds, 1)))
 
 
 def progress(iterable, desc: str, total: int | None = None):

@@ -199,6 +199,7 @@ class Manifest:
     default_variant: str | None = None
     default_reason: dict = field(default_factory=dict)     # the rule, the noise, the margin, the candidates
     files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
+    steps: list = field(default_factory=list)        # [step, seconds] of the last build or quant-only, in order
 
     def to_json(self) -> dict:
         d = asdict(self)

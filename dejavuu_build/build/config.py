@@ -16,7 +16,9 @@ class TreeDecoderConfig:
     model: str = DEFAULT_MODEL
     revision: str | None = None
     name: str | None = None
-    variants: tuple[str, ...] = VARIANTS
+    # () = auto: the fp32 export + int4 in every KV layout, int8 only when no int4 keeps the model's
+    # answers (pipeline._auto_variants); else an explicit list, fp32 first, every layout of each.
+    variants: tuple[str, ...] = ()
     hidden_layer: int = -1
     primary_input: str = "input_ids"
     timing: bool = True
@@ -31,8 +33,9 @@ class TreeDecoderConfig:
         from ..errors import DejavuuError
 
         bad = [v for v in self.variants if v not in VARIANTS]
-        if bad or "fp32" not in self.variants:
-            raise DejavuuError(f"variants must include fp32 and be among {', '.join(VARIANTS)} (got {', '.join(self.variants)})")
+        if self.variants and (bad or "fp32" not in self.variants):
+            raise DejavuuError(f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
+                               f"(got {', '.join(self.variants)})")
         if self.primary_input not in ("input_ids", "inputs_embeds"):
             raise DejavuuError("--primary-input must be input_ids or inputs_embeds")
         if self.vision and self.primary_input != "inputs_embeds":

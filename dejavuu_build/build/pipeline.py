@@ -15,7 +15,7 @@ import numpy as np
 from .. import schema as S
 from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError, ExportError, ValidationFailed
-from ..log import logger, step
+from ..log import logger, step, timeline
 from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json
 from .config import TreeDecoderConfig, cache_key, tool_versions
 
@@ -48,10 +48,14 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
             logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
             return BuildResult(final, old, cache_hit=True)
         with staging(name) as tmp:
-            manifest = _export(cfg, src, tmp, name, key, tools)
-            _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
-                                   cfg.timing)
-            _finish(tmp, manifest)
+            with timeline() as steps:
+                manifest = _export(cfg, src, tmp, name, key, tools)
+                if cfg.variants:
+                    _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
+                                           cfg.timing)
+                else:
+                    _auto_variants(tmp, manifest, cfg.threads, cfg.timing)
+                _finish(tmp, manifest, steps)
             out = commit(tmp, name)
     return BuildResult(out, manifest)
 
@@ -80,11 +84,11 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
             with staging(name) as tmp:
                 for rel in carried:
                     link_or_copy(final / rel, tmp / rel)
-                manifest.build_config["variants"] = sorted(set(manifest.build_config.get("variants", [])) | set(variants),
-                                                           key=S.VARIANTS.index)
-                _quantize_and_validate(tmp, manifest, list(variants), threads, timing)
-                _requant_key(manifest, tool_versions())
-                _finish(tmp, manifest)
+                manifest.build_config["variants"] = _requant_variants(manifest, variants)
+                with timeline() as steps:
+                    _quantize_and_validate(tmp, manifest, list(variants), threads, timing, fp32_layouts=False)
+                    _requant_key(manifest, tool_versions())
+                    _finish(tmp, manifest, steps)
                 drift = [rel for rel, sha in carried.items() if manifest.files.get(rel, {}).get("sha256") != sha]
                 if drift:       # changed between the check and the copy: nothing is committed
                     raise IntegrityError(f"{final / drift[0]} changed while quant-only ran; {name} is unchanged: "
@@ -95,6 +99,16 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
                          f"({e.strerror or type(e).__name__}): free disk space or make the cache writable; "
                          f"{name} is unchanged") from None
     return BuildResult(out, manifest)
+
+
+def _requant_variants(manifest: Manifest, variants: tuple[str, ...]) -> list[str]:
+    """The build config's variants after quant-only: an auto build ([]) stays auto while quant-only
+    redoes precisions it holds; adding one makes the list explicit (fp32 and all it now holds)."""
+    had = manifest.build_config.get("variants", [])
+    held = {S.split_variant(v)[0] for v in manifest.variants}
+    if not had and set(variants) <= held:
+        return []
+    return sorted(set(had or held) | {"fp32"} | set(variants), key=S.VARIANTS.index)
 
 
 def _requant_key(manifest: Manifest, tools: dict) -> None:
@@ -216,85 +230,167 @@ def _save_tokenizer(tok, gen, folder: Path) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool) -> None:
-    """Quantize ``variants`` from the fp32 export, then validate every variant (fp32 included)
-    against the saved torch references: torch-free, so quant-only runs it too. Then quality (top-1
-    and KL vs the fp32 export over the quality set) and timing, both over all variants at once."""
-    from ..quantize import PLANS, quantize_model
-    from ..runtime.session import cross_check, derive_contract, make_session
-    from .gates import QUALITY_FLOORS, Reference, Runner, gate_quality, run_gates, scoring_set
-    from .sources import gguf_of
+def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool,
+                           *, fp32_layouts: bool = True) -> None:
+    """Quantize ``variants`` from the fp32 export and gate them, then time every variant and pick
+    the default (quant-only and explicit --variants builds: one pass)."""
+    g = _Gates(folder, manifest, threads)
+    g.add(variants, fp32_layouts=fp32_layouts)
+    g.settle(timing)
 
-    contract = read_contract(folder)
-    ref = Reference.load(folder / REFERENCE_FILE)
-    embed = None
-    if contract.primary_input == "inputs_embeds":
-        from ..runtime.vision import load_embedder
 
-        embed = load_embedder(folder, threads)
-    gguf = gguf_of(manifest.source) if variants else None
-    t_q = 0.0
-    with _unguarded(folder / variant_file("fp32"), bool(variants)) as source:
-        for v in variants:
-            with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
-                rep = quantize_model(source, folder / variant_file(v), PLANS[v],
-                                     tied=manifest.export.get("tied_embeddings"), gguf=gguf)
-            t_q += t.seconds
-            manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
-    if variants:
-        manifest.quantize = {"seconds": round(t_q, 1), "variants": variants}
-    layouts = manifest.build_config.get("kv_layouts", ["concat"])
-    capacity = static_capacity(manifest.build_config.get("max_context"), contract.max_positions)
-    for layout in (k for k in S.KV_LAYOUTS if k != "concat" and k in layouts):
-        for v in ([] if S.variant_name("fp32", layout) in manifest.variants else ["fp32"]) + variants:
-            if not _layout_variant(folder, manifest, v, capacity, layout):
-                break
-    todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
-    for v in todo:
-        _row_guard(folder, manifest, v, contract, threads)
-    sessions: dict[str, tuple] = {}
-    for v in todo:
+def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool) -> None:
+    """The default build (--variants auto): the fp32 export (what a rebuild and quant-only start
+    from) and int4 in every KV layout, the candidates the machine's measurements pick the default
+    from; int8 is added only when no int4 variant passes its gates and keeps the model's answers
+    (DEFAULT_FLOORS), so a user always gets a default that does. fp32's in-place flavours (540 MB
+    each for a 135M model) only on request."""
+    g = _Gates(folder, manifest, threads)
+    g.add(["int4"], fp32_layouts=False)
+    four = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] == "int4"}
+    if not any(r.passed and keeps_answers(r) for r in four.values()):
+        why = "; ".join(f"{n}: {_quality_line(r)}" for n, r in sorted(four.items()))
+        logger.info("int4 does not keep the model's answers here (%s): adding int8", why or "no int4 variant")
+        g.add(["int8"], fp32_layouts=False)
+    g.settle(timing)
+
+
+def _quality_line(rec: VariantRecord) -> str:
+    q = rec.gates.get("quality")
+    if not rec.passed and q is None:
+        return f"failed {_failed(rec)}"
+    return f"top-1 {q['top1']:.3f}, KL {q['mean_kl']:.4f}" if q else "no quality gate"
+
+
+class _Gates:
+    """Quantize, guard and gate variants into a build folder, then time them and pick the default.
+    Torch-free (quant-only runs it too). A variant carried unchanged from an earlier run (same
+    bytes, gated on this machine and onnxruntime) keeps its gates: only new variants are measured,
+    each once; the sessions opened for the gates are reused by timing and calibration."""
+
+    def __init__(self, folder: Path, manifest: Manifest, threads: int):
+        from ..export.exactness import machine
+        from .gates import Reference
+
+        self.folder, self.manifest, self.threads = folder, manifest, threads
+        self.contract = read_contract(folder)
+        self.ref = Reference.load(folder / REFERENCE_FILE)
+        self.machine = machine()
+        self.embed = None
+        if self.contract.primary_input == "inputs_embeds":
+            from ..runtime.vision import load_embedder
+
+            self.embed = load_embedder(folder, threads)
+        self.sessions: dict[str, tuple] = {}
+        self.quantized: list[str] = []
+        self.t_quantize = 0.0
+
+    def add(self, variants: list[str], *, fp32_layouts: bool = True) -> None:
+        """Quantize ``variants`` (int8/int4) from the fp32 export, write their in-place flavours
+        (and fp32's when ``fp32_layouts``), guard rows, and gate every variant not gated yet:
+        validation against the torch references, then quality against fp32."""
+        from ..quantize import PLANS, quantize_model
+        from .sources import gguf_of
+
+        folder, manifest = self.folder, self.manifest
+        gguf = gguf_of(manifest.source) if variants else None
+        with _unguarded(folder / variant_file("fp32"), bool(variants)) as source:
+            for v in variants:
+                with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
+                    rep = quantize_model(source, folder / variant_file(v), PLANS[v],
+                                         tied=manifest.export.get("tied_embeddings"), gguf=gguf)
+                self.t_quantize += t.seconds
+                self.quantized.append(v)
+                manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
+                self.sessions.pop(v, None)
+        if variants:
+            manifest.quantize = {"seconds": round(self.t_quantize, 1), "variants": list(self.quantized)}
+        layouts = manifest.build_config.get("kv_layouts", ["concat"])
+        capacity = static_capacity(manifest.build_config.get("max_context"), self.contract.max_positions)
+        for layout in (k for k in S.KV_LAYOUTS if k != "concat" and k in layouts):
+            fp32 = fp32_layouts and S.variant_name("fp32", layout) not in manifest.variants
+            for v in (["fp32"] if fp32 else []) + variants:
+                if not _layout_variant(folder, manifest, v, capacity, layout):
+                    break
+                self.sessions.pop(S.variant_name(v, layout), None)
+        todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
+        for v in todo:
+            _row_guard(folder, manifest, v, self.contract, self.threads)
+        fresh = [v for v in todo if not self._gated(v)]
+        for v in todo:
+            self._validate(v, fresh=v in fresh)
+        self._quality([v for v in fresh if v != "fp32"])
+
+    def _gated(self, v: str) -> bool:
+        """Gated already, on this machine and onnxruntime (a variant carried by quant-only)."""
+        rec = self.manifest.variants.get(v)
+        return bool(rec and rec.gates and rec.gates.get("batched_vs_incremental", {}).get("machine") == self.machine
+                    and (v == "fp32" or "quality" in rec.gates))
+
+    def _validate(self, v: str, *, fresh: bool) -> None:
+        from ..runtime.session import cross_check, derive_contract, make_session
+        from .gates import run_gates
+
+        manifest = self.manifest
         precision, _ = S.split_variant(v)
         rec = manifest.variants.get(v) or VariantRecord(file=variant_file(v))
-        declared = S.variant_contract(contract, rec)
-        with step(f"validate {v}"):
-            sess = make_session(folder / variant_file(v), threads=threads)
+        declared = S.variant_contract(self.contract, rec)
+        if v in self.sessions and not fresh:
+            return
+        if not fresh:
+            sess = make_session(self.folder / variant_file(v), threads=self.threads)
             cross_check(derive_contract(sess), declared, variant_file(v))
-            res = run_gates(precision, sess, declared, ref, embed=embed, timing=False)
-        rec.gates, rec.passed = res["gates"], res["passed"]
-        rec.bytes = (folder / rec.file).stat().st_size
+            logger.info("  %s: carried unchanged, its gates measured on this machine and onnxruntime", v)
+        else:
+            with step(f"validate {v}"):
+                sess = make_session(self.folder / variant_file(v), threads=self.threads)
+                cross_check(derive_contract(sess), declared, variant_file(v))
+                res = run_gates(precision, sess, declared, self.ref, embed=self.embed, timing=False)
+            res["gates"]["batched_vs_incremental"]["machine"] = self.machine
+            rec.gates, rec.passed = res["gates"], res["passed"]
+        rec.bytes = (self.folder / rec.file).stat().st_size
         manifest.variants[v] = rec
-        sessions[v] = (sess, declared)
+        self.sessions[v] = (sess, declared)
         if v == "fp32" and not rec.passed:
             _summary(manifest)
             raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
-    fp32 = Runner(*sessions["fp32"], embed)
-    others = {v: Runner(s, c, embed) for v, (s, c) in sessions.items() if v != "fp32"}
-    if others:
-        with step("quality: teacher-forced top-1 and KL against fp32 over the quality set"):
-            limit = min(c.position_limit for _, c in sessions.values())
-            qs = scoring_set(folder, fp32, ref, limit)
-            for v, g in gate_quality(fp32, others, qs, QUALITY_FLOORS).items():
-                manifest.variants[v].gates["quality"] = g
-                manifest.variants[v].passed = manifest.variants[v].passed and g["passed"]
-    if timing:
-        from .gates import time_interleaved
 
-        with step(f"time {len(sessions)} variants, interleaved"):
-            timed = time_interleaved(sessions)
-        for v, t in timed.items():
-            rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
-            rec.timings_ms, rec.timing_rounds_ms = t["timings_ms"], t["round_costs_ms"]
-            tm = rec.timings_ms
-            if "n1_p256" in tm:
-                rec.verify_cost_ratio = round(tm["n8_p256"] / tm["n1_p256"], 2)
-                tm["pad_cost_ratio"] = round(tm["n2_p256"] / tm["n1_p256"], 2)
-    for v in todo:
-        if not manifest.variants[v].passed:
-            logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
-                           v, _failed(manifest.variants[v]))
-    manifest.default_variant, manifest.default_reason = _choose_default(manifest)
-    _calibrate(folder, manifest, sessions, threads, embed)
+    def _quality(self, variants: list[str]) -> None:
+        from .gates import QUALITY_FLOORS, Runner, gate_quality, scoring_set
+
+        if not variants:
+            return
+        fp32 = Runner(*self.sessions["fp32"], self.embed)
+        runners = {v: Runner(*self.sessions[v], self.embed) for v in variants}
+        with step(f"quality of {', '.join(variants)}: teacher-forced top-1 and KL against fp32 over the quality set"):
+            limit = min(c.position_limit for _, c in self.sessions.values())
+            qs = scoring_set(self.folder, fp32, self.ref, limit)
+            for v, g in gate_quality(fp32, runners, qs, QUALITY_FLOORS).items():
+                rec = self.manifest.variants[v]
+                rec.gates["quality"] = g
+                rec.passed = rec.passed and g["passed"]
+
+    def settle(self, timing: bool) -> None:
+        """Time every variant interleaved, pick the default, calibrate what a runtime opens unasked."""
+        manifest = self.manifest
+        if timing:
+            from .gates import time_interleaved
+
+            with step(f"time {len(self.sessions)} variants, interleaved"):
+                timed = time_interleaved(self.sessions)
+            for v, t in timed.items():
+                rec = manifest.variants[v]
+                rec.timings_ms, rec.timing_rounds_ms = t["timings_ms"], t["round_costs_ms"]
+                tm = rec.timings_ms
+                if "n1_p256" in tm:
+                    rec.verify_cost_ratio = round(tm["n8_p256"] / tm["n1_p256"], 2)
+                    tm["pad_cost_ratio"] = round(tm["n2_p256"] / tm["n1_p256"], 2)
+        for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
+            if not rec.passed:
+                logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
+                               v, _failed(rec))
+        manifest.default_variant, manifest.default_reason = _choose_default(manifest)
+        _calibrate(self.folder, manifest, self.sessions, self.threads, self.embed)
 
 
 def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int) -> None:
@@ -501,7 +597,9 @@ def _pick_default(manifest: Manifest) -> str | None:
     return _choose_default(manifest)[0]
 
 
-def _finish(folder: Path, manifest: Manifest) -> None:
+def _finish(folder: Path, manifest: Manifest, steps: list[tuple[str, float]] | None = None) -> None:
+    if steps is not None:
+        manifest.steps = [[name, sec] for name, sec in steps]
     for rec in manifest.variants.values():
         f = folder / rec.file
         rec.bytes = f.stat().st_size
@@ -547,3 +645,7 @@ def _summary(manifest: Manifest) -> None:
         else:
             how = "the smallest passing file (not timed)"
         logger.info(" default %s: %s", manifest.default_variant, how)
+    if manifest.steps:
+        total = sum(sec for _, sec in manifest.steps)
+        top = sorted(manifest.steps, key=lambda x: -x[1])[:6]
+        logger.info(" time %.0fs: %s", total, ", ".join(f"{n.split(' (')[0]} {sec:.0f}s" for n, sec in top))

@@ -64,7 +64,7 @@ def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1
     bias = torch.zeros(1, 1, n, p + n)
     past = [torch.zeros(1, kv, p, D) for _ in range(2 * L)]
     Nd = torch.export.Dim("N", min=1, max=8192)
-    Pd = torch.export.Dim("P", min=0, max=131072)
+    Pd = torch.export.Dim("P", min=0, max=131071)   # 131072 fails a guard, costing a second trace
     Td = torch.export.Dim("T", min=1, max=131072)
     first_dims = {1: Nd}
     dynamic = (first_dims, {1: Nd}, {2: Nd, 3: Td}, tuple({2: Pd} for _ in past))

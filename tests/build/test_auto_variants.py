@@ -1,0 +1,62 @@
+"""The default build (--variants auto) on a tiny random Llama: what it writes, when it adds int8,
+and quant-only gating only what it rewrote."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dejavuu_build import schema as S
+from dejavuu_build.build import pipeline
+from dejavuu_build.build.config import TreeDecoderConfig
+from dejavuu_build.build.pipeline import build_tree_decoder, quant_only
+
+INT4 = ["fp32", "int4", "int4-static", "int4-rowwise"]
+
+
+def _build(cache_dir, name: str, seed: int = 0):
+    from tiny import save_tiny
+
+    src = save_tiny("llama", cache_dir.parent / f"src-{name}", seed=seed)
+    return build_tree_decoder(TreeDecoderConfig(model=str(src), name=name, timing=False, reference_tokens=12))
+
+
+@pytest.fixture(scope="module")
+def auto_build(cache_dir):
+    return _build(cache_dir, "auto-llama")
+
+
+def test_auto_writes_fp32_and_the_int4_flavours(auto_build):
+    m = auto_build.manifest
+    assert sorted(m.variants, key=S.variant_order) == INT4
+    assert m.build_config["variants"] == []
+    files = {p.name for p in auto_build.folder.iterdir()}
+    assert not any(f.startswith(("decoder_int8", "decoder_fp32-")) for f in files), files
+    assert all(m.variants[v].passed for v in INT4) and m.default_variant in INT4[1:]
+    names = [n for n, _ in m.steps]                    # where the time went, in order
+    assert names[0].startswith("load ") and names[1].startswith("export fp32")
+    assert any(n.startswith("validate int4") for n in names)
+    assert all(sec >= 0 for _, sec in m.steps)
+
+
+def test_quant_only_gates_only_what_it_rewrote(auto_build):
+    before = S.read_manifest(auto_build.folder)
+    after = quant_only("auto-llama", variants=("int4",), timing=False).manifest
+    names = [n for n, _ in after.steps]
+    assert "validate int4" in names and "validate fp32" not in names, names
+    assert after.variants["fp32"].gates == before.variants["fp32"].gates        # carried, measured here
+    for v in INT4[1:]:
+        assert after.variants[v].sha256 == before.variants[v].sha256 and after.variants[v].passed, v
+    assert after.build_config["variants"] == [] and after.default_variant == before.default_variant
+
+
+def test_auto_adds_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):
+    # No int4 can reach a top-1 above 1: the build must add int8 (and never fp32's flavours).
+    monkeypatch.setattr(pipeline, "DEFAULT_FLOORS", {"top1": 1.01, "mean_kl": 0.0})
+    with caplog.at_level(logging.INFO, logger="dejavuu"):
+        m = _build(cache_dir, "auto-int8", seed=1).manifest
+    assert sorted(m.variants, key=S.variant_order) == INT4[:1] + ["int8", "int8-static", "int8-rowwise"] + INT4[1:]
+    assert "int4 does not keep the model's answers here" in caplog.text and "int4-rowwise: top-1" in caplog.text
+    assert all("quality" in m.variants[v].gates for v in m.variants if v != "fp32")
+    assert m.default_variant is not None and m.variants[m.default_variant].passed
