@@ -42,13 +42,30 @@ def test_auto_writes_fp32_and_the_int4_flavours(auto_build):
 
 def test_quant_only_gates_only_what_it_rewrote(auto_build):
     before = S.read_manifest(auto_build.folder)
-    after = quant_only("auto-llama", variants=("int4",), timing=False).manifest
+    # int8 is new: gated; int4 and fp32 are carried, their gates measured here already
+    after = quant_only("auto-llama", variants=("int8",), timing=False).manifest
     names = [n for n, _ in after.steps]
-    assert "validate int4" in names and "validate fp32" not in names, names
-    assert after.variants["fp32"].gates == before.variants["fp32"].gates        # carried, measured here
+    assert "validate int8" in names and "validate int8-rowwise" in names, names
+    assert not any(n in names for n in ("validate fp32", "validate int4", "validate int4-rowwise")), names
+    for v in INT4:
+        assert after.variants[v].gates == before.variants[v].gates and after.variants[v].sha256 == before.variants[v].sha256
+    assert after.variants["int8"].passed and "quality" in after.variants["int8"].gates
+    assert after.build_config["variants"] == ["fp32", "int8", "int4"]        # no longer what auto builds
+    # int4 again: the deterministic quantizer rewrites the same bytes, whose gates hold
+    again = quant_only("auto-llama", variants=("int4",), timing=False).manifest
+    names = [n for n, _ in again.steps]
+    assert any(n.startswith("quantize int4") for n in names) and not any(n.startswith("validate") for n in names), names
     for v in INT4[1:]:
-        assert after.variants[v].sha256 == before.variants[v].sha256 and after.variants[v].passed, v
-    assert after.build_config["variants"] == [] and after.default_variant == before.default_variant
+        assert again.variants[v].sha256 == before.variants[v].sha256 and again.variants[v].passed, v
+    # a changed file is gated again: make the recorded int4 differ from what the quantizer writes
+    m = S.read_manifest(auto_build.folder)
+    m.variants["int4"].sha256 = "0" * 64
+    m.files[m.variants["int4"].file]["sha256"] = "0" * 64     # quant-only never reads what it redoes
+    S.write_json(auto_build.folder / S.MANIFEST_FILE, m.to_json())
+    third = quant_only("auto-llama", variants=("int4",), timing=False).manifest
+    names = [n for n, _ in third.steps]
+    assert "validate int4" in names and "validate int4-rowwise" not in names, names
+    assert third.variants["int4"].passed and third.variants["int4"].sha256 == before.variants["int4"].sha256
 
 
 def test_auto_adds_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):
