@@ -41,7 +41,7 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
             raise BenchError(f"--resume {resume} and --out {out} name different folders: give one")
         if not (resume or out):
             raise BenchError("--resume needs the run's folder: --resume DIR, or --resume with --out DIR")
-        return Path(resume or out).expanduser(), True
+        return Path(resume or out or "").expanduser(), True     # one of them is given (checked above)
     if out:
         return Path(out).expanduser(), False
     stem = Path(model).name if Path(model).expanduser().exists() else model

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 from ..log import logger, step
 from .report import PEER_NGRAM as GENAI_NGRAM  # genai's n-gram speculative decoding, beside its plain one
@@ -394,7 +394,7 @@ class GenaiReplay:
         types = {a.name: a.type for a in [*self.sess.get_inputs(), *self.sess.get_outputs()]}
         self.kv_dtype = "float16" if types.get(self.names_in["past_key_names"] % 0) == "tensor(float16)" else "float32"
         self.logits_dtype = "float16" if types.get(self.names_out["logits"]) == "tensor(float16)" else "float32"
-        self.bind = None
+        self.bind: Any = None     # the onnxruntime IOBinding prefill() makes
 
     def prefill(self, prompt_ids: Sequence[int], max_len: int) -> int:
         """Fresh zeroed KV buffers of ``max_len`` positions, then the prompt; the argmax of its last row."""
@@ -457,8 +457,9 @@ def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, co
     fp32 = Runner(make_session(folder / variant_file("fp32"), threads=threads), contract)
     ref = Reference.load(folder / REFERENCE_FILE) if (folder / REFERENCE_FILE).is_file() else None
     qs = scoring_set(folder, fp32, ref, min(x for x in (contract.position_limit, context_length) if x))
-    teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))   # a gates.Runner's shape
-    g = gate_quality(fp32, {GENAI: teacher}, qs, {})[GENAI]
+    teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))
+    # duck-typed: gate_quality calls only Runner.prefill, which this shape provides
+    g = gate_quality(fp32, {GENAI: cast(Runner, teacher)}, qs, {})[GENAI]
     return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}
 
 

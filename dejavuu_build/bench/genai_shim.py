@@ -78,7 +78,8 @@ def materialize_hf(source: dict, hf: Path) -> Path:
         return Path(source["path"])
     from ..build.sources import Source, load_model_and_tokenizer
 
-    src = Source(**{k: source.get(k) for k in ("kind", "id", "path", "revision", "sha256", "dist_version")})
+    src = Source(kind=source["kind"], id=source["id"], path=source["path"], revision=source.get("revision"),
+                 sha256=source.get("sha256"), dist_version=source.get("dist_version"))
     model, tok, gen, _ = load_model_and_tokenizer(src)
     hf.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(hf)

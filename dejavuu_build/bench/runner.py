@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..errors import DejavuuError
 from ..log import logger, progress
@@ -26,6 +26,7 @@ from .report import PEER, PEER_NGRAM, Report, aggregate, write_outputs
 
 if TYPE_CHECKING:
     from ..runtime.model import GenerationResult, Model
+    from ..runtime.tokenizer import TextTokenizer
 
 TASK_CATEGORIES: tuple[str, ...] = ("translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_CATEGORIES: tuple[str, ...] = (*TASK_CATEGORIES, "mt_bench")
@@ -397,6 +398,13 @@ class DrafterPool:
 
 
 # ---------------------------------------------------------------------------------- the run
+def _tokenizer(model: Model) -> TextTokenizer:
+    """The model's tokenizer (run_bench refuses a model without one: it sends chat messages)."""
+    if model.tokenizer is None:
+        raise BenchError(f"{model.folder.name} has no tokenizer: the benchmark sends chat messages")
+    return model.tokenizer
+
+
 def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     """Whether the whole conversation (answers at their longest) fits the model's positions."""
     limit = model.contract.max_positions
@@ -405,7 +413,7 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     msgs: list[dict] = []
     for t in p.turns:
         msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": ""}]
-    return len(model.tokenizer.encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
+    return len(_tokenizer(model).encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
 
 
 def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str = PEER,
@@ -446,7 +454,7 @@ def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence
     for turn, text in enumerate(p.turns, 1):
         messages.append({"role": "user", "content": text})
         res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
-        messages.append({"role": "assistant", "content": model.tokenizer.decode(res.tokens)})
+        messages.append({"role": "assistant", "content": _tokenizer(model).decode(res.tokens)})
         recs.append(peer_record(p, turn, res, baseline[turn - 1], peer.name,
                                 None if genai is None else genai[turn - 1]))
     return recs
@@ -546,7 +554,8 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     data = resolve_data(cfg.data)
     corpus = read_prompts(data)
     model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
-    if model.tokenizer is None:
+    tok = model.tokenizer
+    if tok is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
     fits = lambda p: _fits(model, p, cfg.max_new_tokens)  # noqa: E731
     prompts = select(corpus, cfg.categories, cfg.per_category, fits)
@@ -566,7 +575,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         logger.info("temperature %.2f: outputs may differ from baseline; match %% is reported, not gated",
                     cfg.temperature)
     if todo:
-        pool = DrafterPool(cfg, lambda t: model.tokenizer.encode(t, add_special_tokens=False), corpus)
+        pool = DrafterPool(cfg, lambda t: tok.encode(t, add_special_tokens=False), corpus)
         model.generate([{"role": "user", "content": todo[0].turns[0]}], method="baseline",
                        max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))   # warm-up: ORT's first-run costs
         for peer in peers:
@@ -583,7 +592,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     records = store.for_prompts(prompts, cfg.timed)
     failures = gate_failures(records) if cfg.greedy else []
     report = aggregate(records, cfg.timed, cfg.categories)
-    meta = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
+    meta: dict[str, Any] = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
             "data": str(data), "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
             "gate": {"mode": "greedy" if cfg.greedy else "sampling (not gated)", "passed": not failures,
                      "generations": len(records),

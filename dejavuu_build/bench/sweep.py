@@ -351,10 +351,10 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
     if verify:
         ax = axes[3]
         for i, c in enumerate(contexts):
-            pts = sorted((r.rows_mean or r.rows, r.forward_ms_per_step) for r in report.rows
-                         if r.context == c and r.system in (OURS, VERIFY) and r.forward_ms_per_step is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"context {c}")
+            by_rows = sorted((r.rows_mean or r.rows, r.forward_ms_per_step) for r in report.rows
+                             if r.context == c and r.system in (OURS, VERIFY) and r.forward_ms_per_step is not None)
+            if by_rows:
+                ax.plot(*zip(*by_rows), marker="o", color=f"C{i}", label=f"context {c}")
         ax.set_xlabel("graph rows per step (1 + drafted tokens)")
         ax.set_ylabel("ours: forward ms per step")
         ax.set_ylim(bottom=0)

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import platform
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
+
+# what _compare takes for one op: run(feeds), make_rows(m, full=None), split_row(feeds, r), pad_row(feeds)
+ProbeFns = tuple[Callable, Callable, Callable, Callable]
 
 ROWS = (2, 3, 5, 8, 17)          # the multi-row forwards each row is compared across
 NORMS = ("SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
@@ -172,7 +176,7 @@ def _compare(p: OpProbe, run, make_rows, split_row, pad_row) -> None:
             p.maxdiff_alone, p.maxdiff_padded = max(p.maxdiff_alone, float(da)), max(p.maxdiff_padded, float(dp))
 
 
-def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[object, str]:
+def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[ProbeFns | None, str]:
     """Run / feed builders for row-wise ops: rank-3 activations [1, R, width] (rows on axis 1), and
     RotaryEmbedding's [1, heads, R, head_dim] with cos/sin [1, R, head_dim/2]."""
     const = _constants(model)
@@ -212,7 +216,7 @@ def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[object, str]
             lambda fd: {f: np.concatenate([v, np.zeros_like(v)], ax[f]) for f, v in fd.items()}), ""
 
 
-def _attention(model, node, threads: int, rng, layout: str, heads: int, past: int):
+def _attention(model, node, threads: int, rng, layout: str, heads: int, past: int) -> tuple[ProbeFns | None, str]:
     """ONNX Attention over a past of ``past`` keys, with the flavour's row semantics."""
     from ..runtime.tree import NEG
 

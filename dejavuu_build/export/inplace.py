@@ -81,7 +81,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     axis0 = _initializer(g, "kv_static.axis0", np.array([0], np.int64))
     total = new("Squeeze", [total32, axis0], "/kv_static/Total", first).outputs[0]
     flat = _initializer(g, "kv_static.flat", np.array([0, 0, -1], np.int64))
-    cos_sin: dict[str, tuple] = {}
+    cos_sin: dict[tuple[bytes, bytes], tuple] = {}     # (cos, sin) bytes -> their initializers
     slot_gathers: list = []
     # Rows (tokens) and slots (attention positions) are decoupled: row-wise work runs on the real
     # rows only; each GQA gathers its q/k/v rows into the slot layout and gathers its output back.
@@ -348,7 +348,7 @@ def _fuse_siblings(g) -> None:
         name = anchor.name.rsplit("/", 2)[0] + "/" + "_".join(n.name.rsplit("/", 2)[-2] for n in nodes)
         if key[0] == "nbits":
             ns = [int(n.attributes["N"].value) for n in nodes]
-            ws = []
+            ws: list = []       # the fused inputs (onnx_ir values; None for an absent optional input)
             for j in range(1, len(nodes[0].inputs)):
                 if nodes[0].inputs[j] is None:
                     ws.append(None)

@@ -13,7 +13,7 @@ the committed sequence contiguous) and new keys at ``position_ids``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 
 from ..errors import ExportError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTN_IMPL = "dejavuu_gqa_sdpa"
 
@@ -76,7 +79,7 @@ AttentionInterface.register(ATTN_IMPL, _gqa_sdpa)
 
 
 class DecoderWrapper(nn.Module):
-    def __init__(self, causal_lm: nn.Module, num_layers: int, sliding_windows: list[int | None],
+    def __init__(self, causal_lm: PreTrainedModel, num_layers: int, sliding_windows: list[int | None],
                  mask_argument, hidden_layer: int = -1, primary: str = "input_ids"):
         super().__init__()
         self.lm = causal_lm
@@ -111,7 +114,8 @@ class DecoderWrapper(nn.Module):
         the exporter's fused ``RotaryEmbedding`` pattern (plain cos/sin) matches and the static
         flavour keeps RoPE in its kernel. Only when every rotary module shares one factor."""
         rots = [m for m in self.lm.modules() if hasattr(m, "attention_scaling") and hasattr(m, "inv_freq")]
-        scales = {float(m.attention_scaling) for m in rots}
+        # torch types an unknown Module attribute as Tensor | Module; attention_scaling is a float
+        scales = {float(m.attention_scaling) for m in rots}  # type: ignore[arg-type]
         if len(scales) != 1 or scales == {1.0}:
             return []
         nope = getattr(self.lm.config, "no_rope_layers", None)

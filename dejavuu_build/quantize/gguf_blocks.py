@@ -83,7 +83,7 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     if kind == "Q8_0":
         b = raw.reshape(n, nb, 34)
         d = _f16(b[..., 0:2])
-        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        q: np.ndarray = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return Blocks(kind, 8, q, d, -128 * d)
     if kind == "Q4_0":
         b = raw.reshape(n, nb, 18)
@@ -112,7 +112,7 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
                       (d * sc).reshape(n, nb), (-(dmin * mn)).reshape(n, nb))
     if kind == "Q6_K":                       # super-blocks of 256: 16 sub-blocks of 16, int8 scales, q - 32
         b = raw.reshape(n, k // 256, 210)
-        ql = b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        ql: np.ndarray = b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
         ql = (ql & 0x0F).reshape(n, -1, 8, 32)
         qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
         qh = (qh & 0x03).reshape(n, -1, 8, 32)

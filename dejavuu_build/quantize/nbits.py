@@ -166,16 +166,19 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     # Nearest integer zero point: w = scale * (q - z) + r, |r| <= scale / 2 per block.
     z = np.where(flat, 0, ratio)
     ok = (z >= 0) & (z <= 15) & np.isfinite(z)
-    own = Encoded(4, src.q, src.scale, np.clip(np.nan_to_num(z), 0, 15).astype(np.uint8), "")
+    own_zp = np.clip(np.nan_to_num(z), 0, 15).astype(np.uint8)
+    own = Encoded(4, src.q, src.scale, own_zp, "")
     w = src.dequantize()
     n, k = w.shape
     fresh = _quantize_rows(w, 4, src.block, symmetric=False)
+    if fresh.zp is None:
+        raise AssertionError("an asymmetric rounding comes with its zero points")
     err_own = ((own.dequantize() - w) ** 2).reshape(n, -1, src.block).sum(-1)
     err_fresh = ((fresh.dequantize() - w) ** 2).reshape(n, -1, src.block).sum(-1)
     use_own = ok & (err_own <= err_fresh)
     q = np.where(use_own[..., None], own.q, fresh.q)
     s = np.where(use_own, own.scales, fresh.scales).astype(np.float32)
-    zp = np.where(use_own, own.zp, fresh.zp).astype(np.uint8)
+    zp = np.where(use_own, own_zp, fresh.zp).astype(np.uint8)
     return Encoded(4, q, s, zp, f"{name} carried (q4, minimum as the nearest integer zero point; "
                                 f"{100 * (1 - use_own.mean()):.1f}% of blocks re-rounded where closer)")
 
@@ -259,13 +262,15 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     def encode(w_nk: np.ndarray, bits: int, block: int) -> Encoded:
         """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
         found = blocks.find(w_nk) if blocks is not None and block == BLOCK else None
-        enc = carry(found[1], bits, plan) if found is not None else None
-        if enc is not None and plan.symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
-            enc = None                        # a block minimum needs a zero point: round afresh, symmetric
-        if enc is not None:
-            report["gguf"]["carried"] += 1
-            enc.note = f"{found[0]} {enc.note}"
-            return enc
+        if found is not None:
+            where, file_blocks = found
+            enc = carry(file_blocks, bits, plan)
+            if enc is not None and plan.symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
+                enc = None                    # a block minimum needs a zero point: round afresh, symmetric
+            if enc is not None:
+                report["gguf"]["carried"] += 1
+                enc.note = f"{where} {enc.note}"
+                return enc
         if blocks is not None:
             report["gguf"]["requantized"] += 1
         return _quantize_rows(w_nk, bits, block, symmetric=plan.symmetric or bits == 8)
@@ -282,6 +287,8 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                 add_init(block_sum_matrix(k, enc.block), e_name)
             block_sums[key] = f"{prefix}.block_sums"
             nodes.append(helper.make_node("MatMul", [x, e_name], [block_sums[key]], name=_sibling_name(node, "blocksums")))
+        if enc.offset is None:
+            raise ValueError(f"{node.name}: an offset term needs the encoding's block offsets")
         c = add_init(np.ascontiguousarray(enc.offset.T), prefix + f".q{enc.bits}_offset")
         y0, off = node.output[0] + "_nbits", node.output[0] + "_offset"
         nodes += [helper.make_node("MatMul", [block_sums[key], c], [off], name=_sibling_name(node, "offset")),
@@ -293,18 +300,23 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         after: list = []
         out = node.output[0]
         if shared is None:
+            if enc is None:
+                raise ValueError(f"{node.name}: MatMulNBits needs the weight's encoding or the shared table")
             n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
             bits, block = enc.bits, enc.block
             ins = [node.input[0], add_init(enc.packed(), prefix + f".q{bits}"),
                    add_init(enc.scales, prefix + f".q{bits}_scales")]
-            if enc.zp is not None:
-                ins.append(add_init(enc.packed_zp(), prefix + f".q{bits}_zero_points"))
+            packed_zp = enc.packed_zp()       # None exactly when enc.zp is
+            if packed_zp is not None:
+                ins.append(add_init(packed_zp, prefix + f".q{bits}_zero_points"))
             if enc.offset is not None:
                 after, out = offset_term(node, node.input[0], enc, prefix)
             extra: list = []
         else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
             data, s_name, block = shared
             bits = 8
+            if emb is None:
+                raise ValueError(f"{node.name}: the tied table is shared with an embedding this graph lacks")
             n, k = inits.dims(emb.input[0])
             shape = add_init(np.array([n, k // block, block], dtype=np.int64), prefix + ".q_shape")
             b_name = prefix + ".q8_view"

@@ -13,7 +13,8 @@ class SmolLM3Recipe(Recipe):
     handles = frozenset({"nope_layers", "sliding_window", "rope:yarn"})
 
     def tiny_config(self):
-        from transformers import SmolLM3Config
+        # (the package root does not list it for type checkers; this is where it lives)
+        from transformers.models.smollm3 import SmolLM3Config
 
         # Layer 1 without RoPE (SmolLM3-3B: every 4th; every 2nd keeps the test small), a window of 12
         # on that layer and YaRN over an original length of 32 (SmolLM3's long-context setting), all

@@ -157,8 +157,10 @@ def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
                 kept = [i for i, s_ in enumerate(slot) if s_ >= 0]     # as the engine feeds it
                 out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
                 ok[tile] = all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
-        best = next((t for t in tiles if ok[t]), "none")
-        return (best != "none"), (None if best == "none" else best)
+        for t in tiles:          # the first that held (None, no tile rule, is one of them)
+            if ok[t]:
+                return True, t
+        return False, None
     finally:
         kv.release()
 

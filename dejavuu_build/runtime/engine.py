@@ -10,18 +10,22 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import GenerationError
 from ..schema import KV_WRITE_INDEX, LOGITS, ROW_SLOTS, SLOT_ROWS, Contract, in_place
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
-from .kv import GrowingKV, KVCache, StaticKV
+from .kv import Cache, GrowingKV, KVCache, StaticKV
 from .sampling import Sampler, accept_ratio, residual
 from .tree import NEG, aligned_layout, causal_inputs, row_bias, slot_tokens, step_inputs, with_root
 
 ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
+
+ResidualFn = Callable[[np.ndarray, np.ndarray], np.ndarray]   # sampling.residual's signature
+StopFn = Callable[[list[int]], "int | None"]    # generated ids -> the prefix length that ends at a stop string
 
 
 @dataclass
@@ -84,7 +88,7 @@ class GenerationStats:
 class Decoder:
     """One ORT decoder session driven through its (derived) contract."""
 
-    def __init__(self, session, contract: Contract, embed: Callable[[np.ndarray], np.ndarray] | None = None):
+    def __init__(self, session: Any, contract: Contract, embed: Callable[[np.ndarray], np.ndarray] | None = None):
         self.s = session
         self.c = contract
         self.embed = embed
@@ -94,6 +98,10 @@ class Decoder:
         self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
                        for i in range(contract.num_layers) for kv in ("key", "value")]
         self.has_hidden = contract.hidden_output is not None
+        if contract.mask_kind == "additive_4d" and contract.mask_input is None:
+            raise GenerationError("the contract's mask is additive_4d but names no mask input: re-derive it from the graph")
+        # the 4D additive mask's input (trees and chains); None: a 2D padding mask or none
+        self._bias_input = contract.mask_input if contract.mask_kind == "additive_4d" else None
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
         self.rowwise = contract.kv_layout == "rowwise"
@@ -102,7 +110,9 @@ class Decoder:
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
         self.static = in_place(contract.kv_layout)     # buffers bound as past and present
         self.capacity = contract.kv_capacity if self.static else 0
-        self._free: list = []           # released static buffers, reused by the next generation
+        # released in-place buffers (StaticKV's buffer or GrowingKV's memory) with their IOBinding,
+        # reused by the next generation
+        self._free: list[tuple[np.ndarray, Any]] = []
         self._out_buf = np.zeros(0, dtype=np.float32)
         # rows decoupled from attention slots (export.inplace): pad slots cost attention only
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}
@@ -111,7 +121,7 @@ class Decoder:
         self._feeds_size = 0
 
     @contextmanager
-    def padding(self, pad: bool):
+    def padding(self, pad: bool) -> Iterator[Decoder]:
         """``pad_single`` is ``pad`` inside the block and the decoder's own setting again after:
         the gates time the raw one-row path with it and the bench its one-row reference; the
         runtime never changes it (Engine and Model.plan read it to know what a lone token costs)."""
@@ -126,14 +136,16 @@ class Decoder:
         """Graph rows a lone token's step runs (its pad row, if any)."""
         return 2 if self.pad_single else 1
 
-    def new_cache(self) -> KVCache | StaticKV:
+    def new_cache(self) -> Cache:
         dtype = np.float16 if self.c.kv_dtype == "float16" else np.float32
         if not self.static:
             return KVCache(self.kv_in, np.zeros((1, self.c.num_kv_heads, 0, self.c.head_dim), dtype=dtype))
         if self.rowwise:
             # memory and binding are reused; the bound buffer starts small again (GrowingKV)
-            mem, binding = self._free.pop() if self._free else (None, self.s.io_binding())
-            return GrowingKV(self, binding, tile=ROWWISE_TILE, capacity=self.capacity, mem=mem)
+            if self._free:
+                mem, binding = self._free.pop()
+                return GrowingKV(self, binding, tile=ROWWISE_TILE, capacity=self.capacity, mem=mem)
+            return GrowingKV(self, self.s.io_binding(), tile=ROWWISE_TILE, capacity=self.capacity)
         if self._free:
             buf, binding = self._free.pop()
         else:
@@ -148,8 +160,9 @@ class Decoder:
                 binding.bind_ortvalue_output(o_name, v)
         return StaticKV(self, buf, binding)
 
-    def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: KVCache,
-                embeds: np.ndarray | None = None, copy: bool = True, slots: Sequence[int] | None = None):
+    def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: Cache,
+                embeds: np.ndarray | None = None, copy: bool = True,
+                slots: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray] | None]:
         """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
 
         ``slots``: a tree in an aligned slot layout (Job.plan): ``parents`` then covers the slots
@@ -164,8 +177,12 @@ class Decoder:
         real row, which never attends to it, and its output and KV are dropped.
         """
         if self.rowwise:
+            assert isinstance(kv, GrowingKV), "a rowwise decoder's cache comes from its new_cache()"
             return self._forward_rowwise(tokens, parents, kv, embeds, copy, slots)
+        if slots is not None and parents is None:
+            raise GenerationError("a slot layout needs its parents per slot (pads: -1)")
         if slots is not None and not self.sparse:
+            assert parents is not None
             slots = list(slots)
             logits, hidden, present = self.forward(slot_tokens(list(tokens), slots, len(parents)), parents, kv,
                                                    embeds, copy=copy)
@@ -178,15 +195,15 @@ class Decoder:
             parents = [-1, -1]
             if embeds is not None:
                 embeds = np.concatenate([embeds, embeds], axis=1)
-        feeds = {} if self.static else dict(kv.feeds())
+        feeds: dict[str, np.ndarray] = {} if isinstance(kv, StaticKV) else dict(kv.feeds())
         if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = embeds if embeds is not None else self.embed(toks[None])
+            feeds["inputs_embeds"] = embeds if embeds is not None else self.embeddings(toks[None])
         else:
             feeds["input_ids"] = toks[None]
-        m = len(parents) if slots is not None else len(toks)     # attention slots (graph rows if dense)
-        if self.c.mask_kind == "additive_4d":
+        m = len(parents) if slots is not None and parents is not None else len(toks)   # attention slots (graph rows if dense)
+        if self._bias_input is not None:
             pos, bias = causal_inputs(m, past) if parents is None else step_inputs(parents, past)
-            feeds[self.c.mask_input] = bias
+            feeds[self._bias_input] = bias
         else:
             if parents is not None and parents != list(range(-1, m - 1)) and not pad:
                 raise GenerationError("this decoder has no 4D mask input: it can verify chains only")
@@ -202,7 +219,7 @@ class Decoder:
                 slot_rows = np.zeros(m, np.int64)
                 slot_rows[list(slots)] = np.arange(n)
                 feeds[SLOT_ROWS], feeds[ROW_SLOTS] = slot_rows, np.asarray(slots, np.int64)
-        if self.static:
+        if isinstance(kv, StaticKV):
             return self._run_static(feeds, kv, n, m, len(toks), copy)
         t0 = time.perf_counter()
         out = self.s.run(self.outputs, feeds)
@@ -214,7 +231,9 @@ class Decoder:
             present = [a[:, :, :past + 1] for a in present]
         return logits, hidden, present
 
-    def _forward_rowwise(self, tokens, parents, kv: GrowingKV, embeds, copy: bool, slots):
+    def _forward_rowwise(self, tokens: Sequence[int], parents: list[int] | None, kv: GrowingKV,
+                         embeds: np.ndarray | None, copy: bool, slots: Sequence[int] | None,
+                         ) -> tuple[np.ndarray, np.ndarray | None, None]:
         """The rowwise graph: one row per token, whatever the step (no pad row); the rows' K/V go
         to ``kv.length ..`` in order and each row gets its own mask over the bound buffer
         (``parents``: a tree fed one row per node, e.g. by the gates; the engine sends chains).
@@ -227,8 +246,8 @@ class Decoder:
         kv.ensure(past + n)
         f = self._row_feeds(n, kv.size)
         f.fill(tokens, parents, past)
-        if self.c.primary_input == "inputs_embeds":
-            f.embeds[:] = embeds if embeds is not None else self.embed(np.asarray(tokens, np.int64)[None])
+        if f.embeds is not None:     # an inputs_embeds decoder
+            f.embeds[:] = embeds if embeds is not None else self.embeddings(np.asarray(tokens, np.int64)[None])
         if kv.bound is not f:
             f.bind(kv.binding)
             kv.bound = f
@@ -260,12 +279,19 @@ class Decoder:
         logits = self._out_buf[:rows * V].reshape(1, rows, V)
         return logits, (self._out_buf[rows * V:need].reshape(1, rows, H) if self.has_hidden else None)
 
+    def embeddings(self, ids: np.ndarray) -> np.ndarray:
+        """ids [1, N] -> inputs_embeds [1, N, H] through the embedder the decoder was opened with."""
+        if self.embed is None:
+            raise GenerationError("this decoder takes inputs_embeds and was opened without an embedder: pass embeds")
+        return self.embed(ids)
+
     def _identity(self, m: int) -> np.ndarray:
         if len(self._arange) < m:
             self._arange = np.arange(max(m, 2 * len(self._arange)), dtype=np.int64)
         return self._arange[:m]
 
-    def _run_static(self, feeds: dict, kv: StaticKV, n: int, m: int, rows: int, copy: bool):
+    def _run_static(self, feeds: dict[str, np.ndarray], kv: StaticKV, n: int, m: int, rows: int,
+                    copy: bool) -> tuple[np.ndarray, np.ndarray | None, None]:
         """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
         states written straight into one reusable array, K/V rows written into the cache buffer.
         With ``copy=False`` the returned rows are views, valid until the next forward (the engine's
@@ -355,8 +381,8 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
 PREFILL_CHUNK = 512   # prompt rows per prefill forward (the logits of 512 rows of a 49k vocabulary: 100 MB)
 
 
-def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, period: int | None, tile: int | None,
-                width: int, capacity: int, past: int):
+def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, period: int, tile: int | None,
+                width: int, capacity: int, past: int) -> tuple[Draft, list[int], list[int], list[int], list[int]]:
     """Place a draft tree (root included in ``step_tokens``/``parents``) in the period-aligned slot
     layout of tree.aligned_layout, within ``period * width`` slots and the cache's room; nodes the
     layout prunes are dropped. Returns (draft, step_tokens, parents, slot per node, slot parents)."""
@@ -445,7 +471,8 @@ class Engine:
                  max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
                  eos_ids: Sequence[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 residual_fn=residual, validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
+                 residual_fn: ResidualFn = residual,
+                 validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
         """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason).
         Drafts are validated on every step; ``validate_drafts`` is kept for callers that pass it."""
         budget = budget or DraftBudget()
@@ -465,53 +492,57 @@ class Engine:
         try:
             while job.prefilling:    # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
-                if self.dec.rowwise and kv.length + len(rows.tokens) >= len(tokens):
-                    # the last chunk: decode room too (earlier chunks must not attend to it, masked)
+                if isinstance(kv, GrowingKV) and kv.length + len(rows.tokens) >= len(tokens):
+                    # the last chunk (rowwise): decode room too (earlier chunks must not attend to it, masked)
                     kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
                 logits, hidden, present = self.dec.forward(
                     rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
-                job.after_prefill(lambda n, keep, present=present: kv.commit(present, n, keep), logits, hidden)
+                job.after_prefill(partial(kv.commit, present), logits, hidden)
             while not job.done:
                 rows = job.plan(kv.length)
                 t0 = time.perf_counter()
                 logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False, slots=rows.slots)
-                job.after_step(lambda n, keep, present=present: kv.commit(present, n, keep), logits, hidden,
+                job.after_step(partial(kv.commit, present), logits, hidden,
                                time.perf_counter() - t0, self.dec.last_run_s)
         finally:
             kv.release()
+        assert job.reason is not None    # the loop ends when the job has its reason to stop
         return job.new, job.stats, job.reason
 
     @staticmethod
-    def _accept(step_tokens, parents, draft: Draft, logits, sampler: Sampler, pos: int, residual_fn,
-                argmax: np.ndarray | None = None):
+    def _accept(step_tokens: Sequence[int], parents: Sequence[int], draft: Draft, logits: np.ndarray,
+                sampler: Sampler, pos: int, residual_fn: ResidualFn,
+                argmax: np.ndarray | None = None) -> tuple[list[int], list[int]]:
         """Walk the tree from the root, committing the target's token at each position
         (``argmax``: every row's, precomputed for greedy decoding)."""
         children: dict[int, list[int]] = {}
         for i, p in enumerate(parents[1:], start=1):
             children.setdefault(p, []).append(i)
         node, path, committed = 0, [0], []
-        ratio = draft.probs is not None and not sampler.greedy
+        probs = draft.probs if not sampler.greedy else None    # min(1, p/q) where the drafter gave q
         if argmax is None and sampler.greedy:
             argmax = logits.argmax(-1)
         while True:
             kids = children.get(node, [])
-            if ratio and len(kids) == 1:
-                p = sampler.probs(logits[node])
+            nxt: int | None
+            if probs is not None and len(kids) == 1:
                 c = kids[0]
-                ok, tok = accept_ratio(p, draft.probs[c - 1], step_tokens[c], sampler, pos, residual_fn)
+                ok, tok = accept_ratio(sampler.probs(logits[node]), probs[c - 1], step_tokens[c], sampler, pos,
+                                       residual_fn)
+                nxt = c if ok else None
             else:
                 tok = int(argmax[node]) if argmax is not None else sampler.pick(logits[node], pos)
-                c = next((k for k in kids if step_tokens[k] == tok), None)
-                ok = c is not None
+                nxt = next((k for k in kids if step_tokens[k] == tok), None)
             committed.append(tok)
-            if not ok:
+            if nxt is None:
                 return committed, path
-            node = c
-            path.append(c)
+            node = nxt
+            path.append(nxt)
             pos += 1
 
     @staticmethod
-    def _truncate(new, committed, eos, max_new, should_stop) -> tuple[list[int], str | None]:
+    def _truncate(new: list[int], committed: list[int], eos: set[int] | Sequence[int], max_new: int,
+                  should_stop: StopFn | None) -> tuple[list[int], str | None]:
         """Cut this step's tokens at EOS, the token budget or a stop string; say why we stop."""
         reason = None
         committed = committed[:max(0, max_new - len(new))]
@@ -548,9 +579,10 @@ class Job:
 
     def __init__(self, ids: Sequence[int], *, drafter: Drafter, sampler: Sampler, max_new_tokens: int,
                  budget: DraftBudget, period: int | None, tile: int | None, eos_ids: Sequence[int] = (),
-                 should_stop: Callable[[list[int]], int | None] | None = None,
+                 should_stop: StopFn | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 capacity: int = 0, fill: Successors | None = None, residual_fn=residual, single_rows: int = 2):
+                 capacity: int = 0, fill: Successors | None = None, residual_fn: ResidualFn = residual,
+                 single_rows: int = 2):
         self.tokens = [int(t) for t in ids]
         self.prompt_len = len(self.tokens)
         self.drafter, self.sampler, self.max_new = drafter, sampler, max_new_tokens
@@ -567,7 +599,9 @@ class Job:
         self.stats = GenerationStats(prompt_tokens=len(self.tokens))
         self.t_start = time.perf_counter()
         self.prefilled = 0
-        self._step: tuple | None = None
+        # what plan laid out for after_step: (draft, the drafter's own nodes, step tokens, parents,
+        # slot per token, slots fed)
+        self._step: tuple[Draft, int, list[int], list[int], list[int], int] | None = None
         self._draft_dt = 0.0
         drafter.begin(self.tokens)
         if fill is not None:
@@ -589,7 +623,8 @@ class Job:
         emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i:i + PREFILL_CHUNK]
         return Rows(part, None, emb)
 
-    def after_prefill(self, commit: Callable[[int, list[int]], None], logits, hidden) -> None:
+    def after_prefill(self, commit: Callable[[int, list[int]], None], logits: np.ndarray,
+                      hidden: np.ndarray | None) -> None:
         n = len(self.prefill_rows().tokens)
         commit(n, list(range(n)))
         self.prefilled += n
@@ -636,16 +671,20 @@ class Job:
         if draft.is_chain():
             self._step = (draft, own, step_tokens, parents, list(range(len(step_tokens))), len(step_tokens))
             return Rows(step_tokens, None)
+        if self.period is None:
+            raise GenerationError("a tree draft needs the calibrated slot period (Engine period=...): verify chains")
         draft, step_tokens, parents, slot, slot_parents = tree_layout(
             draft, step_tokens, parents, period=self.period, tile=self.tile, width=b.width,
             capacity=self.capacity, past=kv_length)
         self._step = (draft, len(draft), step_tokens, parents, slot, len(slot_parents))
         return Rows(step_tokens, slot_parents, slots=slot)
 
-    def after_step(self, commit: Callable[[int, list[int]], None], logits, hidden, verify_s: float,
-                   forward_s: float) -> None:
+    def after_step(self, commit: Callable[[int, list[int]], None], logits: np.ndarray, hidden: np.ndarray | None,
+                   verify_s: float, forward_s: float) -> None:
         """Accept the longest agreeing path of the rows ``plan`` laid out, given their outputs
         (one row per token: a tree's slots are the forward's business)."""
+        if self._step is None:
+            raise GenerationError("Job.after_step without a Job.plan before it")
         draft, own, step_tokens, parents, slots, n_slots = self._step
         t3 = time.perf_counter()
         st, sampler = self.stats, self.sampler
@@ -656,7 +695,7 @@ class Job:
         argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None   # one pass, all rows
         committed, path = Engine._accept(step_tokens, parents, draft, logits, sampler, len(self.tokens),
                                          self.residual_fn, argmax if sampler.greedy else None)
-        if self.fill is not None:
+        if self.fill is not None and argmax is not None:     # (computed above whenever there is a fill)
             self.fill.learn(step_tokens, argmax)
             st.fill_accepted += int(own == 0 and len(path) > 1)
         commit(n_slots, [slots[i] for i in path])

@@ -12,7 +12,14 @@ itself does; nothing is re-copied twice and nothing grows quadratically per step
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Union
+
 import numpy as np
+
+from ..errors import GenerationError
+
+if TYPE_CHECKING:
+    from .engine import Decoder, RowFeeds
 
 
 class KVCache:
@@ -24,8 +31,10 @@ class KVCache:
     def feeds(self) -> dict[str, np.ndarray]:
         return self.arrays
 
-    def commit(self, present: list[np.ndarray], n_new: int, keep: list[int]) -> None:
+    def commit(self, present: list[np.ndarray] | None, n_new: int, keep: list[int]) -> None:
         """Keep the past plus new positions ``keep`` (indices into this step's nodes)."""
+        if present is None:
+            raise GenerationError("a concat KV cache keeps the graph's present outputs, and this step returned none")
         L = self.length
         if keep == list(range(n_new)):
             new = [np.ascontiguousarray(a) for a in present]   # a no-op unless a pad row was cut
@@ -59,20 +68,28 @@ class StaticKV:
     one array so that move is a single numpy operation, whatever the layer count.
     """
 
-    def __init__(self, decoder, buffers: np.ndarray, binding):
+    def __init__(self, decoder: Decoder, buffers: np.ndarray, binding: Any):
         self.dec = decoder
-        self.buf = buffers                # [2 * layers, 1, kv_heads, capacity, head_dim]
-        self.binding = binding
+        self.buf: np.ndarray | None = buffers   # [2 * layers, 1, kv_heads, capacity, head_dim]; None once released
+        self.binding: Any = binding             # an onnxruntime IOBinding
         self.length = 0
         self.capacity = buffers.shape[3]
 
-    def commit(self, present, n_new: int, keep: list[int]) -> None:
-        """Keep the past plus this step's rows ``keep`` (slots of the step, in path order)."""
+    def buffers(self) -> np.ndarray:
+        """The bound buffer; a released cache refuses to be used again."""
+        if self.buf is None:
+            raise GenerationError("this KV cache was released: start a new one with Decoder.new_cache()")
+        return self.buf
+
+    def commit(self, present: list[np.ndarray] | None, n_new: int, keep: list[int]) -> None:
+        """Keep the past plus this step's rows ``keep`` (slots of the step, in path order); ``present``
+        is unused: the graph wrote the rows into the buffer itself."""
         L = self.length
         k = len(keep)
         if keep != list(range(k)):
+            buf = self.buffers()
             src = L + np.asarray(keep, dtype=np.int64)
-            self.buf[:, :, :, L:L + k] = self.buf[:, :, :, src]
+            buf[:, :, :, L:L + k] = buf[:, :, :, src]
         self.length = L + k
 
     def truncate(self, length: int) -> None:
@@ -115,7 +132,7 @@ class GrowingKV(StaticKV):
     ``mem`` (with the binding) is reused by the next request, starting small again.
     """
 
-    def __init__(self, decoder, binding, *, tile: int, capacity: int, mem: np.ndarray | None = None):
+    def __init__(self, decoder: Decoder, binding: Any, *, tile: int, capacity: int, mem: np.ndarray | None = None):
         c = decoder.c
         if mem is None:
             dtype = np.float16 if c.kv_dtype == "float16" else np.float32
@@ -126,7 +143,7 @@ class GrowingKV(StaticKV):
         self.tile = tile
         self.capacity = capacity
         self.size = 0
-        self.bound = None     # the decoder's RowFeeds last bound to this binding (rebound when it changes)
+        self.bound: RowFeeds | None = None     # the decoder's RowFeeds last bound to this binding (rebound when it changes)
 
     def _view(self, size: int) -> np.ndarray:
         """The first ``size`` positions' layout: [2 * layers, 1, KV, size, D], a view of ``mem``."""
@@ -154,7 +171,7 @@ class GrowingKV(StaticKV):
 
         t = self.tile
         size = min(self.capacity, round_up(max(positions, self.size + self.step(max(positions, self.size))), t))
-        old, new = self.buf, self._view(size)
+        old, new = self.buffers(), self._view(size)
         for h in range(self.dec.c.num_kv_heads - 1, 0, -1):    # later heads first: nothing is overwritten unread
             new[:, :, h, :self.length] = old[:, :, h, :self.length]
         for j, (i_name, o_name) in enumerate(zip(self.dec.kv_in, self.dec.kv_out)):
@@ -167,3 +184,6 @@ class GrowingKV(StaticKV):
         if self.binding is not None:
             self.dec._free.append((self.mem, self.binding))
             self.buf = self.binding = None
+
+
+Cache = Union[KVCache, StaticKV]    # what Decoder.new_cache returns (GrowingKV is a StaticKV)

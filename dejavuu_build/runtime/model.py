@@ -16,7 +16,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
 import numpy as np
 
@@ -34,10 +34,14 @@ from ..cache import (
 from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
 from .drafters.base import DraftBudget, Drafter
-from .engine import Decoder, Engine, GenerationStats, Successors
+from .engine import Decoder, Engine, GenerationStats, StopFn, Successors
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
 from .tokenizer import IncrementalDecoder, TextTokenizer
+
+if TYPE_CHECKING:
+    from .calibration import Calibration
+    from .vision import VisionParts
 
 DEFAULT_THREADS = 2        # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
 
@@ -187,7 +191,7 @@ class RequestPlan:
     tree: bool
     period: int | None
     tile: int | None
-    should_stop: object | None       # Callable[[list[int]], int | None]
+    should_stop: StopFn | None
     fill: Successors | None
 
 
@@ -200,14 +204,14 @@ class Model:
     tokenizer: TextTokenizer | None
     eos_ids: list[int] = field(default_factory=list)
     manifest: S.Manifest | None = None
-    vision: object | None = None            # runtime.vision.VisionParts for VLM builds
+    vision: VisionParts | None = None       # VLM builds' vision encoder and image splicing
     _warned_tree: bool = False
-    _calibration: object | None = None      # runtime.calibration.Calibration, measured on first use
+    _calibration: Calibration | None = None     # measured on first use
     _warned_exact: bool = False
     # empty drafts verify a successor guess: in the pad row where there is one (free), else in a
     # row of its own while it pays (engine.FillPolicy)
     fill: bool = True
-    _lock: object = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _owner: int | None = field(default=None, repr=False, compare=False)
 
     @contextmanager
@@ -359,7 +363,7 @@ class Model:
                            fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
 
     @property
-    def calibration(self):
+    def calibration(self) -> Calibration:
         """Measured once per machine, onnxruntime, graph and thread count (runtime.calibration)."""
         if self._calibration is None:
             with self._exclusive(reentrant=True):     # it runs the decoder
@@ -372,7 +376,7 @@ class Model:
     def tree_period(self) -> int | None:
         return self.calibration.period if self.tree_capable else None
 
-    def stream(self, prompt, **kw) -> Iterator[str]:
+    def stream(self, prompt, **kw) -> Generator[str, None, None]:
         """Yield text pieces as tokens are committed (a chunk per verify step); the pieces join to
         ``generate(...).text``. Text is decoded incrementally (a short window per step), and with stop
         strings the last few characters are held back until they cannot begin one. When the consumer
@@ -430,24 +434,27 @@ class Model:
         if pending:
             yield pending
 
-    def _stop_fn(self, stop: Sequence[str]):
+    def _stop_fn(self, stop: Sequence[str]) -> StopFn:
         """``should_stop(ids)``: the length of the first prefix of ``ids`` whose text holds a stop
         string, else None. The engine calls it with the generated ids after every step, each call
         extending the last: it decodes the new ids only (IncrementalDecoder) and searches the new text
         plus the last few characters before it."""
+        if self.tokenizer is None:
+            raise GenerationError("stop strings need the model's tokenizer, and this model has none: pass eos ids")
         dec = IncrementalDecoder(self.tokenizer)
         keep = max(len(s_) for s_ in stop) - 1
-        state = {"seen": 0, "tail": ""}
+        seen, tail = 0, ""
 
         def should_stop(new: list[int]) -> int | None:
-            for i in range(state["seen"], len(new)):
+            nonlocal seen, tail
+            for i in range(seen, len(new)):
                 piece = dec.push([new[i]])
                 if piece:
-                    window = state["tail"] + piece
+                    window = tail + piece
                     if any(s_ in window for s_ in stop):
                         return i + 1
-                    state["tail"] = window[len(window) - keep:] if keep else ""
-            state["seen"] = len(new)
+                    tail = window[len(window) - keep:] if keep else ""
+            seen = len(new)
             return None
         return should_stop
 
@@ -486,7 +493,7 @@ class Model:
             raise GenerationError(f"method {method}: {e}") from None
 
 
-def _calibration(model: "Model"):
+def _calibration(model: "Model") -> Calibration:
     """The machine-local exactness calibration of this model's graph (runtime.calibration)."""
     from .calibration import cached_calibration
 
@@ -604,9 +611,10 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         cross_check(derive_contract(sess), contract, str(onnx_path))
         eos = list(contract.eos_token_ids)
     else:  # a third-party export: the graph is the only contract
-        onnx_path = onnx_file or next(iter(sorted(folder.glob("*.onnx"))), None)
-        if onnx_path is None:
+        found = onnx_file or next(iter(sorted(folder.glob("*.onnx"))), None)
+        if found is None:
             raise CacheError(f"{folder} holds no .onnx decoder")
+        onnx_path = found
         sess = make_session(onnx_path, threads)
         contract = derive_contract(sess)
         variant = onnx_path.stem

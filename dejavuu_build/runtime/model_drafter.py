@@ -8,12 +8,17 @@ the engine can accept with min(1, p/q) and resample from the residual.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ..errors import GenerationError
 from .drafters.base import Draft, DraftBudget, Drafter
+from .kv import Cache
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 class ModelDrafter(Drafter):
@@ -23,22 +28,28 @@ class ModelDrafter(Drafter):
 
     name = "draft_model"
 
-    def __init__(self, model, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+    def __init__(self, model: Model, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  max_draft: int = 4):
         self.m = model
         self.dec = model.decoder
         self.sampler = Sampler(temperature, top_p, top_k, seed + 7919)
         self.max_draft = max_draft
-        self.kv = None
+        self.kv: Cache | None = None     # made by begin()
         self.cached: list[int] = []
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.kv = self.dec.new_cache()
         self.cached = []
 
+    def _cache(self) -> Cache:
+        if self.kv is None:
+            raise GenerationError("ModelDrafter.propose before begin(): start the request first")
+        return self.kv
+
     def _feed(self, toks: list[int]) -> np.ndarray:
-        logits, _, present = self.dec.forward(toks, None, self.kv)
-        self.kv.commit(present, len(toks), list(range(len(toks))))
+        kv = self._cache()
+        logits, _, present = self.dec.forward(toks, None, kv)
+        kv.commit(present, len(toks), list(range(len(toks))))
         self.cached += toks
         return logits[-1]
 
@@ -48,7 +59,7 @@ class ModelDrafter(Drafter):
         lim = min(len(self.cached), len(ctx) - 1)
         while n < lim and self.cached[n] == ctx[n]:
             n += 1
-        self.kv.truncate(n)
+        self._cache().truncate(n)
         self.cached = self.cached[:n]
         logits = self._feed(ctx[n:])
         toks, probs = [], []

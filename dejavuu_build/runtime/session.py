@@ -72,20 +72,19 @@ def derive_contract(session) -> Contract:
         raise ContractError(f"decoder has neither {INPUT_IDS} nor {INPUTS_EMBEDS} among its inputs {list(ins)}")
     if LOGITS not in outs:
         raise ContractError(f"decoder has no `{LOGITS}` output (outputs: {list(outs)})")
-    kv_in, kv_out, layers = None, None, set()
+    found: tuple[str, str, set[int]] | None = None     # (input pattern, output pattern, layers)
     for rx, out_pat in _KV_PATTERNS:
         m = [rx.match(n) for n in ins]
         hits = [x for x in m if x]
         if hits:
-            kv_in = rx.pattern
-            kv_out = out_pat
-            layers = {int(x.group(1)) for x in hits}
             in_pat = {r"^past_key_values\.(\d+)\.(key|value)$": "past_key_values.{i}.{kv}",
                       r"^past_key_values_(\d+)_(key|value)$": "past_key_values_{i}_{kv}",
                       r"^past\.(\d+)\.(key|value)$": "past.{i}.{kv}"}[rx.pattern]
+            found = (in_pat, out_pat, {int(x.group(1)) for x in hits})
             break
-    if kv_in is None:
+    if found is None:
         raise ContractError("decoder has no past key/value inputs: a KV cache is required")
+    in_pat, kv_out, layers = found
     num_layers = max(layers) + 1
     k0 = ins[in_pat.format(i=0, kv="key")]
     mask_input, mask_kind = None, "none"

@@ -157,6 +157,10 @@ def _bounded_env():
     class Env(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "+", "%"})
 
+        @staticmethod
+        def concat(parts):      # the template's, macros' and call blocks' output
+            return "".join(_check_join(parts))
+
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 _check_repeat(left, right)
@@ -181,7 +185,6 @@ def _bounded_env():
 
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals.pop("lipsum", None)                              # generates text of any length
-    env.concat = lambda parts: "".join(_check_join(parts))      # macro and call-block output
 
     def guard(name, check):
         real = env.filters[name]

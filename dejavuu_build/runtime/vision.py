@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import CacheError, GenerationError
+
+if TYPE_CHECKING:
+    from .image import SmolVLMImagePreprocessor
 
 EMBED_ONNX = "embed_tokens.onnx"
 VISION_ONNX = "vision_encoder.onnx"
@@ -40,8 +43,8 @@ def load_embedder(folder: Path, threads: int | None = None) -> Callable[[np.ndar
 
 @dataclass
 class VisionParts:
-    session: object
-    pre: object                     # runtime.image.SmolVLMImagePreprocessor
+    session: Any                    # the vision encoder's onnxruntime InferenceSession
+    pre: SmolVLMImagePreprocessor
     cfg: dict                       # vlm.json: image_token_id, image_seq_len, tokens, ...
 
     @classmethod

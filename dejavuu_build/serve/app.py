@@ -26,7 +26,7 @@ import json
 import math
 import time
 import uuid
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -38,6 +38,9 @@ from ..errors import DejavuuError, GenerationError
 from ..log import logger
 from ..runtime.tokenizer import IncrementalDecoder
 from .scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
+
+if TYPE_CHECKING:
+    from ..runtime.model import Model
 
 DEFAULT_MAX_TOKENS = 256
 MAX_BODY = 32 << 20          # bytes; a data: URL image fits, a runaway upload does not
@@ -166,7 +169,7 @@ FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "auto", tree: bool = False,
+def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: str = "auto", tree: bool = False,
                memory_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``model`` through ``scheduler`` under the name ``served_name``."""
     from .metrics import render_metrics
@@ -250,7 +253,8 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
                                 f"shorten it", param=param, code="context_length_exceeded")
 
     def encode_chat(body: ChatBody):
-        images, msgs, vlm = [], [], model.vision is not None
+        vision = model.vision
+        images, msgs, vlm = [], [], vision is not None
         too_long(sum(len(m.content) if isinstance(m.content, str) else
                      sum(len(p.text or "") for p in m.content or ()) for m in body.messages), "messages")
         for i, msg in enumerate(body.messages):
@@ -275,8 +279,8 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
                     content = [{"type": "text", "text": content}]
             msgs.append({"role": msg.role, "content": content})
         try:
-            if images:
-                ids, embeds = model.vision.prefill(msgs, images, tok, model.decoder.embed)
+            if images and vision is not None:       # (images are refused above without vision)
+                ids, embeds = vision.prefill(msgs, images, tok, model.decoder.embed)
                 return ids, embeds
             return model.encode(msgs), None
         except GenerationError as e:
@@ -289,7 +293,7 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request", param="prompt")
-            p = p[0]
+            p = str(p[0])
         if isinstance(p, list):
             if not p:
                 raise APIError(400, "the prompt is empty", param="prompt")
@@ -297,9 +301,9 @@ def create_app(model, scheduler: Scheduler, *, served_name: str, method: str = "
             if limit and len(p) > limit:
                 raise APIError(400, f"the prompt ({len(p)} tokens) exceeds this model's context of {limit} tokens: "
                                     f"shorten it", param="prompt", code="context_length_exceeded")
-            if any(not 0 <= t < V for t in p):
+            if any(not isinstance(t, int) or not 0 <= t < V for t in p):
                 raise APIError(400, f"token ids must be in [0, {V})", param="prompt")
-            return list(p), None
+            return [int(t) for t in p], None
         too_long(len(p), "prompt")
         try:
             return model.encode(p), None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -27,12 +27,17 @@ from ..runtime.engine import Rows
 from ..runtime.tree import NEG, step_inputs
 from .graph import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, ensure_batched
 
+if TYPE_CHECKING:
+    from ..runtime.model import Model
+
+Owner = TypeVar("Owner")    # what holds a slot (the scheduler's Request); opaque here
+
 
 class BatchUnavailable(GenerationError):
     """This decoder cannot run batched (no static KV layout, or rows not exact on this machine)."""
 
 
-def batch_twin(model) -> str | None:
+def batch_twin(model: Model) -> str | None:
     """The variant a batched server should load instead of ``model``'s: the static-layout twin of
     the same precision, when ``model`` is not static (e.g. the rowwise default) and the twin passed
     its gates. Batches need GroupQueryAttention's ragged rows (serve.graph); None: keep ``model``."""
@@ -43,12 +48,12 @@ def batch_twin(model) -> str | None:
     return S.variant_name(precision, "static") if twin is not None and twin.passed else None
 
 
-class BatchDecoder:
+class BatchDecoder(Generic[Owner]):
     """The batched graph, its KV buffer and the slot of every active request."""
 
-    def __init__(self, model, max_batch: int, cache: Path):
+    def __init__(self, model: Model, max_batch: int, cache: Path):
         c = model.contract
-        if c.kv_layout != "static" or model.manifest is None or c.mask_kind != "additive_4d":
+        if c.kv_layout != "static" or model.manifest is None or c.mask_kind != "additive_4d" or c.mask_input is None:
             raise BatchUnavailable(f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
                                    f"`-static` variant (`dejavuu-build tree-decoder --kv-layouts static`)")
         import onnxruntime as ort
@@ -58,6 +63,7 @@ class BatchDecoder:
         self.ort = ort
         self.model = model
         self.c = c
+        self.mask_input: str = c.mask_input
         src = model.folder / model.manifest.variants[model.variant].file
         try:
             path = ensure_batched(src, cache)
@@ -75,12 +81,12 @@ class BatchDecoder:
         self.buf = np.zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), dtype=dtype)
         self.lengths = [0] * max_batch
         self.active = 0                       # slots [0, active) are in use
-        self.owners: list[object | None] = [None] * max_batch
-        self._bindings: dict[tuple[int, int], object] = {}
+        self.owners: list[Owner | None] = [None] * max_batch
+        self._bindings: dict[tuple[int, int], Any] = {}     # onnxruntime IOBindings per slot range
         self.last_run_s = 0.0
 
     # ------------------------------------------------------------------ slots
-    def acquire(self, owner) -> int:
+    def acquire(self, owner: Owner | None) -> int:
         if self.active >= self.max_batch:
             raise GenerationError("no free batch slot")
         i = self.active
@@ -88,7 +94,7 @@ class BatchDecoder:
         self.owners[i], self.lengths[i] = owner, 0
         return i
 
-    def release(self, slot: int) -> object | None:
+    def release(self, slot: int) -> Owner | None:
         """Free ``slot``; the last active request moves into it (its KV rows copied) so the active
         slots stay a contiguous prefix. Returns the owner that moved, whose slot is now ``slot``."""
         last = self.active - 1
@@ -103,7 +109,7 @@ class BatchDecoder:
         self.active -= 1
         return moved
 
-    def _binding(self, lo: int, hi: int):
+    def _binding(self, lo: int, hi: int) -> Any:
         key = (lo, hi)
         b = self._bindings.get(key)
         if b is None:
@@ -116,17 +122,18 @@ class BatchDecoder:
         return b
 
     # ------------------------------------------------------------------ forward
-    def forward(self, lo: int, rows: Sequence[Rows | None]):
+    def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """One forward over slots ``lo .. lo+len(rows)``; ``None`` marks an idle slot. Returns per
-        slot (logits [n, V], hidden [n, H] or None) for its real rows (copies), and commits nothing:
-        the caller moves each slot's length with :meth:`commit`."""
+        slot (logits [n, V], hidden [n, H] or None) for its real rows (copies; n = 0 for an idle
+        slot), and commits nothing: the caller moves each slot's length with :meth:`commit`."""
         B = len(rows)
-        fed = []
+        fed: list[Rows | None] = []
         for r in rows:
             if r is not None and len(r.tokens) == 1 and r.slots is None:   # as Decoder.forward: one -> two rows
                 r = Rows(r.tokens * 2, [-1, -1], None if r.embeds is None else np.concatenate([r.embeds] * 2))
             fed.append(r)
-        widths = [0 if r is None else len(r.parents) if r.slots is not None else len(r.tokens) for r in fed]
+        widths = [0 if r is None else len(r.parents) if r.slots is not None and r.parents is not None else len(r.tokens)
+                  for r in fed]
         S = max([2] + widths)                 # attention slots per entry (a tree's aligned layout)
         lens = [self.lengths[lo + b] for b in range(B)]
         for b, r in enumerate(fed):
@@ -163,10 +170,10 @@ class BatchDecoder:
             bias[b, 0, :w, :P + w] = m[0, 0]
             seqlens[b], qlens[b] = P + w - 1, w
             if embeds is not None:
-                embeds[0, o:o + n] = r.embeds if r.embeds is not None else self.model.decoder.embed(
+                embeds[0, o:o + n] = r.embeds if r.embeds is not None else self.model.decoder.embeddings(
                     np.asarray(r.tokens, np.int64)[None])[0]
         bind = self._binding(lo, lo + B)
-        feeds = {GQA_POSITIONS: pos, self.c.mask_input: bias, SEQLENS_K: seqlens, QUERY_SEQLENS: qlens,
+        feeds = {GQA_POSITIONS: pos, self.mask_input: bias, SEQLENS_K: seqlens, QUERY_SEQLENS: qlens,
                  PAD_INDEX: pad_index, UNPAD_INDEX: unpad_index}
         feeds[self.c.primary_input] = embeds if embeds is not None else ids
         for name, arr in feeds.items():
@@ -183,10 +190,7 @@ class BatchDecoder:
         self.last_run_s = time.perf_counter() - t0
         out = []
         for b, r in enumerate(rows):
-            if r is None:
-                out.append((None, None))
-                continue
-            o, n = int(offsets[b]), len(r.tokens)
+            o, n = int(offsets[b]), (0 if r is None else len(r.tokens))    # a single token's pad row is dropped
             out.append((logits[0, o:o + n], hidden[0, o:o + n] if hidden is not None else None))
         return out
 

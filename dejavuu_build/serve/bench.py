@@ -23,6 +23,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,7 +124,7 @@ def second_turns(client, model: str, data: str | None, n: int, method: str, max_
         raise DejavuuError(f"{path} has no two-turn (MT-Bench) questions")
     shared = "bench-mt-shared"
     labels = ("baseline", "without_memory", "with_memory", "repeated_with_memory")
-    out = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "texts": []} for k in labels}
+    out: dict[str, Any] = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "texts": []} for k in labels}   # the JSON report
     for i, r in enumerate(conv):
         u1, u2 = r["turns"][0], r["turns"][1]
         a1 = _one(client, model, [{"role": "user", "content": u1}], method, max_tokens, shared)["text"]
@@ -182,7 +183,7 @@ def run_bench(*, url, name, concurrency, methods, n_requests, max_tokens, data, 
                 r["x_c1_tok_s"] = round(r["tok_s"] / one["tok_s"], 2) if one["tok_s"] else 0.0
                 r["x_c1_ttft_p95"] = round(r["ttft_p95"] / one["ttft_p95"], 2) if one["ttft_p95"] else 0.0
         _table(rows)
-        result = {"points": rows}
+        result: dict[str, Any] = {"points": rows}
         if multi_turn:
             method = next((m for m in methods if m != "baseline"), "suffix_decoding")
             mt = second_turns(client, model, data, n_requests, method, max_tokens)

@@ -92,9 +92,9 @@ def batched_graph(src: Path, dst: Path) -> None:
             continue
         ins = list(n.input) + [""] * max(0, _GQA_QUERY_SEQLENS + 1 - len(n.input))
         for j in (0, 1, 2):
-            src = producer.get(ins[j])
-            if src is not None and src.op_type == "Gather" and src.input[1] == SLOT_ROWS:
-                ins[j] = src.input[0]
+            feeder = producer.get(ins[j])
+            if feeder is not None and feeder.op_type == "Gather" and feeder.input[1] == SLOT_ROWS:
+                ins[j] = feeder.input[0]
         back = users.get(n.output[0], [])
         if len(back) == 1 and back[0].op_type == "Gather" and back[0].input[1] == ROW_SLOTS:
             slot_gathers.add(id(back[0]))

@@ -56,9 +56,11 @@ def deployment(cfg: ServeConfig, replicas: int):
         max_ongoing_requests=cfg.max_batch + cfg.max_queue + 1,
         # threads are onnxruntime's (cfg.threads); a CPU reservation would only block small machines
         ray_actor_options={"num_cpus": 0},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+        # ray declares request_router_class as Union[str, Callable], which its pydantic model hides from mypy
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER,  # type: ignore[arg-type]
                                                   request_router_kwargs={"num_fallback_replicas": 0}))
-    return dep.bind(cfg.to_json())
+    # ray annotates deployment() as the decorator form only; given the class it returns the Deployment
+    return dep.bind(cfg.to_json())  # type: ignore[attr-defined]
 
 
 def run_ray(cfg: ServeConfig, *, host: str, port: int, replicas: int) -> None:

@@ -19,16 +19,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..errors import DejavuuError
 from ..log import logger
-from ..runtime.engine import Job, Rows
+from ..runtime.drafters.base import Drafter
+from ..runtime.engine import GenerationStats, Job, Rows
 from .batch import BatchDecoder, BatchUnavailable
 from .memory import MEMORY_METHODS, Memory, with_memory
+
+if TYPE_CHECKING:
+    from ..runtime.model import Model
 
 
 class QueueFull(DejavuuError):
@@ -59,7 +64,7 @@ class Result:
     tokens: list[int]
     prompt_tokens: int
     stop_reason: str
-    stats: object
+    stats: GenerationStats
     method: str
     tree: bool
     batched: bool
@@ -71,8 +76,8 @@ class Request:
 
     _ids = itertools.count()
 
-    def __init__(self, ids: list[int], params: Params, on_tokens: Callable[[list[int]], None],
-                 on_done: Callable[[object], None], prefill_embeds: np.ndarray | None = None):
+    def __init__(self, ids: list[int], params: Params, on_tokens: Callable[[list[int]], object],
+                 on_done: Callable[[Result | BaseException], object], prefill_embeds: np.ndarray | None = None):
         self.id = next(self._ids)
         self.ids, self.params = ids, params
         self.on_tokens, self.on_done = on_tokens, on_done
@@ -85,6 +90,13 @@ class Request:
     def cancel(self) -> None:
         """Ask the worker to drop this request at its next step boundary."""
         self.cancelled = True
+
+    @property
+    def running(self) -> Job:
+        """The request's Job, which the batched path makes when it admits the request."""
+        if self.job is None:
+            raise RuntimeError(f"request {self.id} was not admitted: it has no job yet")
+        return self.job
 
 
 class Metrics:
@@ -118,7 +130,7 @@ class Metrics:
 
 
 class Scheduler:
-    def __init__(self, model, *, max_batch: int = 8, max_queue: int = 64, batch: bool = True,
+    def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64, batch: bool = True,
                  memory: Memory | None = None, datastore=None, cache: Path | None = None,
                  width: int = 2, max_depth: int = 8, max_nodes: int | None = None):
         from ..cache import cache_root
@@ -131,7 +143,7 @@ class Scheduler:
         self.datastore = datastore
         self.width, self.max_depth, self.max_nodes = width, max_depth, max_nodes
         self.metrics = Metrics()
-        self.batch: BatchDecoder | None = None
+        self.batch: BatchDecoder[Request] | None = None
         self.why_sequential = "batching off (--no-batch)"
         if batch:
             try:
@@ -191,8 +203,8 @@ class Scheduler:
                 if self.batch is None:
                     self._run_one()
                 else:
-                    self._admit()
-                    self._step()
+                    self._admit(self.batch)
+                    self._step(self.batch)
             except Exception as e:  # noqa: BLE001 - a bug must fail the requests in flight, not the server
                 logger.exception("scheduler step failed")
                 for r in list(self._active):
@@ -219,7 +231,7 @@ class Scheduler:
                    should_stop=plan.should_stop, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
                    capacity=self.batch.capacity if self.batch else 0, fill=plan.fill)
 
-    def _admit(self) -> None:
+    def _admit(self, batch: BatchDecoder[Request]) -> None:
         while True:
             with self._cv:
                 if not self._waiting or len(self._active) >= self.max_batch:
@@ -233,60 +245,62 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 self._finish_error(req, e)
                 continue
-            req.slot = self.batch.acquire(req)
+            req.slot = batch.acquire(req)
             self._active.append(req)
             self.metrics.prompt_tokens += len(req.ids)
 
-    def _step(self) -> None:
+    def _step(self, batch: BatchDecoder[Request]) -> None:
         for r in [r for r in self._active if r.cancelled]:
             self._release(r)
             self._finish_error(r, Cancelled("the client went away"))
-        for r in [r for r in self._active if r.job.prefilling]:
-            (logits, hidden), = self.batch.forward(r.slot, [r.job.prefill_rows()])
+        for r in [r for r in self._active if r.running.prefilling]:
+            (logits, hidden), = batch.forward(r.slot, [r.running.prefill_rows()])
             self._count_forward(1)
-            r.job.after_prefill(lambda n, keep, s=r.slot: self.batch.commit(s, n, keep), logits, hidden)
-            if r.job.done:
+            r.running.after_prefill(partial(batch.commit, r.slot), logits, hidden)
+            if r.running.done:
                 self._complete(r)
-        decoding = sorted((r for r in self._active if not r.job.prefilling), key=lambda r: r.slot)
+        decoding = sorted((r for r in self._active if not r.running.prefilling), key=lambda r: r.slot)
         if not decoding:
             return
-        planned = []
+        planned: list[tuple[Request, Rows]] = []
         for r in decoding:
             try:
-                planned.append((r, r.job.plan(self.batch.lengths[r.slot])))
+                planned.append((r, r.running.plan(batch.lengths[r.slot])))
             except Exception as e:  # noqa: BLE001 - a drafter failure fails its own request only
                 self._fail(r, e)
         if not planned:
             return
         decoding = [r for r, _ in planned]
-        rows: list[Rows | None] = [None] * self.batch.active
+        rows: list[Rows | None] = [None] * batch.active
         for r, x in planned:          # slots are read after any release above moved them
             rows[r.slot] = x
         t0 = time.perf_counter()
-        outs = self.batch.forward(0, rows)
+        outs = batch.forward(0, rows)
         verify_s = time.perf_counter() - t0
         self._count_forward(sum(len(x.tokens) for x in rows if x is not None))
         self.metrics.shared_forwards += len(planned) > 1
         for r in decoding:
             logits, hidden = outs[r.slot]
-            job = r.job
+            job = r.running
             before = (job.stats.drafted, job.stats.accepted)
-            job.after_step(lambda n, keep, s=r.slot: self.batch.commit(s, n, keep), logits, hidden, verify_s,
-                           self.batch.last_run_s)
+            job.after_step(partial(batch.commit, r.slot), logits, hidden, verify_s, batch.last_run_s)
             name = r.params.method
             self.metrics.drafted[name] = self.metrics.drafted.get(name, 0) + job.stats.drafted - before[0]
             self.metrics.accepted[name] = self.metrics.accepted.get(name, 0) + job.stats.accepted - before[1]
             self.metrics.steps[name] = self.metrics.steps.get(name, 0) + 1
         for r in decoding:
-            if r.job.done:
+            if r.running.done:
                 self._complete(r)
 
     def _count_forward(self, rows: int) -> None:
         self.metrics.forwards += 1
-        self.metrics.forward_s += self.batch.last_run_s
+        self.metrics.forward_s += self.batch.last_run_s if self.batch is not None else 0.0
         self.metrics.batch_rows += rows
 
     def _release(self, r: Request) -> None:
+        """Free a batched request's slot (the sequential path holds none)."""
+        if self.batch is None:
+            raise RuntimeError("only a batched request holds a slot")
         moved = self.batch.release(r.slot)
         if moved is not None:
             moved.slot = r.slot
@@ -295,10 +309,11 @@ class Scheduler:
 
     def _complete(self, r: Request) -> None:
         self._release(r)
-        job = r.job
+        job = r.running
         if self.memory is not None:
             self.memory.add(r.params.namespace, job.tokens)
         self.metrics.requests["ok"] += 1
+        assert job.reason is not None     # _complete is called for finished jobs only
         r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.budget.tree, True))
 
     def _fail(self, r: Request, e: BaseException) -> None:
@@ -329,7 +344,7 @@ class Scheduler:
                 self.metrics.add_tokens(len(ids))
                 req.on_tokens(ids)
 
-            drafter = p.method
+            drafter: str | Drafter = p.method
             if self.memory is not None and p.method in MEMORY_METHODS:
                 own = self.model.plan(p.method, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                       seed=p.seed, datastore=self.datastore).drafter
@@ -353,7 +368,7 @@ class Scheduler:
             self._active.remove(req)
 
 
-def check_exact(model, batch: BatchDecoder) -> bool:
+def check_exact(model: Model, batch: BatchDecoder[Any]) -> bool:
     """Whether the batched graph's rows equal the single-request decoder's bit for bit here: two
     requests at different pasts, steps of 1, 3 and 5 rows side by side. Measured once at start."""
     rng = np.random.default_rng(0)

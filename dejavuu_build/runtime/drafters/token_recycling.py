@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class TokenRecycling(HistoryDrafter):
         for tok, row in zip(inputs, rows):
             self._table[tok] = tuple(int(t) for t in row if t >= 0)
 
-    def _children(self, tok: int):
+    def _children(self, tok: int) -> Iterator[tuple[int, float, int]]:
         probs = self.rank_probs
         return ((t, probs[r] if r < len(probs) else probs[-1], t) for r, t in enumerate(self._table.get(tok, ())))
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 from .base import Draft, DraftBudget
 
-Children = Callable[[Hashable], Iterable[tuple[int, float, Hashable]]]
+State = TypeVar("State", bound=Hashable)
+# a state -> its children as (token, conditional probability, child state)
+Children = Callable[[State], Iterable[tuple[int, float, State]]]
 
 
 def best_first(
-    root: Hashable,
-    children: Children,
+    root: State,
+    children: Children[State],
     budget: DraftBudget,
     *,
     max_nodes: int | None = None,
@@ -101,7 +103,7 @@ def continuation_tree(
     if weight[0] <= 0:
         return Draft()
 
-    def children(node: int):
+    def children(node: int) -> Iterator[tuple[int, float, int]]:
         total = weight[node]
         return ((tok, weight[c] / total, c) for tok, c in kids[node].items())
 
@@ -113,8 +115,8 @@ def accepted_length(draft: Draft, truth: Sequence[int]) -> int:
     kids: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
     node, n = -1, 0
     for tok in truth:
-        node = kids.get((node, int(tok)), None)
-        if node is None:
+        nxt = kids.get((node, int(tok)))
+        if nxt is None:
             break
-        n += 1
+        node, n = nxt, n + 1
     return n
