@@ -195,16 +195,31 @@ def verify(name):
 @click.option("--exactness", is_flag=True,
               help="PATH is a cache name or entry: measure, per op and for the whole decoder, whether a row "
                    "gets the same bits alone as among verified rows on this machine.")
-@click.option("--variant", default=None, help="With --exactness: the variant [default: the entry's default].")
+@click.option("--quality", is_flag=True,
+              help="PATH is a cache name or entry: top-1 agreement and mean KL of a variant against the entry's "
+                   "fp32 on texts outside the build's quality set (Spec-Bench, or --texts).")
+@click.option("--texts", default=None, type=click.Path(), help="With --quality: a .jsonl or .txt of texts to score on.")
+@click.option("--limit", default=32, show_default=True, type=click.IntRange(1, 10_000),
+              help="With --quality: how many texts.")
+@click.option("--variant", default=None, help="With --exactness or --quality: the variant [default: the entry's default].")
 @click.option("--threads", default=2, show_default=True, type=int)
-@click.option("--json", "as_json", is_flag=True, help="With --exactness: the full record as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="With --exactness or --quality: the full record as JSON.")
 @_friendly
-def inspect(path, exactness, variant, threads, as_json):
+def inspect(path, exactness, quality, texts, limit, variant, threads, as_json):
     """Print the I/O contract derived from any ONNX decoder graph (or, with --exactness, why a
-    built decoder is or is not lossless on this CPU)."""
+    built decoder is or is not lossless on this CPU; with --quality, whether a variant keeps the
+    model's answers on texts its gate never saw)."""
     from ..errors import ContractError
     from ..runtime.session import derive_contract, make_session
 
+    if exactness and quality:
+        raise ContractError("pass --exactness or --quality, not both")
+    if quality:
+        from .inspect_quality import quality_report
+
+        lines, record = quality_report(path, variant, Path(texts) if texts else None, limit, _check_threads(threads))
+        click.echo(json.dumps(record, indent=2, default=str) if as_json else "\n".join(lines))
+        return
     if exactness:
         from .inspect_exactness import exactness_report
 
@@ -212,7 +227,8 @@ def inspect(path, exactness, variant, threads, as_json):
         click.echo(json.dumps(record, indent=2, default=str) if as_json else "\n".join(lines))
         return
     if variant:
-        raise ContractError("--variant goes with --exactness (a cache name); plain inspect reads one .onnx file")
+        raise ContractError("--variant goes with --exactness or --quality (a cache name); plain inspect reads one "
+                            ".onnx file")
     if not Path(path).is_file():
         raise ContractError(f"{path} is not a file: pass the path of an .onnx decoder")
     c = derive_contract(make_session(path, threads=1))

@@ -1,0 +1,99 @@
+"""`dejavuu-build inspect --quality`: does a built variant keep the model's answers on texts the
+build's gate never saw?
+
+The quality gate scores a fixed set (quality_texts.py: 32 Spec-Bench prompts). A user's question
+is about other texts, so this scores any set the same way -- the entry's fp32 export continues
+each text greedily (QUALITY_TOKENS), then the variant is teacher-forced on those tokens and
+compared position by position: top-1 agreement and mean KL(fp32 || variant) -- by default on
+Spec-Bench prompts outside the gate's set, spread evenly over the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import schema as S
+from ..errors import CacheError, DejavuuError
+from ..log import step
+
+
+def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
+    """``n`` texts: from a .jsonl (Spec-Bench rows, or {"text"|"prompt"}) or .txt (one per line),
+    else Spec-Bench's first turns outside the quality gate's set, every k-th."""
+    from .quality_texts import TEXTS
+
+    if path is None:
+        from ..bench.runner import default_data_path
+
+        path = default_data_path()
+        if path is None:
+            raise DejavuuError("no Spec-Bench file found next to the checkout: pass --texts FILE (.jsonl or .txt)")
+        gate = {q for q, _, _ in TEXTS}
+        rows = [json.loads(ln) for ln in path.open(encoding="utf-8") if ln.strip()]
+        pool = [(r["question_id"], str(r["turns"][0])) for r in rows if r["question_id"] not in gate and r.get("turns")]
+        step_ = max(len(pool) // max(n, 1), 1)
+        picked = pool[step_ // 2::step_][:n]
+        return [t[:1000] for _, t in picked], f"spec-bench x{len(picked)} outside the gate's set (every {step_}th)"
+    path = Path(path)
+    if not path.is_file():
+        raise DejavuuError(f"--texts {path}: no such file")
+    if path.suffix == ".jsonl":
+        texts = []
+        for i, ln in enumerate(path.open(encoding="utf-8"), 1):
+            if not ln.strip():
+                continue
+            try:
+                row = json.loads(ln)
+                texts.append(str(row["turns"][0] if "turns" in row else row.get("text") or row["prompt"]))
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise DejavuuError(f"{path}:{i}: expected a JSON object with turns, text or prompt") from None
+    else:
+        texts = [ln.strip() for ln in path.open(encoding="utf-8") if ln.strip()]
+    if not texts:
+        raise DejavuuError(f"--texts {path} holds no text")
+    return [t[:1000] for t in texts[:n]], f"{path.name} x{min(len(texts), n)}"
+
+
+def quality_report(target: str, variant: str | None, texts: Path | None, n: int,
+                   threads: int) -> tuple[list[str], dict]:
+    """(lines to print, JSON record) for one variant of a built entry against its fp32 export."""
+    from tokenizers import Tokenizer
+
+    from ..cache import locate
+    from ..runtime.session import make_session
+    from .gates import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, Runner, gate_quality, quality_set
+
+    folder = Path(locate(target))
+    if not (folder / S.MANIFEST_FILE).is_file():
+        raise CacheError(f"no built entry {target!r}: pass a cache name or an entry folder with a manifest.json")
+    manifest = S.read_manifest(folder)
+    v = variant or manifest.default_variant
+    if v not in manifest.variants or v == "fp32":
+        raise CacheError(f"{target}: pick a quantized variant to score against fp32; it has "
+                         f"{', '.join(sorted(x for x in manifest.variants if x != 'fp32'))}")
+    if "fp32" not in manifest.variants or not (folder / "tokenizer.json").is_file():
+        raise CacheError(f"{target} lacks its fp32 export or tokenizer.json: nothing to score against")
+    chosen, source = held_out_texts(texts, n)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    import numpy as np
+
+    prompts = [np.array(tok.encode(t, add_special_tokens=False).ids[:QUALITY_PROMPT_TOKENS] or [1], dtype=np.int64)
+               for t in chosen]
+    contract = S.read_contract(folder)
+    runners = {}
+    for name in ("fp32", v):
+        rec = manifest.variants[name]
+        runners[name] = Runner(make_session(folder / rec.file, threads=threads), S.variant_contract(contract, rec))
+    with step(f"fp32 greedy continuations of {len(prompts)} texts ({QUALITY_TOKENS} tokens each)"):
+        qs = quality_set(runners["fp32"], prompts, source)
+    with step(f"{v} teacher-forced against fp32"):
+        g = gate_quality(runners["fp32"], {v: runners[v]}, qs, {})[v]
+    gate = manifest.variants[v].gates.get("quality", {})
+    lines = [f"{target} {v}: top-1 {g['top1']:.3f} ({g['agree']}/{g['positions']}), mean KL {g['mean_kl']:.4f} "
+             f"against fp32 over {source}",
+             f"  the build's gate (its own set): top-1 {gate['top1']:.3f}, mean KL {gate['mean_kl']:.4f}" if gate
+             else "  the build's gate: not measured"]
+    g.pop("passed", None)
+    g.pop("floor", None)
+    return lines, {"entry": str(folder), "variant": v, "held_out": g, "gate": gate}
