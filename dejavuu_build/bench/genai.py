@@ -15,7 +15,7 @@ model, so that is what the bench compares with (``--compare genai``):
   the ids (``append_tokens``), never text. The EOS ids are ours too (config overlay).
 * **Counted like ours.** ``append_tokens`` runs the prefill forward and the first
   ``generate_next_token`` only samples from its logits, so the first token is prefill, as in
-  :class:`~dejavuu_build.runtime.engine.GenerationStats`; every later ``generate_next_token``
+  :class:`~dejavuu_build.runtime.job.GenerationStats`; every later ``generate_next_token``
   (one forward + sampling) is a decode step.
 * **Its own speculative decoding too.** genai 0.18 drafts by n-gram lookup
   (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``); :class:`GenaiNgram`

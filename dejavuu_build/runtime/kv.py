@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import GenerationError
 
 if TYPE_CHECKING:
-    from .engine import Decoder, RowFeeds
+    from .decoder import Decoder, RowFeeds
 
 
 class KVCache:
@@ -101,7 +101,7 @@ class StaticKV:
     def release(self) -> None:
         """Hand the buffers back to the decoder for the next generation."""
         if self.buf is not None:
-            self.dec._free.append((self.buf, self.binding))
+            self.dec.reclaim(self.buf, self.binding)
             self.buf = self.binding = None
 
 
@@ -182,7 +182,7 @@ class GrowingKV(StaticKV):
 
     def release(self) -> None:
         if self.binding is not None:
-            self.dec._free.append((self.mem, self.binding))
+            self.dec.reclaim(self.mem, self.binding)
             self.buf = self.binding = None
 
 

@@ -33,8 +33,10 @@ from ..cache import (
 )
 from ..errors import CacheError, DejavuuError, GenerationError
 from ..log import logger
+from .decoder import Decoder
 from .drafters.base import DraftBudget, Drafter
-from .engine import Decoder, Engine, GenerationStats, StopFn, Successors
+from .engine import Engine
+from .job import GenerationStats, StopFn, Successors
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
 from .tokenizer import IncrementalDecoder, TextTokenizer
@@ -209,7 +211,7 @@ class Model:
     _calibration: Calibration | None = None     # measured on first use
     _warned_exact: bool = False
     # empty drafts verify a successor guess: in the pad row where there is one (free), else in a
-    # row of its own while it pays (engine.FillPolicy)
+    # row of its own while it pays (job.FillPolicy)
     fill: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _owner: int | None = field(default=None, repr=False, compare=False)

@@ -9,7 +9,7 @@ rows, a tree's tokens sit at their period-aligned attention slots (pad slots rea
 and exist in attention only) — so each row's logits are bit-identical to decoding that
 request alone (rows are independent for any row count >= 2; ``check_exact`` measures it).
 
-Each request is a runtime.engine.Job (the engine's own step machine), so the scheduler can put
+Each request is a runtime.job.Job (the engine's own step machine), so the scheduler can put
 many requests' verify rows into one call and still decode each as Engine.generate would.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import GenerationError
-from ..runtime.engine import Rows
+from ..runtime.job import Rows
 from ..runtime.tree import NEG, step_inputs
 from .graph import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, ensure_batched
 

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import DejavuuError
 from ..log import logger
 from ..runtime.drafters.base import Drafter
-from ..runtime.engine import GenerationStats, Job, Rows
+from ..runtime.job import GenerationStats, Job, Rows
 from .batch import BatchDecoder, BatchUnavailable
 from .memory import MEMORY_METHODS, Memory, with_memory
 

@@ -14,7 +14,7 @@ from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
 from dejavuu_build.export.inplace import to_rowwise_kv
 from dejavuu_build.runtime import load
-from dejavuu_build.runtime.engine import ROWWISE_TILE
+from dejavuu_build.runtime.decoder import ROWWISE_TILE
 from dejavuu_build.runtime.session import derive_contract, make_session
 
 

@@ -91,7 +91,7 @@ def test_a_recorded_exactness_claim_is_rechecked(tiny_llama, tmp_path, caplog):
 
     from dejavuu_build import schema as S
     from dejavuu_build.export.passes.row_guard import strip_row_guard
-    from dejavuu_build.runtime.engine import Decoder
+    from dejavuu_build.runtime.decoder import Decoder
     from dejavuu_build.runtime.session import make_session
 
     raw = tmp_path / "unguarded.onnx"

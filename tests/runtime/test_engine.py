@@ -237,7 +237,7 @@ def test_empty_drafts_fill_the_pad_row_losslessly(by_layout, temp):
 def test_fill_policy_fills_while_a_row_pays():
     """Where a guess costs a row: fill iff its acceptance beats the second row's relative cost,
     trying again every ``explore``-th empty step once it does not."""
-    from dejavuu_build.runtime.engine import FillPolicy
+    from dejavuu_build.runtime.job import FillPolicy
 
     f = FillPolicy(explore=4)
     assert f.pays(0, 0)                                # prior: p = 1/2 against a 1.25x second row

@@ -79,10 +79,10 @@ def test_commit_moves_only_accepted_rows():
 
 def test_buffers_are_reused_and_stats_split_host_time(static):
     r1 = static.generate(PROMPTS[0], method="pld", max_new_tokens=16)
-    pool = [id(b) for b, _ in static.decoder._free]
+    pool = [id(b) for b in static.decoder.pooled]
     assert pool                                     # the generation handed its buffer back
     r2 = static.generate(PROMPTS[0], method="pld", max_new_tokens=16)
-    assert [id(b) for b, _ in static.decoder._free] == pool and r2.tokens == r1.tokens
+    assert [id(b) for b in static.decoder.pooled] == pool and r2.tokens == r1.tokens
     st = r2.stats
     assert 0 < st.forward_s <= st.verify_s <= st.total_s and st.host_ms_per_step >= 0
 

@@ -168,7 +168,7 @@ def _zero_rope_past(path, rows=64):
 def test_a_tampered_batched_graph_is_not_served(model, tmp_path):
     """The start-up check compares ~40 positions; the batched rows must equal the single decoder's
     bit for bit past 64 too, which only a graph checked against its record guarantees."""
-    from dejavuu_build.runtime.engine import Rows
+    from dejavuu_build.runtime.job import Rows
 
     src = model.folder / model.manifest.variants[model.variant].file
     path = graph.batched_path(src, tmp_path / ".serve")
