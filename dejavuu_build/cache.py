@@ -121,7 +121,7 @@ def _try_lock(fh) -> bool:
         import msvcrt
 
         try:
-            msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+            msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]  # Windows only
             return True
         except OSError:
             return False
@@ -139,7 +139,7 @@ def _unlock(fh) -> None:
         import msvcrt
 
         fh.seek(0)
-        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]  # Windows only
         return
     fcntl.flock(fh, fcntl.LOCK_UN)
 
@@ -367,7 +367,7 @@ def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> 
         except (OSError, RuntimeError):
             inside = False
         bad = not inside
-    if bad:
+    if bad or p is None:
         raise IntegrityError(f"{folder / MANIFEST_FILE} names {rel!r}, a path outside the entry; "
                              f"the manifest was tampered with: {rebuild}")
     return p
@@ -435,17 +435,17 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
     else:
         wanted = set(files)
     for rel in sorted(wanted):
-        rec = m.files.get(rel)
+        listed = m.files.get(rel)
         here = folder / rel
         if here.is_symlink():     # named as found: a link is not the manifest's doing
-            raise IntegrityError(f"{here} is a symbolic link{'' if rec else ' not listed in the manifest'}: an entry "
+            raise IntegrityError(f"{here} is a symbolic link{'' if listed else ' not listed in the manifest'}: an entry "
                                  f"holds plain files only; {rebuild}")
-        if rec is None:
+        if listed is None:
             raise IntegrityError(f"{here} is not listed in the manifest; {rebuild}")
         p = member(folder, rel, rebuild)
         if not p.is_file():
             raise IntegrityError(f"{p} is missing; {rebuild}")
-        if p.stat().st_size != rec.get("bytes") or sha256_file(p) != rec.get("sha256"):
+        if p.stat().st_size != listed.get("bytes") or sha256_file(p) != listed.get("sha256"):
             raise IntegrityError(f"{p} does not match its manifest sha256 (modified or corrupted); {rebuild}")
     for v, rec in m.variants.items():
         if rec.file in wanted and (rec.sha256 != m.files[rec.file]["sha256"] or rec.bytes != m.files[rec.file]["bytes"]):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # pragma: no cover - `python -m dejavuu_build.build.cli`
     # Run the package module's group, fully registered, rather than a second copy of this file.
-    from dejavuu_build.build.cli import main as _package_main
+    import importlib as _importlib
 
-    _package_main()
+    _importlib.import_module("dejavuu_build.build.cli").main()
     raise SystemExit(0)
 
 import importlib

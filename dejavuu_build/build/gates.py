@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class Reference:
     quality: "QualitySet | None" = None   # the quality texts and torch's greedy continuations
 
     def save(self, path: Path) -> None:
-        q = {}
+        q: dict[str, Any] = {}
         if self.quality is not None:
             q = {"quality_prompts": np.concatenate(self.quality.prompts),
                  "quality_prompt_lens": [len(p) for p in self.quality.prompts],
@@ -312,22 +313,22 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     maxdiff = rawdiff = 0.0
     for past, chunk in cases:
         kv = dec.new_cache()
-        _, _, pres = dec.forward(past, None, kv)
+        _, _, pres = dec.forward(past.tolist(), None, kv)
         kv.commit(pres, len(past), list(range(len(past))))
-        inc = []
+        singles = []
         for t in chunk:                              # single steps (padded), committed one by one
             li, _, pres = dec.forward([int(t)], None, kv)
             kv.commit(pres, 1, [0])
-            inc.append(li[0])
-        inc = np.stack(inc)
+            singles.append(li[0])
+        inc = np.stack(singles)
         kv.truncate(len(past))
         for n in (k for k in BATCH_ROWS if k <= len(chunk)):
-            lb, _, _ = dec.forward(chunk[:n], None, kv)
+            lb, _, _ = dec.forward(chunk[:n].tolist(), None, kv)
             mism += int((lb.argmax(-1) != inc[:n].argmax(-1)).sum())
             total += n
             maxdiff = max(maxdiff, float(np.abs(lb - inc[:n]).max()))
         with dec.padding(False):                     # the unpadded one-row path, for the record
-            raw, _, _ = dec.forward(chunk[:1], None, kv)
+            raw, _, _ = dec.forward(chunk[:1].tolist(), None, kv)
         rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
         kv.release()
     return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,

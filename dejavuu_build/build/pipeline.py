@@ -9,6 +9,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -281,7 +282,7 @@ class _Gates:
             from ..runtime.vision import load_embedder
 
             self.embed = load_embedder(folder, threads)
-        self.sessions: dict[str, tuple] = {}
+        self.sessions: dict[str, tuple[Any, Contract]] = {}     # variant -> (session, its contract)
         self.quantized: list[str] = []
         self.t_quantize = 0.0
 
@@ -328,7 +329,7 @@ class _Gates:
         unchanged fp32 export) keeps that file's record: its gates and calibration, measured on
         the same bytes, machine and onnxruntime, hold; nothing is measured twice."""
         rec = self.manifest.variants.get(v)
-        if old is None or rec is old or not old.sha256 or not old.gates:
+        if rec is None or old is None or rec is old or not old.sha256 or not old.gates:
             return
         if old.gates.get("batched_vs_incremental", {}).get("machine") != self.machine:
             return
@@ -433,7 +434,7 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
         rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
         bad = [p for p in rep.probes if p.verdict == "variant"]     # the batched gate still checks the whole graph
         guard = rep.guard_nodes()
-        summary = {"length_invariant": not bad, "machine": rep.machine,
+        summary: dict[str, Any] = {"length_invariant": not bad, "machine": rep.machine,
                    "guarded": sorted({p.signature for p in rep.probes if p.verdict == "guardable"}),
                    "guarded_nodes": len(guard), "not_exact": sorted(p.signature for p in bad),
                    "first_break": rep.first_break.signature if rep.first_break else None}

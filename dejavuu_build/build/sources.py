@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from ..cache import cache_root
 from ..errors import ModelSourceError
@@ -121,7 +122,7 @@ def _installed_ggufs(dist: str) -> list[Path]:
         d = metadata.distribution(dist)
     except metadata.PackageNotFoundError:
         return []
-    return [Path(d.locate_file(f)) for f in (d.files or []) if ".gguf" in f.name]
+    return [Path(str(d.locate_file(f))) for f in (d.files or []) if ".gguf" in f.name]
 
 
 def _resolve_pypi(spec: str) -> Source:
@@ -255,9 +256,9 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
     expected = None
     for s_ in sums:
         for line in s_.read_text().splitlines():
-            f = line.split()
-            if len(f) == 2 and f[1].lstrip("*") == name:
-                expected = f[0].lower()
+            cols = line.split()
+            if len(cols) == 2 and cols[1].lstrip("*") == name:
+                expected = cols[0].lower()
     if not sums:
         raise ModelSourceError(f"{name} comes in {len(parts)} chunks but without a SHA256SUMS file: "
                                f"the assembly cannot be checked, refusing it")
@@ -298,14 +299,13 @@ def load_model_and_tokenizer(src: Source):
         except Exception as e:  # noqa: BLE001
             raise ModelSourceError(f"cannot read the model config from {src.path}: {str(e).splitlines()[0]}") from None
         recipe = recipe_for(config)   # refuse unknown architectures before loading weights
-        if getattr(recipe, "vlm", False):
-            from transformers import AutoModelForImageTextToText as Auto
-        else:
-            Auto = AutoModelForCausalLM
-        model = Auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+        from transformers import AutoModelForImageTextToText
+
+        auto: Any = AutoModelForImageTextToText if getattr(recipe, "vlm", False) else AutoModelForCausalLM
+        model = auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
         tok = AutoTokenizer.from_pretrained(folder, **kw)
         try:
-            gen = GenerationConfig.from_pretrained(folder, **kw)
+            gen = GenerationConfig.from_pretrained(folder, **kw)  # type: ignore[arg-type]  # its stub types **kwargs as return_unused_kwargs
         except Exception:  # noqa: BLE001 - GGUF and some folders have none
             gen = None
     return model, tok, gen, recipe
@@ -321,7 +321,8 @@ def _gguf_parsed_once():
 
     import gguf
 
-    plain, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain: Any = gguf.GGUFReader
+    name_map = gguf.get_tensor_name_map
     parsed: dict = {}
 
     class Once(plain):
@@ -332,16 +333,20 @@ def _gguf_parsed_once():
                 parsed[key]._parsed = False
             return parsed[key]
 
+        _parsed: bool
+
         def __init__(self, path, mode="r"):
             if not self._parsed:
                 super().__init__(path, mode)
                 self._parsed = True
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = Once, functools.lru_cache(maxsize=None)(name_map)
+    setattr(gguf, "GGUFReader", Once)                 # noqa: B010 - a module attribute, patched for one load
+    setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))  # noqa: B010
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = plain, name_map
+        setattr(gguf, "GGUFReader", plain)            # noqa: B010
+        setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
 
 
 def gguf_of(record: dict) -> Path | None:
