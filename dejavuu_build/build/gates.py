@@ -224,7 +224,7 @@ class Runner:
         total = bias.shape[-1]
         feeds = dict(past)
         if self.c.kv_layout == "rowwise":
-            from ..runtime.engine import ROWWISE_TILE
+            from ..runtime.decoder import ROWWISE_TILE
             from ..runtime.kv import round_up
             from ..runtime.tree import NEG
 
@@ -300,7 +300,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     256- and 1024-key boundaries. That equality is what makes speculative output equal plain
     decoding. ``raw_single_row_maxdiff`` shows why single steps are padded to two rows: the
     one-row kernel path differs in the last bits, and int8 activations amplify it."""
-    from ..runtime.engine import Decoder
+    from ..runtime.decoder import Decoder
 
     dec = Decoder(r.s, r.c, r.embed)
     limit = r.c.position_limit
@@ -342,7 +342,7 @@ def time_forward(session, contract: Contract, *, repeats: int = 12) -> dict:
     with its I/O binding. The minimum, not the median: on a shared machine other processes only
     ever add time, and the minimum is what keeps the default variant from flipping with load.
     n1 is the raw one-row path; the runtime pays n2 for a single token (see Decoder.forward)."""
-    from ..runtime.engine import Decoder
+    from ..runtime.decoder import Decoder
 
     dec = Decoder(session, contract)
     cases = _timing_cases(dec, contract, np.random.default_rng(0))
@@ -511,7 +511,7 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
     (rows, past) once, fastest of ``repeats``; so load that comes and goes hits them all alike.
     Returns per variant the fastest over all rounds per key (ms) and the per-round cost (mean over
     TIMING_KEYS present) from which the picker reads the noise."""
-    from ..runtime.engine import Decoder
+    from ..runtime.decoder import Decoder
 
     rng = np.random.default_rng(0)
     plans = {}

@@ -460,7 +460,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     onnxruntime has another key and measures again."""
     from ..cache import cache_root
     from ..runtime.calibration import Calibration, calibration_key, record_calibration
-    from ..runtime.engine import Decoder
+    from ..runtime.decoder import Decoder
 
     # per attention flavour, what the smallest precision found (searched there: its forwards are the cheapest)
     hints: dict[tuple[str, bool], Calibration] = {}

@@ -19,11 +19,6 @@ from .job import GenerationStats, Job, ResidualFn, StopFn, Successors
 from .kv import GrowingKV
 from .sampling import Sampler, residual
 
-# isort: split
-# transitional: build/ still imports these from here; removed when build/ is updated
-# (Decoder, imported above for the loop itself, and ROWWISE_TILE)
-from .decoder import ROWWISE_TILE  # noqa: F401
-
 
 class Engine:
     def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None, tile: int | None = None,
