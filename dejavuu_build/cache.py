@@ -42,8 +42,10 @@ REQUIRED_FILES = {
     "vlm": (CONTRACT_FILE, "embed_tokens.onnx", "vision_encoder.onnx", "vlm.json", "preprocessor_config.json"),
     "datastore": ("tokens.npy", "suffixes.npy", "datastore.json"),
 }
-# What shapes a build's artifacts: hashed into the cache key (tool_versions) besides the versions.
-CODE_PARTS = ("export", "quantize", "recipes", "build/pipeline.py", "build/gates.py", "schema.py")
+# What shapes a build's artifacts: the modules the pipeline imports (import_closure), hashed into
+# the cache key (tool_versions) besides the versions.
+BUILD_ROOT = "build/pipeline.py"
+PACKAGE = "dejavuu_build"
 
 
 def cache_root() -> Path:
@@ -92,19 +94,63 @@ def list_entries() -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST_FILE).is_file())
 
 
-def code_digest(package_root: str | os.PathLike | None = None, parts: Iterable[str] = CODE_PARTS) -> str:
-    """sha256 of the package code that shapes a build (export, quantize, recipes, the pipeline and
-    its gates, the schema): relative path + bytes of every .py file, in sorted order."""
-    root = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
-    files: list[Path] = []
-    for part in parts:
-        p = root / part
-        files += sorted(p.rglob("*.py")) if p.is_dir() else ([p] if p.is_file() else [])
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
-        if "__pycache__" in f.parts:
+def import_closure(package_root: str | os.PathLike | None = None, root: str = BUILD_ROOT) -> list[Path]:
+    """Every module of the package that ``root`` imports, directly or through others, at module
+    level or inside a function (the pipeline imports lazily), with the ``__init__.py`` of each
+    package on the way: the code that shapes a build, read from the source, so no hand-kept list
+    can miss a part. A module an import names that does not exist raises (the key never silently
+    skips code); ``from .m import name`` counts ``m.name`` only where that is a module."""
+    import ast
+
+    base = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
+
+    def module(parts: list[str]) -> Path | None:
+        p = base.joinpath(*parts)
+        return p / "__init__.py" if (p / "__init__.py").is_file() else p.with_suffix(".py") if parts and \
+            p.with_suffix(".py").is_file() else None
+
+    found: dict[str, Path] = {}
+    todo = [base / root]
+    while todo:
+        f = todo.pop()
+        rel = f.relative_to(base).as_posix()
+        if rel in found:
             continue
-        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        found[rel] = f
+        here = list(f.relative_to(base).parent.parts)          # the package f belongs to
+        for i in range(len(here)):                             # importing a.b runs a/__init__ first
+            if (init := base.joinpath(*here[:i + 1], "__init__.py")).is_file():
+                todo.append(init)
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
+            named: list[tuple[list[str], bool]] = []           # (module parts, must exist)
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    target = here[:len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+                elif node.module and node.module.split(".")[0] == PACKAGE:
+                    target = node.module.split(".")[1:]
+                else:
+                    continue
+                named.append((target, True))
+                named += [(target + [a.name], False) for a in node.names]
+            elif isinstance(node, ast.Import):
+                named += [(a.name.split(".")[1:], True) for a in node.names if a.name.split(".")[0] == PACKAGE]
+            for parts, required in named:
+                p = module(parts)
+                if p is None and required and parts:
+                    raise ImportError(f"{rel} imports {'.'.join([PACKAGE, *parts])}, which is not in the package: "
+                                      f"the build's code cannot be hashed")
+                if p is not None:
+                    todo.append(p)
+    return sorted(found.values(), key=lambda p: p.relative_to(base).as_posix())
+
+
+def code_digest(package_root: str | os.PathLike | None = None) -> str:
+    """sha256 of the package code that shapes a build (import_closure of the pipeline): relative
+    path + bytes of every module, in sorted order."""
+    base = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in import_closure(base):
+        h.update(f.relative_to(base).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:32]
 

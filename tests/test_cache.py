@@ -240,20 +240,31 @@ def test_changed_weights_are_not_a_cache_hit(cache_dir, tmp_path):
 
 
 def test_tool_versions_hash_the_package_code(tmp_path):
+    """The key follows the import closure of the pipeline: any module it runs (the runtime code the
+    gates run included) changes it, code it never imports does not, and a module it names but
+    that is missing fails loudly."""
     tools = tool_versions()
     assert tools == tool_versions()
     pkg = Path(dejavuu_build.__file__).parent
     copy = tmp_path / "pkg"
     shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert cache.code_digest(copy) == tools["dejavuu-build-code"]
-    for part in ("export", "quantize", "recipes"):
-        f = sorted((copy / part).glob("*.py"))[0]
+    closure = {f.relative_to(copy).as_posix() for f in cache.import_closure(copy)}
+    for part in ("export/exporter.py", "quantize/nbits.py", "recipes/llama.py", "build/sources.py",
+                 "runtime/session.py", "runtime/decoder.py", "runtime/kv.py", "runtime/tree.py"):
+        assert part in closure, part
+        f = copy / part
         original = f.read_text()
         f.write_text(original + "\n# changed\n")
         assert cache.code_digest(copy) != tools["dejavuu-build-code"], part
         f.write_text(original)
-    (copy / "runtime" / "model.py").write_text("# the runtime does not shape the artifacts\n")
+    for outside in ("serve/app.py", "bench/runner.py"):          # never imported by a build
+        assert outside not in closure
+        (copy / outside).write_text("# does not shape the artifacts\n")
     assert cache.code_digest(copy) == tools["dejavuu-build-code"]
+    (copy / "runtime" / "kv.py").unlink()
+    with pytest.raises(ImportError, match="runtime.kv, which is not in the package"):
+        cache.code_digest(copy)
 
 
 def test_quant_only_records_the_tools_it_ran_with(tiny_llama, monkeypatch):
