@@ -27,7 +27,7 @@ def spec_prompts():
 
     path = default_data_path()
     if path is None:   # Spec-Bench absent: prompts of the same three kinds, written here
-        from dejavuu_build.build.gates import LONG_TEXT, PROMPTS
+        from dejavuu_build.build.references import LONG_TEXT, PROMPTS
 
         return ["Summarize: " + LONG_TEXT * 6, "Using the passage, answer: what hides complexity?\n" + LONG_TEXT * 4,
                 PROMPTS[3]]

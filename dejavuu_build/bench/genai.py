@@ -444,11 +444,13 @@ class GenaiReplay:
 def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, context_length: int = 0) -> dict:
     """genai's build scored by our build's quality gate: teacher-forced top-1 agreement with our
     fp32 export and mean KL(fp32 || genai) over the same quality set and positions as our variants
-    (``build.gates.gate_quality``), so speed is read beside how much of the model each build keeps."""
+    (``build.quality.gate_quality``), so speed is read beside how much of the model each build keeps."""
     from types import SimpleNamespace
 
-    from ..build.gates import Reference, Runner, gate_quality, scoring_set
     from ..build.pipeline import REFERENCE_FILE
+    from ..build.quality import gate_quality, scoring_set
+    from ..build.references import Reference
+    from ..build.runner import Runner
     from ..runtime.session import make_session
     from ..schema import read_contract, variant_file
 

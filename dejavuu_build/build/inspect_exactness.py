@@ -22,8 +22,10 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     from ..cache import locate
     from ..export.exactness import format_report, probe
     from ..runtime.session import derive_contract, make_session
-    from .gates import Reference, Runner, gate_batched
+    from .gates import gate_batched
     from .pipeline import REFERENCE_FILE
+    from .references import Reference
+    from .runner import Runner
 
     folder = Path(locate(target))
     if not (folder / S.MANIFEST_FILE).is_file():

@@ -62,7 +62,8 @@ def quality_report(target: str, variant: str | None, texts: Path | None, n: int,
 
     from ..cache import locate
     from ..runtime.session import make_session
-    from .gates import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, Runner, gate_quality, quality_set
+    from .quality import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, gate_quality, quality_set
+    from .runner import Runner
 
     folder = Path(locate(target))
     if not (folder / S.MANIFEST_FILE).is_file():

@@ -127,7 +127,7 @@ def _requant_key(manifest: Manifest, tools: dict) -> None:
 
 def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: dict) -> Manifest:
     from ..export.exporter import export_decoder, text_dims
-    from .gates import compute_reference
+    from .references import compute_reference
     from .sources import load_model_and_tokenizer
 
     with step(f"load {src.id}"):
@@ -271,7 +271,7 @@ class _Gates:
 
     def __init__(self, folder: Path, manifest: Manifest, threads: int):
         from ..export.exactness import machine
-        from .gates import Reference
+        from .references import Reference
 
         self.folder, self.manifest, self.threads = folder, manifest, threads
         self.contract = read_contract(folder)
@@ -361,7 +361,7 @@ class _Gates:
             with step(f"validate {v}"):
                 sess = make_session(self.folder / variant_file(v), threads=self.threads)
                 cross_check(derive_contract(sess), declared, variant_file(v))
-                res = run_gates(precision, sess, declared, self.ref, embed=self.embed, timing=False)
+                res = run_gates(precision, sess, declared, self.ref, embed=self.embed)
             res["gates"]["batched_vs_incremental"]["machine"] = self.machine
             rec.gates, rec.passed = res["gates"], res["passed"]
         rec.bytes = (self.folder / rec.file).stat().st_size
@@ -372,7 +372,8 @@ class _Gates:
             raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
 
     def _quality(self, variants: list[str]) -> None:
-        from .gates import QUALITY_FLOORS, Runner, gate_quality, scoring_set
+        from .quality import QUALITY_FLOORS, gate_quality, scoring_set
+        from .runner import Runner
 
         if not variants:
             return
@@ -390,7 +391,7 @@ class _Gates:
         """Time every variant interleaved, pick the default, calibrate what a runtime opens unasked."""
         manifest = self.manifest
         if timing:
-            from .gates import time_interleaved
+            from .timing import time_interleaved
 
             with step(f"time {len(self.sessions)} variants, interleaved"):
                 timed = time_interleaved(self.sessions)

@@ -6,8 +6,8 @@ import json
 from click.testing import CliRunner
 
 from dejavuu_build.build.cli import main
-from dejavuu_build.build.gates import QUALITY_TOKENS
 from dejavuu_build.build.inspect_quality import held_out_texts
+from dejavuu_build.build.quality import QUALITY_TOKENS
 from dejavuu_build.build.quality_texts import TEXTS
 
 

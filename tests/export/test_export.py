@@ -5,7 +5,7 @@ import onnx
 import pytest
 from conftest import build_tiny
 
-from dejavuu_build.build.gates import Runner
+from dejavuu_build.build.runner import Runner
 from dejavuu_build.runtime.session import derive_contract, make_session
 from dejavuu_build.runtime.tree import causal_inputs, step_inputs
 from dejavuu_build.schema import read_contract, variant_file
@@ -67,8 +67,9 @@ def test_sibling_leak_would_be_detected(tiny_llama):
 
 def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     """Long prompt (> window) logits equal torch's: dropping the window would break this."""
-    from dejavuu_build.build.gates import Reference, gate_parity
+    from dejavuu_build.build.gates import gate_parity
     from dejavuu_build.build.pipeline import REFERENCE_FILE
+    from dejavuu_build.build.references import Reference
 
     folder = build_tiny("gemma3", cache_dir)
     ref = Reference.load(folder / REFERENCE_FILE)

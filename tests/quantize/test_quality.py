@@ -4,7 +4,7 @@ import numpy as np
 from scipy.special import softmax
 from scipy.stats import entropy
 
-from dejavuu_build.build.gates import QUALITY_TOKENS, QualitySet, gate_quality
+from dejavuu_build.build.quality import QUALITY_TOKENS, QualitySet, gate_quality
 from dejavuu_build.build.quality_texts import TEXTS
 from dejavuu_build.schema import read_manifest
 

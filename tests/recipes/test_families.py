@@ -11,8 +11,8 @@ import pytest
 from conftest import build_tiny
 
 from dejavuu_build import schema as S
-from dejavuu_build.build.gates import Reference
 from dejavuu_build.build.pipeline import REFERENCE_FILE
+from dejavuu_build.build.references import Reference
 from dejavuu_build.recipes import registered
 from dejavuu_build.recipes.base import (
     STATIC_ROPE_TYPES,
@@ -167,7 +167,7 @@ def test_gate_chain_crosses_the_config_window_even_if_the_recipe_misses_it():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dejavuu_build.build.gates import compute_reference
+    from dejavuu_build.build.references import compute_reference
     from dejavuu_build.recipes.mistral import MistralRecipe
 
     class Blind(MistralRecipe):
@@ -188,7 +188,7 @@ def test_gate_chain_ignores_a_window_longer_than_the_context():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dejavuu_build.build.gates import compute_reference
+    from dejavuu_build.build.references import compute_reference
     from dejavuu_build.recipes.phi3 import Phi3Recipe
 
     cfg = Phi3Recipe().tiny_config()
