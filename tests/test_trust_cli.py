@@ -10,7 +10,7 @@ from conftest import clone_entry
 
 from dejavuu_build import cache
 from dejavuu_build import schema as S
-from dejavuu_build.build.cli import main
+from dejavuu_build.cli import main
 
 
 def _flip(path, at=None):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..build.cli import _friendly
+from ..runtime.cli import friendly as _friendly
 from .runner import (
     DEFAULT_CATEGORIES,
     NGRAM_OFF,

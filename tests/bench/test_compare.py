@@ -26,7 +26,7 @@ TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte chara
 
 def _cli():
     from dejavuu_build.bench.cli import bench
-    from dejavuu_build.build.cli import main
+    from dejavuu_build.cli import main
 
     if "bench" not in main.commands:
         main.add_command(bench)

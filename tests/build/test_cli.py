@@ -8,7 +8,7 @@ import sys
 from click.testing import CliRunner
 from conftest import build_tiny, clone_entry
 
-from dejavuu_build.build.cli import main
+from dejavuu_build.cli import main
 from dejavuu_build.schema import variant_file
 
 
@@ -221,7 +221,7 @@ def test_every_command_is_registered_and_the_runtime_owns_generate():
     assert all(main.get_command(None, c) is not None for c in expected)
     assert main.get_command(None, "generate").callback.__module__ == "dejavuu_build.runtime.cli"
     for first in ("dejavuu_build.bench.cli", "dejavuu_build.runtime.cli", "dejavuu_build.build.cli"):
-        code = (f"import {first}\nfrom dejavuu_build.build.cli import main\n"
+        code = (f"import {first}\nfrom dejavuu_build.cli import main\n"
                 "print(sorted(c for c in main.list_commands(None) if main.get_command(None, c)))\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, (first, out.stderr)
@@ -231,7 +231,7 @@ def test_every_command_is_registered_and_the_runtime_owns_generate():
 def test_a_broken_command_module_is_a_loud_import_error():
     for mod in ("dejavuu_build.runtime.cli", "dejavuu_build.bench.cli"):
         code = (f"import sys\nsys.modules[{mod!r}] = None\n"
-                "try:\n    from dejavuu_build.build.cli import main\n    main.get_command(None, 'bench')\n"
+                "try:\n    from dejavuu_build.cli import main\n    main.get_command(None, 'bench')\n"
                 "    main.get_command(None, 'generate')\n"
                 "except ImportError as e:\n    print('LOUD', e)\nelse:\n    print('SILENT')\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 
 from dejavuu_build import schema as S
-from dejavuu_build.build.cli import main
+from dejavuu_build.cli import main
 
 
 def run(*args):

@@ -5,10 +5,10 @@ import json
 
 from click.testing import CliRunner
 
-from dejavuu_build.build.cli import main
 from dejavuu_build.build.inspect_quality import held_out_texts
 from dejavuu_build.build.quality import QUALITY_TOKENS
 from dejavuu_build.build.quality_texts import TEXTS
+from dejavuu_build.cli import main
 
 
 def run(*args):

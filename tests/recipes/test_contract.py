@@ -94,7 +94,7 @@ def test_cli_recipes_and_readme_table_list_what_each_family_supports():
 
     from click.testing import CliRunner
 
-    from dejavuu_build.build.cli import main
+    from dejavuu_build.cli import main
 
     out = CliRunner().invoke(main, ["recipes"], catch_exceptions=False).output
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()

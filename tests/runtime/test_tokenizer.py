@@ -80,7 +80,7 @@ def test_an_ordinary_template_still_renders(tmp_path, tiny_llama):
 def test_a_hostile_template_through_the_cli_is_one_line(tmp_path, tiny_llama, cache_dir):
     from click.testing import CliRunner
 
-    from dejavuu_build.build.cli import main
+    from dejavuu_build.cli import main
 
     d = tmp_path / "entry"
     shutil.copytree(tiny_llama, d)

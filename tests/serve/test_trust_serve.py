@@ -274,7 +274,7 @@ def test_a_taken_port_fails_before_it_says_serving(tiny_llama, cache_dir):
 
 
 def test_bad_serve_bounds_are_one_line():
-    from dejavuu_build.build.cli import main
+    from dejavuu_build.cli import main
 
     for extra, needle in ((["--memory-tokens", "0"], "--memory-tokens"), (["--max-batch", "0"], "--max-batch"),
                           (["--max-queue", "-1"], "--max-queue"), (["--ray", "--replicas", "0"], "--replicas")):
