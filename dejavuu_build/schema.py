@@ -21,7 +21,7 @@ INPUT_IDS = "input_ids"
 INPUTS_EMBEDS = "inputs_embeds"
 POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
-SLOT_ROWS = "slot_rows"            # static flavour: the row each attention slot reads (export.inplace)
+SLOT_ROWS = "slot_rows"            # static flavour: the row each attention slot reads (export.passes.static_kv)
 ROW_SLOTS = "row_slots"            # ... and the slot of each row
 KV_WRITE_INDEX = "kv_write_index"  # rowwise flavour: the first buffer position a step writes (its past)
 LOGITS = "logits"
@@ -33,6 +33,9 @@ PRESENT_VALUE = "present.{i}.value"
 
 VARIANTS = ("fp32", "int8", "int4")             # precisions
 KV_LAYOUTS = ("concat", "static", "rowwise")
+# Node names the exporter gives and the quantizer looks up (export.exporter.finalize_graph).
+LM_HEAD_NODE = "/lm_head/MatMul"
+EMBED_NODE = "/model/embed_tokens/Gather"
 STATIC_SUFFIX = "-static"                        # "int4-static": int4 with the in-place KV cache
 LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}   # "int4-rowwise": in place, one-row attention
 
@@ -111,7 +114,7 @@ class Contract:
     pad_token_id: int | None = None
     kv_dtype: str = "float32"
     # concat: present = past + new | static: in-place buffer, GroupQueryAttention | rowwise: in-place
-    # buffer grown in tiles, each query row attended on its own (export.inplace.to_rowwise_kv)
+    # buffer grown in tiles, each query row attended on its own (export.passes.rowwise_kv)
     kv_layout: str = "concat"
     kv_capacity: int = 0                    # static / rowwise: positions the buffer holds (at most)
     # a row gets the same bits whatever the forward's row count, as measured where the graph was

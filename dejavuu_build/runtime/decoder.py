@@ -52,7 +52,7 @@ class Decoder:
         # reused by the next generation (reclaim)
         self._free: list[tuple[np.ndarray, Any]] = []
         self._out_buf = np.zeros(0, dtype=np.float32)
-        # rows decoupled from attention slots (export.inplace): pad slots cost attention only
+        # rows decoupled from attention slots (export.passes.static_kv): pad slots cost attention only
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}
         self._arange = np.zeros(0, dtype=np.int64)
         self._feeds: dict[int, RowFeeds] = {}     # rowwise: bound inputs/outputs per row count
@@ -115,7 +115,7 @@ class Decoder:
 
         ``slots``: a tree in an aligned slot layout (Job.plan): ``parents`` then covers the slots
         (pads: -1) and ``slots[i]`` is token i's slot; outputs come back per token. A graph with
-        rows decoupled from slots (export.inplace) runs the tokens only; others run every slot.
+        rows decoupled from slots (export.passes.static_kv) runs the tokens only; others run every slot.
 
         A single token is padded to two graph rows: ORT's kernels take another path for one
         row (GEMV) than for several, and int8-activation kernels amplify that last-bit

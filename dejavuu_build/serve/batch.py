@@ -1,6 +1,6 @@
 """Verify several requests in one forward, each request's tokens equal to decoding it alone.
 
-``BatchDecoder`` runs the batched flavour of a static-KV decoder (serve.graph): one KV buffer
+``BatchDecoder`` runs the batched flavour of a static-KV decoder (export.passes.serve_batch): one KV buffer
 row per active request, all rows in one array ``[2 * layers, max_batch, kv_heads, capacity,
 head_dim]`` so the active requests' rows are a contiguous prefix that is bound in place. A step
 feeds each request's rows right-padded to the longest (``query_seqlens``), and every request is
@@ -23,9 +23,10 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import GenerationError
+from ..export.passes.serve_batch import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX
 from ..runtime.job import Rows
 from ..runtime.tree import NEG, step_inputs
-from .graph import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX, ensure_batched
+from .graph import ensure_batched
 
 if TYPE_CHECKING:
     from ..runtime.model import Model
@@ -40,7 +41,7 @@ class BatchUnavailable(GenerationError):
 def batch_twin(model: Model) -> str | None:
     """The variant a batched server should load instead of ``model``'s: the static-layout twin of
     the same precision, when ``model`` is not static (e.g. the rowwise default) and the twin passed
-    its gates. Batches need GroupQueryAttention's ragged rows (serve.graph); None: keep ``model``."""
+    its gates. Batches need GroupQueryAttention's ragged rows (serve_batch); None: keep ``model``."""
     if model.contract.kv_layout == "static" or model.manifest is None:
         return None
     precision, _ = S.split_variant(model.variant)

@@ -85,7 +85,7 @@ def test_quantize_and_static_flavour_past_2gb(big, tmp_path):
     import onnx
 
     from dejavuu_build.export.exporter import save_model
-    from dejavuu_build.export.inplace import to_static_kv
+    from dejavuu_build.export.passes.static_kv import to_static_kv
     from dejavuu_build.quantize import PLANS, quantize_model
     from dejavuu_build.runtime.decoder import Decoder
     from dejavuu_build.runtime.session import derive_contract, make_session

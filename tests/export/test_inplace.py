@@ -1,4 +1,4 @@
-"""The static, in-place KV flavour (export/inplace.py): the same function as the concat graph it is
+"""The static, in-place KV flavour (export/passes/static_kv.py): the same function as the concat graph it is
 made from, on one GroupQueryAttention per layer over a buffer bound in place."""
 
 import collections
@@ -9,8 +9,8 @@ import pytest
 from conftest import build_tiny
 
 from dejavuu_build import schema as S
-from dejavuu_build.build.gates import Runner
-from dejavuu_build.export.inplace import to_static_kv
+from dejavuu_build.build.runner import Runner
+from dejavuu_build.export.passes.static_kv import to_static_kv
 from dejavuu_build.runtime.session import derive_contract, make_session
 from dejavuu_build.runtime.tree import step_inputs
 

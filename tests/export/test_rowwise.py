@@ -1,4 +1,4 @@
-"""The rowwise in-place KV flavour (export/inplace.py:to_rowwise_kv): the concat graph's function,
+"""The rowwise in-place KV flavour (export/passes/rowwise_kv.py): the concat graph's function,
 every query row on onnxruntime's one-row kernels, so a single token is one graph row and still
 bit-identical to the same token verified among others."""
 
@@ -12,7 +12,7 @@ from test_inplace import _runner, matches_concat
 
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
-from dejavuu_build.export.inplace import to_rowwise_kv
+from dejavuu_build.export.passes.rowwise_kv import to_rowwise_kv
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.decoder import ROWWISE_TILE
 from dejavuu_build.runtime.session import derive_contract, make_session

@@ -145,10 +145,10 @@ def test_siblings_fuse_into_one_projection_with_one_offset_term(synthetic, tmp_p
     """Siblings on one input carried with offsets (here Q4_1 and Q4_1b, as q/k/v) become one
     MatMulNBits + one offset MatMul + one Add + a Split, with the same bits per column as apart;
     block sums are computed once per input; the in-place flavours' own sibling fusion
-    (export.inplace._fuse_siblings) leaves the graph computing the same."""
+    (export.passes.fusions.fuse_siblings) leaves the graph computing the same."""
     import onnx_ir as ir
 
-    from dejavuu_build.export.inplace import _fuse_siblings
+    from dejavuu_build.export.passes.fusions import fuse_siblings
 
     path, src, _ = synthetic
     dst = tmp_path / "q.onnx"
@@ -182,7 +182,7 @@ def test_siblings_fuse_into_one_projection_with_one_offset_term(synthetic, tmp_p
         m.graph.node.append(helper.make_node("Identity", [o.name], [o.name + "_out"]))
         o.name += "_out"
     mi = ir.from_proto(m)
-    _fuse_siblings(mi.graph)
+    fuse_siblings(mi.graph)
     b = _session(ir.to_proto(mi).SerializeToString()).run(None, feeds)
     for x, y in zip(fused_y.values(), b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

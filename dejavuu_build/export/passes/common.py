@@ -1,0 +1,105 @@
+"""Graph-editing steps the in-place KV passes and the fusions share (onnx-ir graphs): node and
+initializer insertion, dropping nodes, and the parts of an attention layer both KV rewrites replace
+in the same way (the Concat(past, new) pair, the present outputs, the finished proto)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import schema as S
+from ...errors import ExportError
+
+MS_DOMAIN = "com.microsoft"
+
+
+def insert(g, op: str, ins, name: str, anchor, attrs=None, domain: str = "", outs: int = 1):
+    """A new node ``name`` inserted before ``anchor`` (the passes keep graph order, then re-sort)."""
+    import onnx_ir as ir
+
+    nd = ir.node(op, ins, attributes=attrs or {}, domain=domain, num_outputs=outs, name=name)
+    g.insert_before(anchor, nd)
+    return nd
+
+
+def initializer(g, name: str, arr: np.ndarray):
+    """Register ``arr`` as a graph initializer named ``name``; returns its value."""
+    import onnx_ir as ir
+
+    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name), shape=ir.Shape(arr.shape),
+                 type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
+    g.register_initializer(v)
+    return v
+
+
+def drop(g, nodes) -> None:
+    """Remove nodes whose outputs are no longer used, detaching their inputs (so the producers
+    become dead too and RemoveUnusedNodesPass can drop them)."""
+    for nd in nodes:
+        for i in range(len(nd.inputs)):
+            nd.replace_input_with(i, None)
+    g.remove(nodes, safe=False)
+
+
+def concat_kv(att, inputs: dict):
+    """The ``Concat(past, new)`` nodes feeding ``att``'s K and V, which both in-place passes replace."""
+    cat_k, cat_v = att.inputs[1].producer(), att.inputs[2].producer()
+    if (cat_k is None or cat_v is None or cat_k.op_type != "Concat" or cat_v.op_type != "Concat"
+            or cat_k.inputs[0].name not in inputs or cat_v.inputs[0].name not in inputs):
+        raise ExportError(f"{att.name}: K/V do not come from Concat(past, new): unknown attention pattern")
+    return cat_k, cat_v
+
+
+def take_over_present(g, att, concats, writers, shape) -> None:
+    """The in-place writers of K and V become the graph's ``present`` outputs (names kept) and the
+    buffer's shape is declared on past and present; the concats and the old attention go."""
+    import onnx_ir as ir
+
+    for cat, nv in zip(concats, writers):
+        old = cat.outputs[0]
+        name = old.name
+        old.name = name + "__concat"
+        nv.name = name
+        g.outputs[[i for i, o in enumerate(g.outputs) if o is old][0]] = nv
+        nv.shape = shape
+        nv.type = ir.TensorType(ir.DataType.FLOAT)
+        cat.inputs[0].shape = shape
+    drop(g, [att, *concats])
+
+
+def query_heads(att, q3, head_dim: int) -> int:
+    """The attention's query head count: from its q shape, the packed q width, or the
+    producer's num_heads."""
+    n = att.inputs[0].shape[1] if att.inputs[0].shape is not None else None
+    if isinstance(n, int):
+        return n
+    d = q3.shape[-1] if q3.shape is not None else None
+    if isinstance(d, int):
+        return d // head_dim
+    p = att.inputs[0].producer()
+    if p is not None and "num_heads" in p.attributes:
+        return int(p.attributes["num_heads"].value)
+    raise ExportError(f"{att.name}: cannot tell the number of query heads")
+
+
+def finish_layout(m, layout: str, capacity: int):
+    """The rewritten model as a proto: unused initializers (the unfused weights) dropped, nodes
+    sorted, layout and capacity recorded, checked where the checker can serialise it (< 2 GB)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx_ir.passes.common import TopologicalSortPass
+
+    from ..exporter import EXTERNAL_DATA_BYTES, tensor_bytes
+
+    g = m.graph
+    graph_outs = set(g.outputs)
+    for name, v in list(g.initializers.items()):
+        if not list(v.uses()) and v not in graph_outs:
+            del g.initializers[name]
+    TopologicalSortPass()(m)
+    out = ir.to_proto(m)
+    del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
+    out.metadata_props.add(key=S.KV_LAYOUT_KEY, value=layout)
+    out.metadata_props.add(key=S.KV_CAPACITY_KEY, value=str(capacity))
+    if tensor_bytes(out) < EXTERNAL_DATA_BYTES:
+        onnx.checker.check_model(out)
+    return out
