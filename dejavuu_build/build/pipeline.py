@@ -528,7 +528,8 @@ def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: 
     import onnx
 
     from ..export.exporter import save_model
-    from ..export.inplace import to_rowwise_kv, to_static_kv
+    from ..export.passes.rowwise_kv import to_rowwise_kv
+    from ..export.passes.static_kv import to_static_kv
 
     name = S.variant_name(precision, layout)
     rewrite = {"static": to_static_kv, "rowwise": to_rowwise_kv}[layout]

@@ -14,10 +14,9 @@ from typing import Any
 from .. import schema as S
 from ..errors import ExportError
 from ..log import logger
+from ..schema import EMBED_NODE, LM_HEAD_NODE
 
 OPSET = 23
-LM_HEAD_NODE = "/lm_head/MatMul"
-EMBED_NODE = "/model/embed_tokens/Gather"
 
 
 @dataclass

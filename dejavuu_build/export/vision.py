@@ -53,7 +53,8 @@ from typing import Any
 
 from ..errors import ExportError
 from ..log import logger
-from .exporter import EMBED_NODE, OPSET, _scope_of, dynamo_export, save_model
+from ..schema import EMBED_NODE
+from .exporter import OPSET, _scope_of, dynamo_export, save_model
 
 PIXEL_VALUES = "pixel_values"
 PIXEL_ATTENTION_MASK = "pixel_attention_mask"

@@ -35,10 +35,9 @@ import numpy as np
 
 from ..errors import ExportError
 from ..log import logger, progress
+from ..schema import EMBED_NODE, LM_HEAD_NODE
 from .gguf_blocks import BLOCK
 
-LM_HEAD_NODE = "/lm_head/MatMul"
-EMBED_NODE = "/model/embed_tokens/Gather"
 MS = "com.microsoft"
 
 

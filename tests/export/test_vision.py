@@ -6,9 +6,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dejavuu_build.export.exporter import EMBED_NODE
 from dejavuu_build.export.vision import export_embeddings, export_vision, vision_dims
 from dejavuu_build.recipes.smolvlm import SmolVLMRecipe
+from dejavuu_build.schema import EMBED_NODE
 
 
 @pytest.fixture(scope="module")
