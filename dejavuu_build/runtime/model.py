@@ -39,6 +39,7 @@ from .engine import Engine
 from .job import GenerationStats, StopFn, Successors
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
+from .stops import StopStream, as_list, cut, stop_fn
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ class Model:
                  **drafter_params) -> GenerationResult:
         """``prefill_embeds``: the prompt ids' embeddings with image features already spliced in
         (``vision.prefill``), for callers that prepared them once (the server)."""
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        stop = as_list(stop)
         _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width,
                         max_depth=max_depth, max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=stop)
         with self._exclusive():
@@ -313,11 +314,7 @@ class Model:
                                              eos_ids=self.eos_ids, should_stop=plan.should_stop, on_tokens=on_tokens,
                                              validate_drafts=validate_drafts, prefill_embeds=prefill_embeds,
                                              **({"residual_fn": residual_fn} if residual_fn else {}))
-        text = self.tokenizer.decode(new) if self.tokenizer else ""
-        if stop and reason == "stop_string":
-            for s_ in stop:
-                if s_ in text:
-                    text = text[:text.index(s_)]
+        text = cut(self.tokenizer.decode(new), stop) if self.tokenizer else ""
         name = method if isinstance(method, str) else getattr(method, "name", "custom")
         return GenerationResult(text, new, len(ids), stats, reason, name, plan.tree)
 
@@ -357,11 +354,11 @@ class Model:
                 self._warned_exact = True
             budget = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False)
             use_tree = False
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        stop = as_list(stop)
         return RequestPlan(sampler=sampler, drafter=drafter, budget=budget, tree=use_tree,
                            period=self.tree_period if use_tree else None,
                            tile=self.calibration.tile if use_tree else None,
-                           should_stop=self._stop_fn(stop) if stop else None,
+                           should_stop=stop_fn(self.tokenizer, stop) if stop else None,
                            fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
 
     @property
@@ -386,9 +383,7 @@ class Model:
         waited for, so the Model is ready for the next call."""
         if self.tokenizer is None:
             raise GenerationError("this model has no tokenizer: use generate() with token ids")
-        stop = kw.get("stop") or ()
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        hold = max((len(s_) for s_ in stop if isinstance(s_, str)), default=1) - 1
+        text = StopStream(as_list(kw.get("stop")))
         q: queue.Queue = queue.Queue()
         done = object()
         err: list[BaseException] = []
@@ -416,49 +411,16 @@ class Model:
         _LIVE_STREAMS.add(worker)
         worker.thread.start()
         try:
-            pending, stopped = "", False
             while (item := q.get()) is not done:
-                if stopped:
-                    continue
-                pending += item
-                cut = min((i for i in (pending.find(s_) for s_ in stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    pending, stopped = pending[:cut], True
-                ready = len(pending) if stopped else len(pending) - hold
-                if ready > 0:
-                    yield pending[:ready]
-                    pending = pending[ready:]
+                if ready := text.push(item):     # (nothing once a stop string was met: the rest drains)
+                    yield ready
         finally:      # the consumer stopped (or finished): stop the worker and wait for it
             worker.stop()
             _LIVE_STREAMS.discard(worker)
         if err:
             raise err[0]
-        if pending:
-            yield pending
-
-    def _stop_fn(self, stop: Sequence[str]) -> StopFn:
-        """``should_stop(ids)``: the length of the first prefix of ``ids`` whose text holds a stop
-        string, else None. The engine calls it with the generated ids after every step, each call
-        extending the last: it decodes the new ids only (IncrementalDecoder) and searches the new text
-        plus the last few characters before it."""
-        if self.tokenizer is None:
-            raise GenerationError("stop strings need the model's tokenizer, and this model has none: pass eos ids")
-        dec = IncrementalDecoder(self.tokenizer)
-        keep = max(len(s_) for s_ in stop) - 1
-        seen, tail = 0, ""
-
-        def should_stop(new: list[int]) -> int | None:
-            nonlocal seen, tail
-            for i in range(seen, len(new)):
-                piece = dec.push([new[i]])
-                if piece:
-                    window = tail + piece
-                    if any(s_ in window for s_ in stop):
-                        return i + 1
-                    tail = window[len(window) - keep:] if keep else ""
-            seen = len(new)
-            return None
-        return should_stop
+        if rest := text.finish():
+            yield rest
 
     def _drafter(self, method, datastore, params, sampler: Sampler) -> Drafter:
         if isinstance(method, Drafter):

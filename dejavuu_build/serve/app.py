@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DejavuuError, GenerationError
 from ..log import logger
-from ..runtime.tokenizer import IncrementalDecoder
+from ..runtime.stops import TextStream, cut
 from .scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
 
 if TYPE_CHECKING:
@@ -125,44 +125,6 @@ class CompletionBody(_Body):
     prompt: Union[str, list[str], list[int]]
     echo: bool = False
     suffix: str | None = None
-
-
-# ---------------------------------------------------------------------- text as it streams
-class TextStream:
-    """Text pieces of a growing token list, holding back the last few characters while they
-    could begin a stop string (as Model.stream does); ``finish`` returns the rest."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.dec = IncrementalDecoder(tokenizer)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, ids: list[int]) -> str:
-        return self._take(self.dec.push(ids), final=False)
-
-    def finish(self) -> str:
-        return self._take(self.dec.flush(), final=True)
-
-    def _take(self, piece: str, final: bool) -> str:
-        if self.stopped:
-            return ""
-        self.pending += piece
-        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.pending, self.stopped = self.pending[:cut], True
-        ready = len(self.pending) if (self.stopped or final) else len(self.pending) - self.hold
-        if ready <= 0:
-            return ""
-        out, self.pending = self.pending[:ready], self.pending[ready:]
-        return out
-
-
-def final_text(tokenizer, ids: list[int], stop: list[str]) -> str:
-    text = tokenizer.decode(ids)
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return text[:cut] if cut >= 0 else text
 
 
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
@@ -338,7 +300,7 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
             req.cancel()
             raise
         res = done_result(val)
-        text = final_text(tok, res.tokens, prm.stop)
+        text = cut(tok.decode(res.tokens), prm.stop) if tok is not None else ""
         usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
                  "total_tokens": res.prompt_tokens + len(res.tokens)}
         finish = FINISH.get(res.stop_reason, "stop")
@@ -367,7 +329,7 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
 
     async def sse(req: Request, q: asyncio.Queue, rid: str, prm: Params, kind: str, include_usage: bool,
                   n_prompt: int):
-        ts = TextStream(tok, prm.stop)
+        ts = TextStream(tok, prm.stop) if tok is not None else None     # without a tokenizer: no text
         created_ = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -386,7 +348,7 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
             while True:
                 what, val = await q.get()
                 if what == "tokens":
-                    if piece := ts.push(val):
+                    if ts is not None and (piece := ts.push(val)):
                         yield chunk(piece)
                     continue
                 try:
@@ -395,7 +357,7 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
                     yield "data: " + json.dumps({"error": {"message": e.message, "type": e.type, "param": e.param,
                                                            "code": e.code}}) + "\n\n"
                     return
-                if rest := ts.finish():
+                if ts is not None and (rest := ts.finish()):
                     yield chunk(rest)
                 yield chunk(None, FINISH.get(res.stop_reason, "stop"))
                 if include_usage:
