@@ -221,7 +221,8 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     ngram = [r for r in recs if r["method"] == "genai-ngram"]
     assert [(r["qid"], r["turn"]) for r in ngram] == [(r["qid"], r["turn"]) for r in peer]
     assert not any(r["gated"] for r in ngram)
-    assert all(r["speculative"]["target_forward_passes"] >= r["steps"] >= 1 for r in ngram)
+    # steps = its target forwards after the first round (which may already emit every token)
+    assert all(r["speculative"]["target_forward_passes"] >= max(r["steps"], 1) and r["steps"] >= 0 for r in ngram)
     # its token match is against genai plain's tokens of the same prompt and turn
     plain = {(r["qid"], r["turn"]): r["ids"] for r in peer}
     for r in ngram:
