@@ -19,8 +19,9 @@ from ..log import step
 
 
 def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
-    """``n`` texts: from a .jsonl (Spec-Bench rows, or {"text"|"prompt"}) or .txt (one per line),
-    else Spec-Bench's first turns outside the quality gate's set, every k-th."""
+    """``n`` texts, spread evenly over a .jsonl (Spec-Bench rows, or {"text"|"prompt"}) or a .txt
+    (one per line) -- by default Spec-Bench next to the checkout -- leaving out the Spec-Bench
+    prompts the quality gate scores (quality_texts.py), each cut at 1,000 characters."""
     from .quality_texts import TEXTS
 
     if path is None:
@@ -29,30 +30,30 @@ def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
         path = default_data_path()
         if path is None:
             raise DejavuuError("no Spec-Bench file found next to the checkout: pass --texts FILE (.jsonl or .txt)")
-        gate = {q for q, _, _ in TEXTS}
-        rows = [json.loads(ln) for ln in path.open(encoding="utf-8") if ln.strip()]
-        pool = [(r["question_id"], str(r["turns"][0])) for r in rows if r["question_id"] not in gate and r.get("turns")]
-        step_ = max(len(pool) // max(n, 1), 1)
-        picked = pool[step_ // 2::step_][:n]
-        return [t[:1000] for _, t in picked], f"spec-bench x{len(picked)} outside the gate's set (every {step_}th)"
     path = Path(path)
     if not path.is_file():
         raise DejavuuError(f"--texts {path}: no such file")
+    gate = {q for q, _, _ in TEXTS}
+    texts = []
     if path.suffix == ".jsonl":
-        texts = []
         for i, ln in enumerate(path.open(encoding="utf-8"), 1):
             if not ln.strip():
                 continue
             try:
                 row = json.loads(ln)
+                if "turns" in row and row.get("question_id") in gate:
+                    continue                               # scored by the gate already
                 texts.append(str(row["turns"][0] if "turns" in row else row.get("text") or row["prompt"]))
-            except (ValueError, KeyError, IndexError, TypeError):
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 raise DejavuuError(f"{path}:{i}: expected a JSON object with turns, text or prompt") from None
     else:
         texts = [ln.strip() for ln in path.open(encoding="utf-8") if ln.strip()]
     if not texts:
-        raise DejavuuError(f"--texts {path} holds no text")
-    return [t[:1000] for t in texts[:n]], f"{path.name} x{min(len(texts), n)}"
+        raise DejavuuError(f"--texts {path} holds no text outside the quality gate's set")
+    every = max(len(texts) // n, 1)
+    picked = texts[every // 2::every][:n] if every > 1 else texts[:n]
+    return [t[:1000] for t in picked], (f"{path.name} x{len(picked)} outside the gate's set"
+                                        + (f" (every {every}th)" if every > 1 else ""))
 
 
 def quality_report(target: str, variant: str | None, texts: Path | None, n: int,

@@ -30,10 +30,16 @@ def test_quality_on_held_out_texts(tiny_llama, tmp_path):
     assert "int4: top-1" in r.output and f"/{2 * QUALITY_TOKENS})" in r.output and "the build's gate" in r.output
 
 
-def test_default_texts_are_outside_the_gates_set():
-    texts, source = held_out_texts(None, 8)
-    gate = {t[:1000] for _, _, t in TEXTS}
-    assert len(texts) == 8 and not gate & set(texts) and "outside the gate's set" in source
+def test_spec_bench_rows_of_the_gates_set_are_left_out(tmp_path):
+    """A Spec-Bench file (the default when it lies next to the checkout): the 32 prompts the gate
+    scores never count as held out; the rest are spread evenly."""
+    rows = [{"question_id": q, "category": c, "turns": [t]} for q, c, t in TEXTS]
+    rows += [{"question_id": 1000 + i, "category": "qa", "turns": [f"held out question {i}?"]} for i in range(40)]
+    f = tmp_path / "question.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows[::-1]) + "\n")
+    texts, source = held_out_texts(f, 8)
+    assert len(texts) == 8 and all(t.startswith("held out question") for t in texts), texts
+    assert len(set(texts)) == 8 and "outside the gate's set (every 5th)" in source
 
 
 def test_quality_bad_input_is_one_line(tiny_llama, tmp_path):
