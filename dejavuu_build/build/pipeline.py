@@ -333,7 +333,7 @@ class _Gates:
             return
         if old.gates.get("batched_vs_incremental", {}).get("machine") != self.machine:
             return
-        if S.sha256_file(self.folder / rec.file) == old.sha256:
+        if _sha256(self.folder / rec.file) == old.sha256:
             self.manifest.variants[v] = old
             logger.info("  %s: rewritten byte for byte (sha256 %s…): its gates and calibration hold", v, old.sha256[:12])
 
@@ -353,14 +353,18 @@ class _Gates:
         declared = S.variant_contract(self.contract, rec)
         if v in self.sessions and not fresh:
             return
-        if not fresh:
+
+        def opened():
             sess = make_session(self.folder / variant_file(v), threads=self.threads)
             cross_check(derive_contract(sess), declared, variant_file(v))
+            return sess
+
+        if not fresh:
+            sess = opened()
             logger.info("  %s: carried unchanged, its gates measured on this machine and onnxruntime", v)
         else:
             with step(f"validate {v}"):
-                sess = make_session(self.folder / variant_file(v), threads=self.threads)
-                cross_check(derive_contract(sess), declared, variant_file(v))
+                sess = opened()
                 res = run_gates(precision, sess, declared, self.ref, embed=self.embed)
             res["gates"]["batched_vs_incremental"]["machine"] = self.machine
             rec.gates, rec.passed = res["gates"], res["passed"]
@@ -473,7 +477,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
         if not rec.passed or v not in wanted:
             continue
         flavour = (declared.kv_layout, declared.length_invariant)
-        sha = S.sha256_file(folder / rec.file)
+        sha = _sha256(folder / rec.file)
         if rec.calibration.get("key") == calibration_key(sha, threads):
             continue          # carried unchanged (quant-only) and measured on this machine already
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
@@ -508,6 +512,19 @@ def _unguarded(path: Path, needed: bool):
     finally:
         tmp.unlink(missing_ok=True)
         tmp.with_name(tmp.name + ".data").unlink(missing_ok=True)
+
+
+_hashed: dict[tuple, str] = {}
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a file, hashed once per version of it (path, inode, size, mtime): the byte-identity
+    check, the calibration key and the manifest all ask for the same files' digests."""
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _hashed:
+        _hashed[key] = S.sha256_file(path)
+    return _hashed[key]
 
 
 def static_capacity(max_context: int | None, max_positions: int) -> int:
@@ -621,7 +638,7 @@ def _finish(folder: Path, manifest: Manifest, steps: list[tuple[str, float]] | N
     for rec in manifest.variants.values():
         f = folder / rec.file
         rec.bytes = f.stat().st_size
-        rec.sha256 = S.sha256_file(f)
+        rec.sha256 = _sha256(f)
     record_files(folder, manifest)
     write_json(folder / S.MANIFEST_FILE, manifest.to_json())
     _summary(manifest)
