@@ -59,8 +59,10 @@ def cache_root() -> Path:
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise CacheError(f"invalid cache name {name!r}: use up to 128 letters, digits, '.', '_' or '-' "
-                         f"(starting with a letter or digit)")
+        raise CacheError(
+            f"invalid cache name {name!r}: use up to 128 letters, digits, '.', '_' or '-' "
+            f"(starting with a letter or digit)"
+        )
     return name
 
 
@@ -76,8 +78,7 @@ def is_path_like(name_or_path) -> bool:
     if isinstance(name_or_path, os.PathLike):
         return True
     s = str(name_or_path)
-    return ("/" in s or "\\" in s or s.startswith((".", "~")) or s.lower().endswith(".onnx")
-            or Path(s).is_absolute())
+    return "/" in s or "\\" in s or s.startswith((".", "~")) or s.lower().endswith(".onnx") or Path(s).is_absolute()
 
 
 def locate(name_or_path) -> Path:
@@ -106,8 +107,13 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
 
     def module(parts: list[str]) -> Path | None:
         p = base.joinpath(*parts)
-        return p / "__init__.py" if (p / "__init__.py").is_file() else p.with_suffix(".py") if parts and \
-            p.with_suffix(".py").is_file() else None
+        return (
+            p / "__init__.py"
+            if (p / "__init__.py").is_file()
+            else p.with_suffix(".py")
+            if parts and p.with_suffix(".py").is_file()
+            else None
+        )
 
     found: dict[str, Path] = {}
     todo = [base / root]
@@ -117,15 +123,15 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
         if rel in found:
             continue
         found[rel] = f
-        here = list(f.relative_to(base).parent.parts)          # the package f belongs to
-        for i in range(len(here)):                             # importing a.b runs a/__init__ first
-            if (init := base.joinpath(*here[:i + 1], "__init__.py")).is_file():
+        here = list(f.relative_to(base).parent.parts)  # the package f belongs to
+        for i in range(len(here)):  # importing a.b runs a/__init__ first
+            if (init := base.joinpath(*here[: i + 1], "__init__.py")).is_file():
                 todo.append(init)
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
-            named: list[tuple[list[str], bool]] = []           # (module parts, must exist)
+            named: list[tuple[list[str], bool]] = []  # (module parts, must exist)
             if isinstance(node, ast.ImportFrom):
                 if node.level:
-                    target = here[:len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+                    target = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
                 elif node.module and node.module.split(".")[0] == PACKAGE:
                     target = node.module.split(".")[1:]
                 else:
@@ -137,8 +143,10 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
             for parts, required in named:
                 p = module(parts)
                 if p is None and required and parts:
-                    raise ImportError(f"{rel} imports {'.'.join([PACKAGE, *parts])}, which is not in the package: "
-                                      f"the build's code cannot be hashed")
+                    raise ImportError(
+                        f"{rel} imports {'.'.join([PACKAGE, *parts])}, which is not in the package: "
+                        f"the build's code cannot be hashed"
+                    )
                 if p is not None:
                     todo.append(p)
     return sorted(found.values(), key=lambda p: p.relative_to(base).as_posix())
@@ -252,8 +260,10 @@ def _kind_of(folder: Path) -> str | None:
 
 
 def _not_an_entry(final: Path) -> CacheError:
-    return CacheError(f"{final} exists and is not a cache entry (no {MANIFEST_FILE}): nothing will replace it; "
-                      f"choose another --name or move that folder away")
+    return CacheError(
+        f"{final} exists and is not a cache entry (no {MANIFEST_FILE}): nothing will replace it; "
+        f"choose another --name or move that folder away"
+    )
 
 
 def check_replace(name: str, kind: str, *, force: bool, key: str | None = None) -> Manifest | None:
@@ -271,8 +281,10 @@ def check_replace(name: str, kind: str, *, force: bool, key: str | None = None) 
     if old is None:
         raise _not_an_entry(final)
     if old not in (kind, "?"):
-        raise CacheError(f"{name} is a {old} build in {final}: a {kind} build will not replace it; "
-                         f"choose another --name (or delete that folder yourself)")
+        raise CacheError(
+            f"{name} is a {old} build in {final}: a {kind} build will not replace it; "
+            f"choose another --name (or delete that folder yourself)"
+        )
     if force:
         return None
     try:
@@ -281,8 +293,10 @@ def check_replace(name: str, kind: str, *, force: bool, key: str | None = None) 
         raise CacheError(f"{name} already exists but does not verify ({e}); pass --force to rebuild it") from None
     if key is not None and m.cache_key == key:
         return m
-    raise CacheError(f"{name} already holds a different {kind} build ({_describe(m)}); "
-                     f"pass --force to replace it, or choose another --name")
+    raise CacheError(
+        f"{name} already holds a different {kind} build ({_describe(m)}); "
+        f"pass --force to replace it, or choose another --name"
+    )
 
 
 def _describe(m: Manifest) -> str:
@@ -321,11 +335,11 @@ def commit(staged: Path, name: str) -> Path:
             raise _not_an_entry(final)
         if old not in (new, "?"):
             raise CacheError(f"{name} is a {old} build in {final}: a {new} build will not replace it")
-        if _exchange(staged, final):          # final now holds the new build, staged the old one
+        if _exchange(staged, final):  # final now holds the new build, staged the old one
             shutil.rmtree(staged, ignore_errors=True)
             _rmdir_quietly(staged.parent)
             return final
-        trash = _staging_dir(name) / f"old-{uuid.uuid4().hex[:8]}"   # readers wait while this exists
+        trash = _staging_dir(name) / f"old-{uuid.uuid4().hex[:8]}"  # readers wait while this exists
         os.replace(final, trash)
         os.replace(staged, final)
         shutil.rmtree(trash, ignore_errors=True)
@@ -403,9 +417,15 @@ def record_files(folder: Path, manifest: Manifest) -> None:
 def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> Path:
     """``folder / rel`` for a path a manifest names, refused unless it stays inside ``folder``."""
     folder = Path(folder)
-    bad = (not isinstance(rel, str) or not rel or "\0" in rel or PurePosixPath(rel).is_absolute()
-           or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive
-           or ".." in PurePosixPath(rel.replace("\\", "/")).parts)
+    bad = (
+        not isinstance(rel, str)
+        or not rel
+        or "\0" in rel
+        or PurePosixPath(rel).is_absolute()
+        or PureWindowsPath(rel).is_absolute()
+        or PureWindowsPath(rel).drive
+        or ".." in PurePosixPath(rel.replace("\\", "/")).parts
+    )
     p = folder / rel if not bad else None
     if p is not None:
         try:
@@ -414,8 +434,10 @@ def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> 
             inside = False
         bad = not inside
     if bad or p is None:
-        raise IntegrityError(f"{folder / MANIFEST_FILE} names {rel!r}, a path outside the entry; "
-                             f"the manifest was tampered with: {rebuild}")
+        raise IntegrityError(
+            f"{folder / MANIFEST_FILE} names {rel!r}, a path outside the entry; "
+            f"the manifest was tampered with: {rebuild}"
+        )
     return p
 
 
@@ -423,25 +445,35 @@ def no_manifest(folder: Path) -> CacheError:
     """What every reader says of a folder without a manifest: nothing in it can be checked, and no
     build replaces such a folder, so it has to be moved away before the rebuild."""
     cmd = "datastore --from FILE --tokenizer MODEL" if (folder / "datastore.json").is_file() else "tree-decoder"
-    return CacheError(f"{folder} has no {MANIFEST_FILE}, so none of its files can be checked: move that folder "
-                      f"away, then rebuild it with `dejavuu-build {cmd} --name {folder.name}`")
+    return CacheError(
+        f"{folder} has no {MANIFEST_FILE}, so none of its files can be checked: move that folder "
+        f"away, then rebuild it with `dejavuu-build {cmd} --name {folder.name}`"
+    )
 
 
 def _check_fields(m: Manifest) -> None:
     """Refuse a parsed manifest whose fields have the wrong types (a hand edit, a truncation):
     readers index and compare them, and a wrong type would pass as "verified" or crash later."""
     if not isinstance(m.files, dict) or not all(
-            isinstance(k, str) and isinstance(r, dict) and isinstance(r.get("sha256"), str)
-            and isinstance(r.get("bytes"), int) and not isinstance(r.get("bytes"), bool) for k, r in m.files.items()):
+        isinstance(k, str)
+        and isinstance(r, dict)
+        and isinstance(r.get("sha256"), str)
+        and isinstance(r.get("bytes"), int)
+        and not isinstance(r.get("bytes"), bool)
+        for k, r in m.files.items()
+    ):
         raise ValueError("files is not a mapping of path -> {sha256, bytes}")
     if not isinstance(m.kind, str) or m.kind not in KINDS:
         raise ValueError(f"kind {m.kind!r} is not one of {', '.join(KINDS)}")
     for v, rec in m.variants.items():
         if not isinstance(rec.file, str):
             raise ValueError(f"variant {v!r} names no file")
-    if m.default_variant is not None and (not isinstance(m.default_variant, str) or m.default_variant not in m.variants):
-        raise ValueError(f"default_variant {m.default_variant!r} is not one of its variants "
-                         f"({', '.join(m.variants) or 'none'})")
+    if m.default_variant is not None and (
+        not isinstance(m.default_variant, str) or m.default_variant not in m.variants
+    ):
+        raise ValueError(
+            f"default_variant {m.default_variant!r} is not one of its variants ({', '.join(m.variants) or 'none'})"
+        )
 
 
 def read_checked_manifest(folder: str | os.PathLike) -> Manifest:
@@ -453,13 +485,14 @@ def read_checked_manifest(folder: str | os.PathLike) -> Manifest:
         m = read_manifest(folder)
         _check_fields(m)
     except Exception as e:  # noqa: BLE001 - any parse failure is corruption
-        raise CacheError(f"{folder / MANIFEST_FILE} is corrupted ({' '.join(str(e).split())[:200]}); rebuild it with "
-                         f"`dejavuu-build tree-decoder --name {folder.name} --force`") from None
+        raise CacheError(
+            f"{folder / MANIFEST_FILE} is corrupted ({' '.join(str(e).split())[:200]}); rebuild it with "
+            f"`dejavuu-build tree-decoder --name {folder.name} --force`"
+        ) from None
     return m
 
 
-def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
-                 skip: Iterable[str] = ()) -> Manifest:
+def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, skip: Iterable[str] = ()) -> Manifest:
     """Check an entry against its manifest; raise IntegrityError on drift.
 
     Without ``files``: every file on disk, every file the manifest lists, every variant file and
@@ -474,18 +507,24 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
     for rec in m.variants.values():
         member(folder, rec.file, rebuild)
     if files is None:
-        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                   if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() != MANIFEST_FILE}
-        wanted = (set(m.files) | on_disk | set(REQUIRED_FILES.get(m.kind, ()))
-                  | {r.file for r in m.variants.values()}) - set(skip)
+        on_disk = {
+            p.relative_to(folder).as_posix()
+            for p in folder.rglob("*")
+            if (p.is_file() or p.is_symlink()) and p.relative_to(folder).as_posix() != MANIFEST_FILE
+        }
+        wanted = (
+            set(m.files) | on_disk | set(REQUIRED_FILES.get(m.kind, ())) | {r.file for r in m.variants.values()}
+        ) - set(skip)
     else:
         wanted = set(files)
     for rel in sorted(wanted):
         listed = m.files.get(rel)
         here = folder / rel
-        if here.is_symlink():     # named as found: a link is not the manifest's doing
-            raise IntegrityError(f"{here} is a symbolic link{'' if listed else ' not listed in the manifest'}: an entry "
-                                 f"holds plain files only; {rebuild}")
+        if here.is_symlink():  # named as found: a link is not the manifest's doing
+            raise IntegrityError(
+                f"{here} is a symbolic link{'' if listed else ' not listed in the manifest'}: an entry "
+                f"holds plain files only; {rebuild}"
+            )
         if listed is None:
             raise IntegrityError(f"{here} is not listed in the manifest; {rebuild}")
         p = member(folder, rel, rebuild)
@@ -494,8 +533,12 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *,
         if p.stat().st_size != listed.get("bytes") or sha256_file(p) != listed.get("sha256"):
             raise IntegrityError(f"{p} does not match its manifest sha256 (modified or corrupted); {rebuild}")
     for v, rec in m.variants.items():
-        if rec.file in wanted and (rec.sha256 != m.files[rec.file]["sha256"] or rec.bytes != m.files[rec.file]["bytes"]):
-            raise IntegrityError(f"variant {v} ({rec.file}): its recorded sha256/size disagree with the file's; {rebuild}")
+        if rec.file in wanted and (
+            rec.sha256 != m.files[rec.file]["sha256"] or rec.bytes != m.files[rec.file]["bytes"]
+        ):
+            raise IntegrityError(
+                f"variant {v} ({rec.file}): its recorded sha256/size disagree with the file's; {rebuild}"
+            )
     return m
 
 

@@ -21,8 +21,11 @@ from .runtime.cli import generate
 
 
 class _Group(click.Group):
-    lazy = {"bench": "dejavuu_build.bench.cli:bench", "serve": "dejavuu_build.serve.cli:serve",
-            "bench-serve": "dejavuu_build.serve.cli:bench_serve"}
+    lazy = {
+        "bench": "dejavuu_build.bench.cli:bench",
+        "serve": "dejavuu_build.serve.cli:serve",
+        "bench-serve": "dejavuu_build.serve.cli:bench_serve",
+    }
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))

@@ -70,5 +70,6 @@ def progress(iterable, desc: str, total: int | None = None):
         from tqdm import tqdm
     except ImportError:  # the runtime does not depend on tqdm
         return iterable
-    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False,
-                disable=not logger.isEnabledFor(logging.INFO))
+    return tqdm(
+        iterable, desc=desc, total=total, file=sys.stderr, leave=False, disable=not logger.isEnabledFor(logging.INFO)
+    )

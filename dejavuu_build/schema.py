@@ -21,8 +21,8 @@ INPUT_IDS = "input_ids"
 INPUTS_EMBEDS = "inputs_embeds"
 POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
-SLOT_ROWS = "slot_rows"            # static flavour: the row each attention slot reads (export.passes.static_kv)
-ROW_SLOTS = "row_slots"            # ... and the slot of each row
+SLOT_ROWS = "slot_rows"  # static flavour: the row each attention slot reads (export.passes.static_kv)
+ROW_SLOTS = "row_slots"  # ... and the slot of each row
 KV_WRITE_INDEX = "kv_write_index"  # rowwise flavour: the first buffer position a step writes (its past)
 LOGITS = "logits"
 HIDDEN_STATES = "hidden_states"
@@ -31,18 +31,18 @@ PAST_VALUE = "past_key_values.{i}.value"
 PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
-VARIANTS = ("fp32", "int8", "int4")             # precisions
+VARIANTS = ("fp32", "int8", "int4")  # precisions
 KV_LAYOUTS = ("concat", "static", "rowwise")
 # Node names the exporter gives and the quantizer looks up (export.exporter.finalize_graph).
 LM_HEAD_NODE = "/lm_head/MatMul"
 EMBED_NODE = "/model/embed_tokens/Gather"
-STATIC_SUFFIX = "-static"                        # "int4-static": int4 with the in-place KV cache
-LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}   # "int4-rowwise": in place, one-row attention
+STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache
+LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}  # "int4-rowwise": in place, one-row attention
 
 # Graph metadata keys (written by the export passes, read by the runtime).
 KV_LAYOUT_KEY = "dejavuu.kv_layout"
 KV_CAPACITY_KEY = "dejavuu.kv_capacity"
-ROW_GUARD_KEY = "dejavuu.row_guard"    # JSON: length_invariant, guarded ops, the machine they were measured on
+ROW_GUARD_KEY = "dejavuu.row_guard"  # JSON: length_invariant, guarded ops, the machine they were measured on
 
 
 def variant_file(variant: str) -> str:
@@ -57,7 +57,7 @@ def split_variant(variant: str) -> tuple[str, str]:
     """(precision, kv layout) of a variant name: ``int4`` -> (int4, concat), ``int4-static`` -> (int4, static)."""
     for layout, suffix in LAYOUT_SUFFIXES.items():
         if variant.endswith(suffix):
-            return variant[:-len(suffix)], layout
+            return variant[: -len(suffix)], layout
     return variant, "concat"
 
 
@@ -82,8 +82,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 @dataclass
 class TensorSpec:
     name: str
-    dtype: str                    # numpy dtype name: "int64", "float32"
-    shape: list[Any]              # ints for static dims, strings for dynamic ones
+    dtype: str  # numpy dtype name: "int64", "float32"
+    shape: list[Any]  # ints for static dims, strings for dynamic ones
 
 
 @dataclass
@@ -91,11 +91,11 @@ class Contract:
     """What a decoder graph takes and gives; derived from the graph and cross-checked at load."""
 
     schema_version: int = SCHEMA_VERSION
-    primary_input: str = INPUT_IDS          # input_ids | inputs_embeds
+    primary_input: str = INPUT_IDS  # input_ids | inputs_embeds
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
     mask_input: str | None = ATTENTION_BIAS
-    mask_kind: str = "additive_4d"          # additive_4d (tree-capable) | padding_2d | none
+    mask_kind: str = "additive_4d"  # additive_4d (tree-capable) | padding_2d | none
     position_input: str | None = POSITION_IDS
     hidden_output: str | None = HIDDEN_STATES
     hidden_layer: int = -1
@@ -108,7 +108,7 @@ class Contract:
     hidden_size: int = 0
     vocab_size: int = 0
     max_positions: int = 0
-    sliding_window: list[int | None] = field(default_factory=list)   # per layer; None = full attention
+    sliding_window: list[int | None] = field(default_factory=list)  # per layer; None = full attention
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -116,7 +116,7 @@ class Contract:
     # concat: present = past + new | static: in-place buffer, GroupQueryAttention | rowwise: in-place
     # buffer grown in tiles, each query row attended on its own (export.passes.rowwise_kv)
     kv_layout: str = "concat"
-    kv_capacity: int = 0                    # static / rowwise: positions the buffer holds (at most)
+    kv_capacity: int = 0  # static / rowwise: positions the buffer holds (at most)
     # a row gets the same bits whatever the forward's row count, as measured where the graph was
     # built (export.exactness + passes.row_guard): a lone token runs as one row, unpadded
     length_invariant: bool = False
@@ -147,16 +147,16 @@ class VariantRecord:
     file: str
     bytes: int = 0
     sha256: str = ""
-    quant: dict = field(default_factory=dict)        # the quantization plan applied
-    gates: dict = field(default_factory=dict)        # gate name -> figures and pass/fail
+    quant: dict = field(default_factory=dict)  # the quantization plan applied
+    gates: dict = field(default_factory=dict)  # gate name -> figures and pass/fail
     passed: bool = False
-    timings_ms: dict = field(default_factory=dict)   # "n1_p256" -> ms
-    verify_cost_ratio: float | None = None           # N8 / N1 at past 256
-    kv_layout: str = "concat"                        # see Contract.kv_layout
+    timings_ms: dict = field(default_factory=dict)  # "n1_p256" -> ms
+    verify_cost_ratio: float | None = None  # N8 / N1 at past 256
+    kv_layout: str = "concat"  # see Contract.kv_layout
     kv_capacity: int = 0
-    timing_rounds_ms: list = field(default_factory=list)   # per interleaved round: mean forward ms
-    length_invariant: bool = False                   # see Contract.length_invariant
-    row_guard: dict = field(default_factory=dict)    # per-op row invariance measured at build, what was guarded
+    timing_rounds_ms: list = field(default_factory=list)  # per interleaved round: mean forward ms
+    length_invariant: bool = False  # see Contract.length_invariant
+    row_guard: dict = field(default_factory=dict)  # per-op row invariance measured at build, what was guarded
     calibration: dict = field(default_factory=dict)  # runtime.calibration measured at build: key, record
 
 
@@ -165,10 +165,13 @@ def variant_contract(contract: "Contract", record: "VariantRecord | None") -> "C
     in whether the build made it length-invariant."""
     import dataclasses
 
-    if record is None or (record.kv_layout == contract.kv_layout and record.length_invariant == contract.length_invariant):
+    if record is None or (
+        record.kv_layout == contract.kv_layout and record.length_invariant == contract.length_invariant
+    ):
         return contract
-    return dataclasses.replace(contract, kv_layout=record.kv_layout, kv_capacity=record.kv_capacity,
-                               length_invariant=record.length_invariant)
+    return dataclasses.replace(
+        contract, kv_layout=record.kv_layout, kv_capacity=record.kv_capacity, length_invariant=record.length_invariant
+    )
 
 
 def row_guard_info(metadata: dict[str, str]) -> dict:
@@ -189,25 +192,25 @@ MANIFEST_SCHEMA_VERSION = 2
 class Manifest:
     schema_version: int = MANIFEST_SCHEMA_VERSION
     name: str = ""
-    kind: str = "decoder"                            # decoder | datastore | vlm
+    kind: str = "decoder"  # decoder | datastore | vlm
     created: str = ""
     cache_key: str = ""
     build_config: dict = field(default_factory=dict)
-    source: dict = field(default_factory=dict)       # kind, id, revision, sha256, path
+    source: dict = field(default_factory=dict)  # kind, id, revision, sha256, path
     recipe: str = ""
     tools: dict = field(default_factory=dict)
-    export: dict = field(default_factory=dict)       # seconds, nodes, opset, op counts
-    quantize: dict = field(default_factory=dict)     # seconds
+    export: dict = field(default_factory=dict)  # seconds, nodes, opset, op counts
+    quantize: dict = field(default_factory=dict)  # seconds
     variants: dict[str, VariantRecord] = field(default_factory=dict)
     default_variant: str | None = None
-    default_reason: dict = field(default_factory=dict)     # the rule, the noise, the margin, the candidates
+    default_reason: dict = field(default_factory=dict)  # the rule, the noise, the margin, the candidates
     files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
-    steps: list = field(default_factory=list)        # [step, seconds] of the last build or quant-only, in order
+    steps: list = field(default_factory=list)  # [step, seconds] of the last build or quant-only, in order
 
     def to_json(self) -> dict:
         d = asdict(self)
         view = manifest_provenance(self)
-        if view:   # what is written is this version's format, whatever version was read
+        if view:  # what is written is this version's format, whatever version was read
             d["schema_version"] = max(self.schema_version, MANIFEST_SCHEMA_VERSION)
             d["provenance"] = view
         return d
@@ -237,15 +240,22 @@ def manifest_provenance(m: "Manifest") -> dict:
     concat = sorted((v for v, r in m.variants.items() if r.kv_layout == "concat"), key=variant_order)
     view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == "vlm" else "text_onnx"}
     if m.build_config.get("primary_input", INPUT_IDS) == INPUT_IDS:
-        view["variants"] = {v: {"file": m.variants[v].file, "sha256": m.variants[v].sha256,
-                                "precision": split_variant(v)[0],
-                                "speculative_compatible": bool(getattr(m.variants[v], "length_invariant", False))}
-                            for v in concat}
+        view["variants"] = {
+            v: {
+                "file": m.variants[v].file,
+                "sha256": m.variants[v].sha256,
+                "precision": split_variant(v)[0],
+                "speculative_compatible": bool(getattr(m.variants[v], "length_invariant", False)),
+            }
+            for v in concat
+        }
     embed = "embed_tokens.onnx" if "embeddings" in m.export or "embed_tokens.onnx" in m.files else None
     vision = "vision_encoder.onnx" if "vision" in m.export or "vision_encoder.onnx" in m.files else None
     if embed:
-        view["graphs"] = {"decoder": {v: m.variants[v].file for v in concat},
-                          "embed_tokens": {v: embed for v in concat}}
+        view["graphs"] = {
+            "decoder": {v: m.variants[v].file for v in concat},
+            "embed_tokens": {v: embed for v in concat},
+        }
         if vision:
             view["graphs"]["vision_encoder"] = {v: vision for v in concat}
     if isinstance(m.export.get("vision"), dict) and "image_token_id" in m.export["vision"]:

@@ -29,8 +29,14 @@ def cache_dir(tmp_path_factory) -> Path:
 _built: dict[str, Path] = {}
 
 
-def build_tiny(recipe: str, cache_dir: Path, *, variants=("fp32", "int8", "int4"), name: str | None = None,
-               primary_input: str = "input_ids") -> Path:
+def build_tiny(
+    recipe: str,
+    cache_dir: Path,
+    *,
+    variants=("fp32", "int8", "int4"),
+    name: str | None = None,
+    primary_input: str = "input_ids",
+) -> Path:
     """Build (once per session) a tiny random model of ``recipe`` into the session cache."""
     from tiny import save_tiny
 
@@ -40,8 +46,14 @@ def build_tiny(recipe: str, cache_dir: Path, *, variants=("fp32", "int8", "int4"
     name = name or f"tiny-{recipe}" + ("-embeds" if primary_input == "inputs_embeds" else "")
     if name not in _built:
         src = save_tiny(recipe, cache_dir.parent / f"src-{name}")
-        cfg = TreeDecoderConfig(model=str(src), name=name, variants=tuple(variants), timing=False,
-                                primary_input=primary_input, reference_tokens=12)
+        cfg = TreeDecoderConfig(
+            model=str(src),
+            name=name,
+            variants=tuple(variants),
+            timing=False,
+            primary_input=primary_input,
+            reference_tokens=12,
+        )
         _built[name] = build_tree_decoder(cfg).folder
     return _built[name]
 

@@ -55,15 +55,22 @@ def test_interrupted_build_leaves_nothing_and_keeps_previous(cache_dir, monkeypa
 
     monkeypatch.setattr("dejavuu_build.quantize.quantize_model", boom)
     with pytest.raises(KeyboardInterrupt):
-        pipeline.build_tree_decoder(TreeDecoderConfig(model=src, name="atomic-llama", variants=("fp32", "int4"),
-                                                      timing=False, reference_tokens=12), force=True)
-    after = cache.verify_entry(folder)            # previous build intact and valid
+        pipeline.build_tree_decoder(
+            TreeDecoderConfig(
+                model=src, name="atomic-llama", variants=("fp32", "int4"), timing=False, reference_tokens=12
+            ),
+            force=True,
+        )
+    after = cache.verify_entry(folder)  # previous build intact and valid
     assert after.cache_key == before.cache_key
     assert not list((cache_dir / ".staging").iterdir()), "staging left behind"
     # A first build that dies leaves no loadable entry at all.
     with pytest.raises(KeyboardInterrupt):
-        pipeline.build_tree_decoder(TreeDecoderConfig(model=src, name="never-built", variants=("fp32", "int4"),
-                                                      timing=False, reference_tokens=12))
+        pipeline.build_tree_decoder(
+            TreeDecoderConfig(
+                model=src, name="never-built", variants=("fp32", "int4"), timing=False, reference_tokens=12
+            )
+        )
     assert not (cache_dir / "never-built").exists()
 
 
@@ -212,12 +219,12 @@ def test_folder_identity_follows_its_content(tmp_path, monkeypatch):
     save_tiny("llama", b / "m", seed=1)
     monkeypatch.chdir(a)
     id_a = sources.resolve("./m").identity
-    assert sources.resolve("./m").identity == id_a                  # deterministic
+    assert sources.resolve("./m").identity == id_a  # deterministic
     monkeypatch.chdir(b)
     id_b = sources.resolve("./m").identity
-    assert id_b != id_a                                             # same words, other folder
+    assert id_b != id_a  # same words, other folder
     save_tiny("llama", b / "m", seed=0)
-    assert sources.resolve("./m").identity == id_a                  # same content, same identity
+    assert sources.resolve("./m").identity == id_a  # same content, same identity
     cfg = TreeDecoderConfig(model="./m", variants=("fp32",))
     from dejavuu_build.build.config import cache_key
 
@@ -228,11 +235,10 @@ def test_changed_weights_are_not_a_cache_hit(cache_dir, tmp_path):
     from tiny import save_tiny
 
     src = save_tiny("llama", tmp_path / "weights")
-    cfg = TreeDecoderConfig(model=str(src), name="content-key", variants=("fp32",), timing=False,
-                            reference_tokens=12)
+    cfg = TreeDecoderConfig(model=str(src), name="content-key", variants=("fp32",), timing=False, reference_tokens=12)
     first = pipeline.build_tree_decoder(cfg)
     assert pipeline.build_tree_decoder(cfg).cache_hit
-    save_tiny("llama", src, seed=1)                                 # new weights in the same folder
+    save_tiny("llama", src, seed=1)  # new weights in the same folder
     with pytest.raises(CacheError, match="--force"):
         pipeline.build_tree_decoder(cfg)
     again = pipeline.build_tree_decoder(cfg, force=True)
@@ -250,15 +256,23 @@ def test_tool_versions_hash_the_package_code(tmp_path):
     shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert cache.code_digest(copy) == tools["dejavuu-build-code"]
     closure = {f.relative_to(copy).as_posix() for f in cache.import_closure(copy)}
-    for part in ("export/exporter.py", "quantize/nbits.py", "recipes/llama.py", "build/sources.py",
-                 "runtime/session.py", "runtime/decoder.py", "runtime/kv.py", "runtime/tree.py"):
+    for part in (
+        "export/exporter.py",
+        "quantize/nbits.py",
+        "recipes/llama.py",
+        "build/sources.py",
+        "runtime/session.py",
+        "runtime/decoder.py",
+        "runtime/kv.py",
+        "runtime/tree.py",
+    ):
         assert part in closure, part
         f = copy / part
         original = f.read_text()
         f.write_text(original + "\n# changed\n")
         assert cache.code_digest(copy) != tools["dejavuu-build-code"], part
         f.write_text(original)
-    for outside in ("serve/app.py", "bench/runner.py"):          # never imported by a build
+    for outside in ("serve/app.py", "bench/runner.py"):  # never imported by a build
         assert outside not in closure
         (copy / outside).write_text("# does not shape the artifacts\n")
     assert cache.code_digest(copy) == tools["dejavuu-build-code"]
@@ -300,7 +314,7 @@ def test_a_swap_during_a_load_is_retried_not_an_error(tiny_llama, tmp_path, monk
     fired = []
 
     def rebuild_midway(path, *a, **k):
-        if not fired:                 # the reader has read the old manifest; the entry is swapped now
+        if not fired:  # the reader has read the old manifest; the entry is swapped now
             fired.append(1)
             build(str(new_src), "tiny-llama", "swap-ds", force=True)
         return real(path, *a, **k)
@@ -317,12 +331,12 @@ def test_a_reader_waits_out_the_gap_of_a_two_rename_swap(tiny_llama, tmp_path):
     final = build(str(src), "tiny-llama", "gap-ds")
     trash = cache.cache_root() / ".staging" / "gap-ds" / "old-test"
     trash.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(final, trash)                      # the first of the fallback's two renames
+    os.replace(final, trash)  # the first of the fallback's two renames
     out = []
     t = threading.Thread(target=lambda: out.append(_try(load_datastore, "gap-ds")))
     t.start()
     time.sleep(0.3)
-    os.replace(trash, final)                      # ... and the second
+    os.replace(trash, final)  # ... and the second
     t.join(30)
     assert out and not isinstance(out[0], Exception), out
     assert out[0].n_docs == 1
@@ -358,14 +372,20 @@ def test_commit_swaps_atomically(tiny_llama, tmp_path):
 
 
 def test_stale_staging_of_a_killed_build_is_cleaned_under_the_lock(cache_dir):
-    code = ("import os\n"
-            "from dejavuu_build.cache import build_lock, staging\n"
-            "with build_lock('killed'):\n"
-            "    with staging('killed') as t:\n"
-            "        (t / 'half.onnx').write_bytes(b'x' * 100)\n"
-            "        os.kill(os.getpid(), 9)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
-                         capture_output=True, timeout=120)
+    code = (
+        "import os\n"
+        "from dejavuu_build.cache import build_lock, staging\n"
+        "with build_lock('killed'):\n"
+        "    with staging('killed') as t:\n"
+        "        (t / 'half.onnx').write_bytes(b'x' * 100)\n"
+        "        os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
+        capture_output=True,
+        timeout=120,
+    )
     assert out.returncode == -9
     debris = [p for p in (cache_dir / ".staging").rglob("half.onnx")]
     assert debris
@@ -375,12 +395,14 @@ def test_stale_staging_of_a_killed_build_is_cleaned_under_the_lock(cache_dir):
 
 # ---------------------------------------------------------------- item 12: the cache imports without fcntl
 def test_cache_and_runtime_import_without_fcntl():
-    code = ("import sys\n"
-            "sys.modules['fcntl'] = None\n"     # as on Windows: `import fcntl` raises ImportError
-            "import dejavuu_build.cache\n"
-            "import dejavuu_build.runtime\n"
-            "from dejavuu_build.runtime import load\n"
-            "print('ok')\n")
+    code = (
+        "import sys\n"
+        "sys.modules['fcntl'] = None\n"  # as on Windows: `import fcntl` raises ImportError
+        "import dejavuu_build.cache\n"
+        "import dejavuu_build.runtime\n"
+        "from dejavuu_build.runtime import load\n"
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
@@ -394,4 +416,4 @@ def test_legacy_staging_debris_of_this_name_only_is_cleaned(cache_dir):
         (d / "x").write_text("x")
     with cache.build_lock("legacy"):
         assert not any(d.exists() for d in mine)
-        assert all(d.exists() for d in others)      # builds of other names ("legacy-4242", "legacy-old", "legacy2")
+        assert all(d.exists() for d in others)  # builds of other names ("legacy-4242", "legacy-old", "legacy2")

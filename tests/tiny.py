@@ -4,16 +4,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-VLM_TOKENS = {"<end_of_utterance>": 247, "<fake_token_around_image>": 248, "<global-img>": 249, "<image>": 250,
-              "<row_1_col_1>": 251, "<row_1_col_2>": 252, "<row_2_col_1>": 253, "<row_2_col_2>": 254}
-VLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: "
-                "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
-                "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
-                "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+VLM_TOKENS = {
+    "<end_of_utterance>": 247,
+    "<fake_token_around_image>": 248,
+    "<global-img>": 249,
+    "<image>": 250,
+    "<row_1_col_1>": 251,
+    "<row_1_col_2>": 252,
+    "<row_2_col_1>": 253,
+    "<row_2_col_2>": 254,
+}
+VLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: "
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 256, vlm: bool = False):
@@ -28,13 +40,14 @@ def tiny_tokenizer(vocab_size: int = 256, vlm: bool = False):
         vocab.setdefault(ch, len(vocab))
     n = len(vocab)
     extra = {v: k for k, v in VLM_TOKENS.items()} if vlm else {}
-    for i in range(n, vocab_size):   # filler tokens so ids cover the model's vocab
+    for i in range(n, vocab_size):  # filler tokens so ids cover the model's vocab
         vocab[extra.get(i, f"<extra_{i}>")] = i
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tk.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"] + (list(VLM_TOKENS) if vlm else [])})
     fast.chat_template = VLM_TEMPLATE if vlm else CHAT_TEMPLATE
     return fast

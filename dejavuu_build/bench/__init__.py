@@ -1,7 +1,7 @@
 """`dejavuu-build bench`: Spec-Bench speedups per category, gated on exact agreement with plain decoding.
 
-    from dejavuu_build.bench import BenchConfig, run_bench
-    report = run_bench(BenchConfig(model="smollm2-135m", methods=("baseline", "pld")), out_dir)
+from dejavuu_build.bench import BenchConfig, run_bench
+report = run_bench(BenchConfig(model="smollm2-135m", methods=("baseline", "pld")), out_dir)
 """
 
 from .runner import BenchConfig, BenchError, ExactnessError, run_bench

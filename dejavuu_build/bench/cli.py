@@ -41,7 +41,7 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
             raise BenchError(f"--resume {resume} and --out {out} name different folders: give one")
         if not (resume or out):
             raise BenchError("--resume needs the run's folder: --resume DIR, or --resume with --out DIR")
-        return Path(resume or out or "").expanduser(), True     # one of them is given (checked above)
+        return Path(resume or out or "").expanduser(), True  # one of them is given (checked above)
     if out:
         return Path(out).expanduser(), False
     stem = Path(model).name if Path(model).expanduser().exists() else model
@@ -50,48 +50,115 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
 
 @click.command("bench")
 @click.option("--model", required=True, help="Cache name or folder of a built decoder.")
-@click.option("--methods", default="baseline,pld,suffix_decoding", show_default=True,
-              help="Comma-separated methods; baseline (plain decoding) is always run.")
+@click.option(
+    "--methods",
+    default="baseline,pld,suffix_decoding",
+    show_default=True,
+    help="Comma-separated methods; baseline (plain decoding) is always run.",
+)
 @click.option("--per-category", default=10, show_default=True, type=int, help="Prompts per category.")
-@click.option("--categories", default=",".join(DEFAULT_CATEGORIES), show_default=True,
-              help="Comma-separated categories; mt_bench = Spec-Bench's 80 multi-turn MT-Bench prompts.")
+@click.option(
+    "--categories",
+    default=",".join(DEFAULT_CATEGORIES),
+    show_default=True,
+    help="Comma-separated categories; mt_bench = Spec-Bench's 80 multi-turn MT-Bench prompts.",
+)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", default=2, show_default=True, type=int, help="ORT intra-op threads.")
 @click.option("--tree", is_flag=True, help="Verify trees of drafts instead of chains.")
 @click.option("--width", default=2, show_default=True, type=int, help="Tree width (children per node).")
 @click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
-@click.option("--data", default=None, type=click.Path(dir_okay=False),
-              help="Spec-Bench question.jsonl [default: ../shared/data/spec_bench/question.jsonl when present].")
-@click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Results folder [default: <cache>/bench/<model>-<timestamp>].")
-@click.option("--resume", default=None, is_flag=False, flag_value="", metavar="[DIR]",
-              help="Continue an interrupted run in DIR (or in --out), skipping finished prompts.")
-@click.option("--temperature", default=0.0, show_default=True, type=float,
-              help="0 = greedy, where every method must match baseline exactly.")
-@click.option("--datastore", default=None,
-              help="Datastore (cache name or folder) for rest / sam_decoding / asam / auto "
-                   "[default: built in memory from the other categories' prompts].")
+@click.option(
+    "--data",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Spec-Bench question.jsonl [default: ../shared/data/spec_bench/question.jsonl when present].",
+)
+@click.option(
+    "--out",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Results folder [default: <cache>/bench/<model>-<timestamp>].",
+)
+@click.option(
+    "--resume",
+    default=None,
+    is_flag=False,
+    flag_value="",
+    metavar="[DIR]",
+    help="Continue an interrupted run in DIR (or in --out), skipping finished prompts.",
+)
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="0 = greedy, where every method must match baseline exactly.",
+)
+@click.option(
+    "--datastore",
+    default=None,
+    help="Datastore (cache name or folder) for rest / sam_decoding / asam / auto "
+    "[default: built in memory from the other categories' prompts].",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--compare", default=None, metavar="genai",
-              help="Also time another system's plain decoding on the same prompt ids: genai = onnxruntime-genai's "
-                   "int4 CPU build of the same source (built once into <cache>/.peers; needs "
-                   "pip install -e \".[compare]\"). Adds a '× genai' column, and genai's n-gram speculative "
-                   "decoding beside it ('× genai-ngram').")
-@click.option("--genai-ngram", default=None, metavar="N,K",
-              help="With --compare genai: time genai's n-gram speculative decoding with ngram_size N and "
-                   "max_draft_tokens K [default: the best of a small sweep on prompts outside the measured set, "
-                   "recorded in genai_ngram_sweep.json].")
+@click.option(
+    "--compare",
+    default=None,
+    metavar="genai",
+    help="Also time another system's plain decoding on the same prompt ids: genai = onnxruntime-genai's "
+    "int4 CPU build of the same source (built once into <cache>/.peers; needs "
+    "pip install -e \".[compare]\"). Adds a '× genai' column, and genai's n-gram speculative "
+    "decoding beside it ('× genai-ngram').",
+)
+@click.option(
+    "--genai-ngram",
+    default=None,
+    metavar="N,K",
+    help="With --compare genai: time genai's n-gram speculative decoding with ngram_size N and "
+    "max_draft_tokens K [default: the best of a small sweep on prompts outside the measured set, "
+    "recorded in genai_ngram_sweep.json].",
+)
 @click.option("--no-genai-ngram", is_flag=True, help="With --compare genai: time genai's plain decoding only.")
-@click.option("--contexts", default=None, metavar="N,N,...",
-              help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
-                   "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).")
+@click.option(
+    "--contexts",
+    default=None,
+    metavar="N,N,...",
+    help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
+    "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).",
+)
 @click.option("--repeats", default=1, show_default=True, type=int, help="Context sweep: runs per context (medians).")
-@click.option("--verify-rows", default=None, metavar="R,R,...",
-              help="Context sweep: also time verify steps of exactly R graph rows (R-1 drafted tokens) at each "
-                   "context: what one drafted token costs, the bound on any speculative method's speedup.")
+@click.option(
+    "--verify-rows",
+    default=None,
+    metavar="R,R,...",
+    help="Context sweep: also time verify steps of exactly R graph rows (R-1 drafted tokens) at each "
+    "context: what one drafted token costs, the bound on any speculative method's speedup.",
+)
 @_friendly
-def bench(model, methods, per_category, categories, max_new_tokens, threads, tree, width, variant, data, out,
-          resume, temperature, datastore, seed, compare, genai_ngram, no_genai_ngram, contexts, repeats, verify_rows):
+def bench(
+    model,
+    methods,
+    per_category,
+    categories,
+    max_new_tokens,
+    threads,
+    tree,
+    width,
+    variant,
+    data,
+    out,
+    resume,
+    temperature,
+    datastore,
+    seed,
+    compare,
+    genai_ngram,
+    no_genai_ngram,
+    contexts,
+    repeats,
+    verify_rows,
+):
     """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
     compare_t, contexts_t = _csv(compare), _ints(contexts)
     if genai_ngram and no_genai_ngram:
@@ -101,15 +168,30 @@ def bench(model, methods, per_category, categories, max_new_tokens, threads, tre
     if compare_t:
         from .genai import require_genai
 
-        require_genai()   # a missing package: one line and exit 2, before anything slow
+        require_genai()  # a missing package: one line and exit 2, before anything slow
     if contexts_t and resume is not None:
         raise BenchError("a context sweep cannot be resumed: run it again with another --out")
     folder, resuming = _out_dir(model, out, resume, "-sweep" if contexts_t else "")
-    cfg = BenchConfig(model=model, methods=_csv(methods), categories=_csv(categories), per_category=per_category,
-                      max_new_tokens=max_new_tokens, threads=threads, tree=tree, width=width, variant=variant,
-                      temperature=temperature, seed=seed, datastore=datastore, data=data, compare=compare_t,
-                      contexts=contexts_t, repeats=repeats, verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"),
-                      genai_ngram=NGRAM_OFF if no_genai_ngram else (genai_ngram or NGRAM_SWEEP))
+    cfg = BenchConfig(
+        model=model,
+        methods=_csv(methods),
+        categories=_csv(categories),
+        per_category=per_category,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        tree=tree,
+        width=width,
+        variant=variant,
+        temperature=temperature,
+        seed=seed,
+        datastore=datastore,
+        data=data,
+        compare=compare_t,
+        contexts=contexts_t,
+        repeats=repeats,
+        verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"),
+        genai_ngram=NGRAM_OFF if no_genai_ngram else (genai_ngram or NGRAM_SWEEP),
+    )
     if contexts_t:
         from .sweep import run_sweep
 

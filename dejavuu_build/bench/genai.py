@@ -41,13 +41,23 @@ from .runner import BenchError
 
 PEERS: tuple[str, ...] = ("genai",)
 GENAI = "genai"
-NGRAM_SIZES = (2, 16)         # what GeneratorParams.set_speculative_options accepts (0.18: checked by it)
+NGRAM_SIZES = (2, 16)  # what GeneratorParams.set_speculative_options accepts (0.18: checked by it)
 MAX_DRAFT_TOKENS = (1, 16)
 # the speculative stats kept per generation (get_speculative_stats has ~60 keys)
-SPEC_STATS = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted",
-              "bonus_tokens", "correction_tokens", "target_forward_passes", "target_verify_forward_passes",
-              "target_reanchor_forward_passes", "standard_fallback_steps", "acceptance_rate",
-              "mean_emitted_tokens_per_round")
+SPEC_STATS = (
+    "rounds",
+    "draft_tokens_proposed",
+    "draft_tokens_evaluated",
+    "draft_tokens_accepted",
+    "bonus_tokens",
+    "correction_tokens",
+    "target_forward_passes",
+    "target_verify_forward_passes",
+    "target_reanchor_forward_passes",
+    "standard_fallback_steps",
+    "acceptance_rate",
+    "mean_emitted_tokens_per_round",
+)
 MIN_VERSION = (0, 18)
 PEER_FILE = "peer.json"
 PEERS_DIR = ".peers"
@@ -60,12 +70,15 @@ def require_genai():
         import onnxruntime_genai as og
     except ImportError as e:
         detail = "" if isinstance(e, ModuleNotFoundError) else f" (import failed: {str(e).splitlines()[0][:200]})"
-        raise BenchError(f"--compare genai needs onnxruntime-genai, which is not installed{detail}: "
-                         f"{INSTALL_HINT}") from None
+        raise BenchError(
+            f"--compare genai needs onnxruntime-genai, which is not installed{detail}: {INSTALL_HINT}"
+        ) from None
     version = getattr(og, "__version__", "0")
     if _version_tuple(version) < MIN_VERSION:
-        raise BenchError(f"--compare genai needs onnxruntime-genai >= {'.'.join(map(str, MIN_VERSION))}, found "
-                         f"{version}: {INSTALL_HINT}")
+        raise BenchError(
+            f"--compare genai needs onnxruntime-genai >= {'.'.join(map(str, MIN_VERSION))}, found "
+            f"{version}: {INSTALL_HINT}"
+        )
     return og
 
 
@@ -90,8 +103,10 @@ def build_source(manifest) -> dict:
     """The source record of our build (``manifest.source``), checked to still resolve to the same bytes."""
     src = dict(getattr(manifest, "source", None) or {})
     if not src.get("kind"):
-        raise BenchError("--compare genai needs a build whose manifest records its source; this decoder has none "
-                         "(a third-party export?)")
+        raise BenchError(
+            "--compare genai needs a build whose manifest records its source; this decoder has none "
+            "(a third-party export?)"
+        )
     if src["kind"] in ("gguf", "pypi"):
         path = Path(src.get("path") or "")
         if not path.is_file():
@@ -101,12 +116,15 @@ def build_source(manifest) -> dict:
 
             src.update({k: v for k, v in resolve(src["id"]).to_json().items() if k in ("path", "sha256")})
         elif src.get("sha256") and _sha256(path) != src["sha256"]:
-            raise BenchError(f"{path} no longer has the sha256 the build recorded: the peer must be built from the "
-                             f"same weights; rebuild ours first")
+            raise BenchError(
+                f"{path} no longer has the sha256 the build recorded: the peer must be built from the "
+                f"same weights; rebuild ours first"
+            )
     elif not Path(src.get("path") or "").is_dir():
-        raise BenchError(f"the build's source folder {src.get('path')} is gone: the peer must be built from the "
-                         f"same weights")
-    elif src["kind"] == "folder":   # a local folder has no revision: its content is its identity
+        raise BenchError(
+            f"the build's source folder {src.get('path')} is gone: the peer must be built from the same weights"
+        )
+    elif src["kind"] == "folder":  # a local folder has no revision: its content is its identity
         src["content_sha256"] = folder_digest(Path(src["path"]))
     return src
 
@@ -121,8 +139,11 @@ def folder_digest(folder: Path) -> str:
 
 
 def source_identity(src: dict) -> str:
-    return (src.get("sha256") or src.get("content_sha256")
-            or f"{src.get('id')}@{src.get('revision') or 'local'}:{src.get('path')}")
+    return (
+        src.get("sha256")
+        or src.get("content_sha256")
+        or f"{src.get('id')}@{src.get('revision') or 'local'}:{src.get('path')}"
+    )
 
 
 def peer_name(src: dict, version: str) -> str:
@@ -132,8 +153,11 @@ def peer_name(src: dict, version: str) -> str:
 
 
 def _file_records(folder: Path) -> dict[str, dict]:
-    return {p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != PEER_FILE}
+    return {
+        p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != PEER_FILE
+    }
 
 
 def check_peer(folder: Path) -> dict:
@@ -164,11 +188,11 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
         logger.info("genai peer: %s (built before)", final)
         return final
     with build_lock(f"peer-{name}"):
-        if (final / PEER_FILE).is_file():   # built by another process while we waited
+        if (final / PEER_FILE).is_file():  # built by another process while we waited
             check_peer(final)
             return final
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f".staging-{name}-*"):   # left by a killed build (we hold the lock)
+        for stale in root.glob(f".staging-{name}-*"):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         staging = root / f".staging-{name}-{os.getpid()}"
         staging.mkdir()
@@ -178,7 +202,7 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
             record["build_s"] = round(t.seconds, 1)
             record["files"] = _file_records(staging)
             (staging / PEER_FILE).write_text(json.dumps(record, indent=2) + "\n")
-            if final.exists():   # a half-written folder from an older tool: replaced
+            if final.exists():  # a half-written folder from an older tool: replaced
                 shutil.rmtree(final)
             os.replace(staging, final)
         finally:
@@ -189,14 +213,27 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
 def _run_builder(src: dict, out: Path, version: str) -> dict:
     hf, work, report, log = out / ".hf", out / ".builder-cache", out / ".shim.json", out / ".builder.log"
     builder_args = ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(work)]
-    cmd = [sys.executable, "-m", "dejavuu_build.bench.genai_shim", "--source", json.dumps(src), "--hf", str(hf),
-           "--report", str(report), "--", *builder_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dejavuu_build.bench.genai_shim",
+        "--source",
+        json.dumps(src),
+        "--hf",
+        str(hf),
+        "--report",
+        str(report),
+        "--",
+        *builder_args,
+    ]
     with log.open("w") as fh:
         r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0 or not (out / "genai_config.json").is_file():
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-6:]
-        raise BenchError(f"onnxruntime-genai's model builder failed (exit {r.returncode}) on {src.get('id')}: "
-                         + " | ".join(tail)[-800:])
+        raise BenchError(
+            f"onnxruntime-genai's model builder failed (exit {r.returncode}) on {src.get('id')}: "
+            + " | ".join(tail)[-800:]
+        )
     shim = json.loads(report.read_text())
     for p in (hf, work, report, log):
         if p.is_dir():
@@ -205,30 +242,48 @@ def _run_builder(src: dict, out: Path, version: str) -> dict:
             p.unlink(missing_ok=True)
     try:
         import transformers
+
         tf_version = transformers.__version__
-    except ImportError:   # pragma: no cover - the builder would have failed first
+    except ImportError:  # pragma: no cover - the builder would have failed first
         tf_version = None
-    return {"builder": "onnxruntime_genai.models.builder", "onnxruntime_genai": version,
-            "transformers": tf_version, "precision": "int4", "execution_provider": "cpu",
-            "command": ["python", "-m", "onnxruntime_genai.models.builder", "-m", "HF_FOLDER", "-i", "HF_FOLDER",
-                        "-o", "OUT", *builder_args[2:-2]],
-            "source": src, "source_identity": source_identity(src),
-            "transformers_placeholders": shim.get("placeholders", []),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "builder": "onnxruntime_genai.models.builder",
+        "onnxruntime_genai": version,
+        "transformers": tf_version,
+        "precision": "int4",
+        "execution_provider": "cpu",
+        "command": [
+            "python",
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-m",
+            "HF_FOLDER",
+            "-i",
+            "HF_FOLDER",
+            "-o",
+            "OUT",
+            *builder_args[2:-2],
+        ],
+        "source": src,
+        "source_identity": source_identity(src),
+        "transformers_placeholders": shim.get("placeholders", []),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 # ---------------------------------------------------------------------------------- timing
 @dataclass
 class PeerResult:
     """One genai generation: ids and the same timing fields as our GenerationStats."""
+
     tokens: list[int]
     prompt_tokens: int
     prefill_s: float
     total_s: float
-    step_s: list[float] = field(default_factory=list)   # each decode step (a forward + sampling)
+    step_s: list[float] = field(default_factory=list)  # each decode step (a forward + sampling)
     stop_reason: str = "length"
-    forwards: int | None = None        # n-gram: target forwards after the first token (steps emit 1 token each)
-    speculative: dict | None = None    # n-gram: genai's own stats of the whole generation (SPEC_STATS)
+    forwards: int | None = None  # n-gram: target forwards after the first token (steps emit 1 token each)
+    speculative: dict | None = None  # n-gram: genai's own stats of the whole generation (SPEC_STATS)
 
     @property
     def steps(self) -> int:
@@ -255,8 +310,9 @@ class GenaiPeer:
         self.threads = int(threads)
         self.eos_ids = [int(e) for e in eos_ids]
         self.genai_config = json.loads((self.folder / "genai_config.json").read_text())
-        overlay: dict = {"model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads,
-                                                                   "inter_op_num_threads": 1}}}}
+        overlay: dict = {
+            "model": {"decoder": {"session_options": {"intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}
+        }
         if self.eos_ids:
             overlay["model"]["eos_token_id"] = self.eos_ids if len(self.eos_ids) > 1 else self.eos_ids[0]
         cfg = og.Config(str(self.folder))
@@ -267,8 +323,13 @@ class GenaiPeer:
         """What the results record about the peer: its build record (files' sha256 aside) and settings."""
         rec = json.loads((self.folder / PEER_FILE).read_text()) if (self.folder / PEER_FILE).is_file() else {}
         rec.pop("files", None)
-        return {"folder": str(self.folder), **rec, "intra_op_num_threads": self.threads, "eos_token_id": self.eos_ids,
-                "search": "greedy (do_sample false), max_length = prompt + max_new_tokens"}
+        return {
+            "folder": str(self.folder),
+            **rec,
+            "intra_op_num_threads": self.threads,
+            "eos_token_id": self.eos_ids,
+            "search": "greedy (do_sample false), max_length = prompt + max_new_tokens",
+        }
 
     @property
     def context_length(self) -> int:
@@ -280,13 +341,23 @@ class GenaiPeer:
 
         if getattr(self, "_quality", None) is None:
             q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length)
-            logger.info("genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
-                        q["top1"], q["mean_kl"], q["positions"])
+            logger.info(
+                "genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
+                q["top1"],
+                q["mean_kl"],
+                q["positions"],
+            )
             self._quality = q
         return self._quality
 
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False,
-                 speculative: tuple[int, int] | None = None) -> PeerResult:
+    def generate(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        ignore_eos: bool = False,
+        speculative: tuple[int, int] | None = None,
+    ) -> PeerResult:
         """Greedy decoding of ``ids``; ``speculative=(ngram_size, max_draft_tokens)`` turns on genai's n-gram drafting.
 
         With n-gram drafting each ``generate_next_token`` still hands out one token (the rest of a
@@ -298,8 +369,9 @@ class GenaiPeer:
         ids = [int(t) for t in ids]
         total = len(ids) + max_new_tokens
         if self.context_length and total > self.context_length:
-            raise BenchError(f"prompt ({len(ids)}) + {max_new_tokens} new tokens exceed genai's context length "
-                             f"{self.context_length}")
+            raise BenchError(
+                f"prompt ({len(ids)}) + {max_new_tokens} new tokens exceed genai's context length {self.context_length}"
+            )
         params = og.GeneratorParams(self.model)
         opts = {"max_length": total, "do_sample": False}
         if ignore_eos:
@@ -309,15 +381,15 @@ class GenaiPeer:
             params.set_speculative_options(ngram_size=int(speculative[0]), max_draft_tokens=int(speculative[1]))
         gen = og.Generator(self.model, params)
         t0 = time.perf_counter()
-        gen.append_tokens(ids)                  # the prefill forward (n-gram: deferred to the first round)
-        gen.generate_next_token()               # samples the first token from the prefill's logits
+        gen.append_tokens(ids)  # the prefill forward (n-gram: deferred to the first round)
+        gen.generate_next_token()  # samples the first token from the prefill's logits
         tokens = [int(gen.get_next_tokens()[0])]
         first_forwards = int(gen.get_speculative_stats()["target_forward_passes"]) if speculative else 0
         t1 = time.perf_counter()
         steps: list[float] = []
         last = t1
         while not gen.is_done() and len(tokens) < max_new_tokens:
-            gen.generate_next_token()           # one decode forward + sampling
+            gen.generate_next_token()  # one decode forward + sampling
             tokens.append(int(gen.get_next_tokens()[0]))
             now = time.perf_counter()
             steps.append(now - last)
@@ -339,8 +411,10 @@ def parse_ngram(value: str | Sequence[int]) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise BenchError(f"--genai-ngram takes NGRAM_SIZE,MAX_DRAFT_TOKENS, e.g. 3,8 (got {value!r})") from None
     if not (NGRAM_SIZES[0] <= n <= NGRAM_SIZES[1] and MAX_DRAFT_TOKENS[0] <= k <= MAX_DRAFT_TOKENS[1]):
-        raise BenchError(f"--genai-ngram {n},{k}: genai takes ngram_size {NGRAM_SIZES[0]}..{NGRAM_SIZES[1]} and "
-                         f"max_draft_tokens {MAX_DRAFT_TOKENS[0]}..{MAX_DRAFT_TOKENS[1]}")
+        raise BenchError(
+            f"--genai-ngram {n},{k}: genai takes ngram_size {NGRAM_SIZES[0]}..{NGRAM_SIZES[1]} and "
+            f"max_draft_tokens {MAX_DRAFT_TOKENS[0]}..{MAX_DRAFT_TOKENS[1]}"
+        )
     return n, k
 
 
@@ -360,12 +434,16 @@ class GenaiNgram:
         return self.peer.generate(ids, max_new_tokens, ignore_eos=ignore_eos, speculative=self.options)
 
     def quality(self, model_folder: str | Path) -> dict:
-        return self.peer.quality(model_folder)   # the same build: the same weights and logits
+        return self.peer.quality(model_folder)  # the same build: the same weights and logits
 
     def describe(self) -> dict:
         n, k = self.options
-        return {**self.peer.describe(), "speculative": {"ngram_size": n, "max_draft_tokens": k},
-                "chosen_by": self.chosen_by, "sweep": self.sweep}
+        return {
+            **self.peer.describe(),
+            "speculative": {"ngram_size": n, "max_draft_tokens": k},
+            "chosen_by": self.chosen_by,
+            "sweep": self.sweep,
+        }
 
 
 class GenaiReplay:
@@ -389,12 +467,13 @@ class GenaiReplay:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         self.ort = ort
-        self.sess = ort.InferenceSession(str(Path(folder) / self.dec["filename"]), so,
-                                         providers=["CPUExecutionProvider"])
+        self.sess = ort.InferenceSession(
+            str(Path(folder) / self.dec["filename"]), so, providers=["CPUExecutionProvider"]
+        )
         types = {a.name: a.type for a in [*self.sess.get_inputs(), *self.sess.get_outputs()]}
         self.kv_dtype = "float16" if types.get(self.names_in["past_key_names"] % 0) == "tensor(float16)" else "float32"
         self.logits_dtype = "float16" if types.get(self.names_out["logits"]) == "tensor(float16)" else "float32"
-        self.bind: Any = None     # the onnxruntime IOBinding prefill() makes
+        self.bind: Any = None  # the onnxruntime IOBinding prefill() makes
 
     def prefill(self, prompt_ids: Sequence[int], max_len: int) -> int:
         """Fresh zeroed KV buffers of ``max_len`` positions, then the prompt; the argmax of its last row."""
@@ -403,10 +482,9 @@ class GenaiReplay:
         ort, names_in, names_out = self.ort, self.names_in, self.names_out
         shape = (1, self.dec["num_key_value_heads"], max_len, self.dec["head_size"])
         bind = self.sess.io_binding()
-        bind.bind_output(names_out["logits"])   # bound first: output 0 (rebinding keeps the slot)
+        bind.bind_output(names_out["logits"])  # bound first: output 0 (rebinding keeps the slot)
         for i in range(self.dec["num_hidden_layers"]):
-            for past, present in (("past_key_names", "present_key_names"),
-                                  ("past_value_names", "present_value_names")):
+            for past, present in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
                 buf = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype))
                 bind.bind_ortvalue_input(names_in[past] % i, buf)
                 bind.bind_ortvalue_output(names_out[present] % i, buf)
@@ -465,8 +543,9 @@ def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, co
     return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}
 
 
-def genai_host_estimate(peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequence[int], max_new_tokens: int,
-                        block: int = 16) -> dict:
+def genai_host_estimate(
+    peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequence[int], max_new_tokens: int, block: int = 16
+) -> dict:
     """genai's per-step host overhead: its generator and the plain-ORT replay, alternating in blocks.
 
     A second genai generation (not the one whose tok/s is reported, which runs alone) takes
@@ -497,17 +576,31 @@ def genai_host_estimate(peer: GenaiPeer, replay: GenaiReplay, prompt_ids: Sequen
             g_s.append(time.perf_counter() - t)
             if gen.is_done():
                 break
-        for j in range(len(f_s), len(g_s)):   # replay token j (the input of genai's step j)
+        for j in range(len(f_s), len(g_s)):  # replay token j (the input of genai's step j)
             dt, top = replay.step(toks[j])
             f_s.append(dt)
             agree += int(top == toks[j + 1])
     del gen
     n = len(g_s)
     if not n:
-        return {"host_ms_per_step": None, "host_ms_mean": None, "forward_ms_per_step": None, "genai_step_ms": None,
-                "steps": 0, "argmax_agree": agree, "tokens": len(toks)}
+        return {
+            "host_ms_per_step": None,
+            "host_ms_mean": None,
+            "forward_ms_per_step": None,
+            "genai_step_ms": None,
+            "steps": 0,
+            "argmax_agree": agree,
+            "tokens": len(toks),
+        }
     diffs = sorted(g - f for g, f in zip(g_s, f_s))
     med = diffs[n // 2] if n % 2 else (diffs[n // 2 - 1] + diffs[n // 2]) / 2
-    return {"host_ms_per_step": 1e3 * med, "host_ms_mean": 1e3 * sum(diffs) / n,
-            "forward_ms_per_step": 1e3 * sum(f_s) / n, "genai_step_ms": 1e3 * sum(g_s) / n,
-            "steps": n, "argmax_agree": agree, "tokens": len(toks), "block": block}
+    return {
+        "host_ms_per_step": 1e3 * med,
+        "host_ms_mean": 1e3 * sum(diffs) / n,
+        "forward_ms_per_step": 1e3 * sum(f_s) / n,
+        "genai_step_ms": 1e3 * sum(g_s) / n,
+        "steps": n,
+        "argmax_agree": agree,
+        "tokens": len(toks),
+        "block": block,
+    }

@@ -39,6 +39,7 @@ def add_placeholders(limit: int = 64) -> list[str]:
     for _ in range(limit):
         try:
             import builders.base  # noqa: F401
+
             return added
         except ImportError as e:
             m = MISSING_NAME.search(str(e))
@@ -78,8 +79,14 @@ def materialize_hf(source: dict, hf: Path) -> Path:
         return Path(source["path"])
     from ..build.sources import Source, load_model_and_tokenizer
 
-    src = Source(kind=source["kind"], id=source["id"], path=source["path"], revision=source.get("revision"),
-                 sha256=source.get("sha256"), dist_version=source.get("dist_version"))
+    src = Source(
+        kind=source["kind"],
+        id=source["id"],
+        path=source["path"],
+        revision=source.get("revision"),
+        sha256=source.get("sha256"),
+        dist_version=source.get("dist_version"),
+    )
     model, tok, gen, _ = load_model_and_tokenizer(src)
     hf.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(hf)
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", required=True, help="where to save the HF folder of a GGUF source")
     ap.add_argument("--report", required=True)
     args = ap.parse_args(argv[:split])
-    builder_args = argv[split + 1:]
+    builder_args = argv[split + 1 :]
     hf = materialize_hf(json.loads(args.source), Path(args.hf))
     placeholders = add_placeholders()
     patch_rope_parameters()

@@ -27,18 +27,25 @@ if TYPE_CHECKING:
 
 # small, around what genai's defaults and the issue's measurements span (2..4 × 4..16)
 SWEEP_CONFIGS: tuple[tuple[int, int], ...] = ((2, 4), (3, 4), (3, 8), (4, 8), (4, 16))
-SWEEP_PER_CATEGORY = 1   # prompts per category, first turn only: a choice, not a measurement
+SWEEP_PER_CATEGORY = 1  # prompts per category, first turn only: a choice, not a measurement
 SWEEP_FILE = "genai_ngram_sweep.json"
-CHOSEN_BY = "x_genai"    # the geo-mean over the sweep prompts of decode tok/s over genai plain's
+CHOSEN_BY = "x_genai"  # the geo-mean over the sweep prompts of decode tok/s over genai plain's
 
 
-def sweep_prompts(corpus: Sequence[Prompt], cfg: BenchConfig, measured: Sequence[Prompt],
-                  fits: Callable[[Prompt], bool], n: int = SWEEP_PER_CATEGORY) -> list[Prompt]:
+def sweep_prompts(
+    corpus: Sequence[Prompt],
+    cfg: BenchConfig,
+    measured: Sequence[Prompt],
+    fits: Callable[[Prompt], bool],
+    n: int = SWEEP_PER_CATEGORY,
+) -> list[Prompt]:
     """The next ``n`` prompts of each category after the measured ones; BenchError when there are none."""
     out = select_next(corpus, cfg.categories, measured, n, fits)
     if not out:
-        raise BenchError("no prompt outside the measured set is left to choose genai's n-gram options on: "
-                         "lower --per-category, or fix them with --genai-ngram N,K (or --no-genai-ngram)")
+        raise BenchError(
+            "no prompt outside the measured set is left to choose genai's n-gram options on: "
+            "lower --per-category, or fix them with --genai-ngram N,K (or --no-genai-ngram)"
+        )
     return out
 
 
@@ -46,51 +53,85 @@ def _rate(res) -> float:
     return res.decode_tok_s
 
 
-def run_ngram_sweep(model: Model, genai: GenaiPeer, prompts: Sequence[Prompt], max_new_tokens: int,
-                    configs: Sequence[tuple[int, int]] = SWEEP_CONFIGS) -> dict:
+def run_ngram_sweep(
+    model: Model,
+    genai: GenaiPeer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    configs: Sequence[tuple[int, int]] = SWEEP_CONFIGS,
+) -> dict:
     """Each prompt's first turn: genai plain, then every config; the per-config summary and the choice."""
     configs = [parse_ngram(c) for c in configs]
     per_prompt: list[dict] = []
     for i, p in enumerate(progress(prompts, "genai n-gram sweep", total=len(prompts))):
         ids = model.encode([{"role": "user", "content": p.turns[0]}])
         plain = genai.generate(ids, max_new_tokens)
-        row = {"qid": p.qid, "category": p.category, "prompt_tokens": len(ids), "genai_tokens": len(plain.tokens),
-               "genai_decode_tok_s": _rate(plain), "configs": {}}
-        for n, k in configs[i % len(configs):] + configs[:i % len(configs)]:
+        row = {
+            "qid": p.qid,
+            "category": p.category,
+            "prompt_tokens": len(ids),
+            "genai_tokens": len(plain.tokens),
+            "genai_decode_tok_s": _rate(plain),
+            "configs": {},
+        }
+        for n, k in configs[i % len(configs) :] + configs[: i % len(configs)]:
             res = genai.generate(ids, max_new_tokens, speculative=(n, k))
             spec = res.speculative or {}
             row["configs"][f"{n},{k}"] = {
-                "decode_tok_s": _rate(res), "tokens": len(res.tokens), "forwards": res.steps,
+                "decode_tok_s": _rate(res),
+                "tokens": len(res.tokens),
+                "forwards": res.steps,
                 "common_prefix": _common_prefix(res.tokens, plain.tokens),
-                "compared": max(len(res.tokens), len(plain.tokens)), "identical": res.tokens == plain.tokens,
+                "compared": max(len(res.tokens), len(plain.tokens)),
+                "identical": res.tokens == plain.tokens,
                 "drafted": int(spec.get("draft_tokens_evaluated", 0)),
-                "accepted": int(spec.get("draft_tokens_accepted", 0))}
+                "accepted": int(spec.get("draft_tokens_accepted", 0)),
+            }
         per_prompt.append(row)
     results = []
     for n, k in configs:
         got = [(r["genai_decode_tok_s"], r["configs"][f"{n},{k}"]) for r in per_prompt]
         drafted = sum(c["drafted"] for _, c in got)
         forwards = sum(c["forwards"] for _, c in got)
-        results.append({
-            "ngram_size": n, "max_draft_tokens": k,
-            "decode_tok_s": statistics.fmean(c["decode_tok_s"] for _, c in got),
-            "x_genai": geomean([c["decode_tok_s"] / g for g, c in got if g > 0]),
-            "match_pct": 100.0 * sum(c["common_prefix"] for _, c in got) / max(sum(c["compared"] for _, c in got), 1),
-            "identical": sum(c["identical"] for _, c in got), "prompts": len(got),
-            "tokens_per_forward": sum(max(c["tokens"] - 1, 0) for _, c in got) / forwards if forwards else None,
-            "acceptance_rate": sum(c["accepted"] for _, c in got) / drafted if drafted else None})
+        results.append(
+            {
+                "ngram_size": n,
+                "max_draft_tokens": k,
+                "decode_tok_s": statistics.fmean(c["decode_tok_s"] for _, c in got),
+                "x_genai": geomean([c["decode_tok_s"] / g for g, c in got if g > 0]),
+                "match_pct": 100.0
+                * sum(c["common_prefix"] for _, c in got)
+                / max(sum(c["compared"] for _, c in got), 1),
+                "identical": sum(c["identical"] for _, c in got),
+                "prompts": len(got),
+                "tokens_per_forward": sum(max(c["tokens"] - 1, 0) for _, c in got) / forwards if forwards else None,
+                "acceptance_rate": sum(c["accepted"] for _, c in got) / drafted if drafted else None,
+            }
+        )
     best = max(results, key=lambda r: r[CHOSEN_BY] or 0.0)
-    return {"configs": [list(c) for c in configs], "prompts": [p.qid for p in prompts], "turns": "first",
-            "max_new_tokens": max_new_tokens,
-            "genai_decode_tok_s": statistics.fmean(r["genai_decode_tok_s"] for r in per_prompt),
-            "results": results,
-            "chosen": {"ngram_size": best["ngram_size"], "max_draft_tokens": best["max_draft_tokens"]},
-            "chosen_by": f"{CHOSEN_BY}: the highest geo-mean over the sweep prompts of decode tok/s over genai plain's",
-            "per_prompt": per_prompt}
+    return {
+        "configs": [list(c) for c in configs],
+        "prompts": [p.qid for p in prompts],
+        "turns": "first",
+        "max_new_tokens": max_new_tokens,
+        "genai_decode_tok_s": statistics.fmean(r["genai_decode_tok_s"] for r in per_prompt),
+        "results": results,
+        "chosen": {"ngram_size": best["ngram_size"], "max_draft_tokens": best["max_draft_tokens"]},
+        "chosen_by": f"{CHOSEN_BY}: the highest geo-mean over the sweep prompts of decode tok/s over genai plain's",
+        "per_prompt": per_prompt,
+    }
 
 
-def ngram_peer(model: Model, genai: GenaiPeer, cfg: BenchConfig, out: Path, corpus: Sequence[Prompt],
-               measured: Sequence[Prompt], fits: Callable[[Prompt], bool], resume: bool) -> GenaiNgram:
+def ngram_peer(
+    model: Model,
+    genai: GenaiPeer,
+    cfg: BenchConfig,
+    out: Path,
+    corpus: Sequence[Prompt],
+    measured: Sequence[Prompt],
+    fits: Callable[[Prompt], bool],
+    resume: bool,
+) -> GenaiNgram:
     """The genai-ngram peer with its options: ``--genai-ngram N,K``, the resumed run's choice, or a sweep now."""
     if cfg.genai_ngram != NGRAM_SWEEP:
         return GenaiNgram(genai, parse_ngram(cfg.genai_ngram), "--genai-ngram")
@@ -102,9 +143,15 @@ def ngram_peer(model: Model, genai: GenaiPeer, cfg: BenchConfig, out: Path, corp
         rec = run_ngram_sweep(model, genai, sweep_prompts(corpus, cfg, measured, fits), cfg.max_new_tokens)
         path.write_text(json.dumps(rec, indent=2) + "\n")
         for r in rec["results"]:
-            logger.info("genai n-gram (%d, %2d): %.1f tok/s, %.2fx genai plain, %d/%d identical to it",
-                        r["ngram_size"], r["max_draft_tokens"], r["decode_tok_s"], r["x_genai"] or 0.0,
-                        r["identical"], r["prompts"])
+            logger.info(
+                "genai n-gram (%d, %2d): %.1f tok/s, %.2fx genai plain, %d/%d identical to it",
+                r["ngram_size"],
+                r["max_draft_tokens"],
+                r["decode_tok_s"],
+                r["x_genai"] or 0.0,
+                r["identical"],
+                r["prompts"],
+            )
     chosen = rec["chosen"]
     summary = {k: v for k, v in rec.items() if k != "per_prompt"}
     summary["file"] = SWEEP_FILE

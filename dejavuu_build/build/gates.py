@@ -45,9 +45,16 @@ def gate_parity(r: Runner, ref: Reference) -> dict:
     tree_l, ttol_l = _close(tl, ref.tree_logits)
     tree_h, ttol_h = _close(th, ref.tree_hidden)
     ok = chain_l <= tol_l and chain_h <= tol_h and tree_l <= ttol_l and tree_h <= ttol_h
-    return {"passed": bool(ok), "chain_logits_maxdiff": chain_l, "chain_hidden_maxdiff": chain_h,
-            "tree_logits_maxdiff": tree_l, "tree_hidden_maxdiff": tree_h, "tolerance_logits": tol_l,
-            "tokens": int(len(ids)), "tree_nodes": int(len(ref.tree_tokens))}
+    return {
+        "passed": bool(ok),
+        "chain_logits_maxdiff": chain_l,
+        "chain_hidden_maxdiff": chain_h,
+        "tree_logits_maxdiff": tree_l,
+        "tree_hidden_maxdiff": tree_h,
+        "tolerance_logits": tol_l,
+        "tokens": int(len(ids)),
+        "tree_nodes": int(len(ref.tree_tokens)),
+    }
 
 
 def gate_teacher_forced(r: Runner, ref: Reference, floor: float) -> dict:
@@ -56,15 +63,15 @@ def gate_teacher_forced(r: Runner, ref: Reference, floor: float) -> dict:
     for p, g in zip(ref.prompts, ref.greedy):
         seq = np.concatenate([p, g[:-1]])
         lg, _, _ = r.prefill(seq)
-        pred = lg[len(p) - 1:].argmax(-1)
+        pred = lg[len(p) - 1 :].argmax(-1)
         agree += int((pred == g).sum())
         total += len(g)
     rate = agree / max(total, 1)
     return {"passed": bool(rate >= floor), "agree": agree, "total": total, "rate": round(rate, 4), "floor": floor}
 
 
-BATCH_ROWS = tuple(range(2, 18))     # verify sizes the batched gate checks
-BATCH_PASTS = (250, 1018)            # + up to 17 rows: crosses the 256- and 1024-key boundaries
+BATCH_ROWS = tuple(range(2, 18))  # verify sizes the batched gate checks
+BATCH_PASTS = (250, 1018)  # + up to 17 rows: crosses the 256- and 1024-key boundaries
 
 
 def gate_batched(r: Runner, ref: Reference) -> dict:
@@ -81,7 +88,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     stream = np.concatenate([np.concatenate([p, g]) for p, g in zip(ref.prompts, ref.greedy)] + [ref.chain_ids])
     long = np.resize(stream, max(BATCH_PASTS) + n_max)
     cases = [(np.asarray(p), np.asarray(g[:n_max])) for p, g in zip(ref.prompts, ref.greedy)]
-    cases += [(long[:past], long[past:past + n_max]) for past in BATCH_PASTS if past + n_max + 1 <= limit]
+    cases += [(long[:past], long[past : past + n_max]) for past in BATCH_PASTS if past + n_max + 1 <= limit]
     mism = total = 0
     maxdiff = rawdiff = 0.0
     for past, chunk in cases:
@@ -89,7 +96,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
         _, _, pres = dec.forward(past.tolist(), None, kv)
         kv.commit(pres, len(past), list(range(len(past))))
         singles = []
-        for t in chunk:                              # single steps (padded), committed one by one
+        for t in chunk:  # single steps (padded), committed one by one
             li, _, pres = dec.forward([int(t)], None, kv)
             kv.commit(pres, 1, [0])
             singles.append(li[0])
@@ -100,13 +107,19 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
             mism += int((lb.argmax(-1) != inc[:n].argmax(-1)).sum())
             total += n
             maxdiff = max(maxdiff, float(np.abs(lb - inc[:n]).max()))
-        with dec.padding(False):                     # the unpadded one-row path, for the record
+        with dec.padding(False):  # the unpadded one-row path, for the record
             raw, _, _ = dec.forward(chunk[:1].tolist(), None, kv)
         rawdiff = max(rawdiff, float(np.abs(raw[0] - inc[0]).max()))
         kv.release()
-    return {"passed": mism == 0 and maxdiff == 0.0, "mismatches": mism, "total": total, "logits_maxdiff": maxdiff,
-            "rows": [min(BATCH_ROWS), max(BATCH_ROWS)], "pasts": [len(p) for p, _ in cases],
-            "raw_single_row_maxdiff": rawdiff}
+    return {
+        "passed": mism == 0 and maxdiff == 0.0,
+        "mismatches": mism,
+        "total": total,
+        "logits_maxdiff": maxdiff,
+        "rows": [min(BATCH_ROWS), max(BATCH_ROWS)],
+        "pasts": [len(p) for p, _ in cases],
+        "raw_single_row_maxdiff": rawdiff,
+    }
 
 
 def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embed=None) -> dict:

@@ -41,11 +41,14 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
     lines = format_report(rep, f"{target} {v}")
     guard = S.row_guard_info({p.key: p.value for p in proto.metadata_props})
-    lines.append(f"  row guard in the graph: {guard.get('nodes', 0)} nodes "
-                 f"({', '.join(guard.get('guarded', [])) or 'none'}), length-invariant as built: "
-                 f"{guard.get('length_invariant', False)} (measured on "
-                 f"{guard.get('machine', {}).get('isa', 'an unrecorded machine')})" if guard else
-                 "  row guard in the graph: none (built before the guard, or a static flavour)")
+    lines.append(
+        f"  row guard in the graph: {guard.get('nodes', 0)} nodes "
+        f"({', '.join(guard.get('guarded', [])) or 'none'}), length-invariant as built: "
+        f"{guard.get('length_invariant', False)} (measured on "
+        f"{guard.get('machine', {}).get('isa', 'an unrecorded machine')})"
+        if guard
+        else "  row guard in the graph: none (built before the guard, or a static flavour)"
+    )
     out = {"entry": str(folder), "variant": v, **rep.to_json(), "graph_row_guard": guard}
     sess = make_session(folder / rec.file, threads=threads)
     derived = derive_contract(sess)
@@ -56,8 +59,10 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
         embed = load_embedder(folder, threads)
     gate = gate_batched(Runner(sess, contract, embed), Reference.load(folder / REFERENCE_FILE))
     lone = "one row" if derived.length_invariant or layout == "rowwise" else "two rows (runtime pad)"
-    lines.append(f"  whole decoder, a lone token as {lone}: batched = incremental "
-                 f"{gate['total'] - gate['mismatches']}/{gate['total']} argmax, logits max diff "
-                 f"{gate['logits_maxdiff']:.3g} -> {'EXACT' if gate['passed'] else 'NOT EXACT'} on this machine")
+    lines.append(
+        f"  whole decoder, a lone token as {lone}: batched = incremental "
+        f"{gate['total'] - gate['mismatches']}/{gate['total']} argmax, logits max diff "
+        f"{gate['logits_maxdiff']:.3g} -> {'EXACT' if gate['passed'] else 'NOT EXACT'} on this machine"
+    )
     out["model"] = gate
     return lines, out

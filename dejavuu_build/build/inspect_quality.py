@@ -42,7 +42,7 @@ def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
             try:
                 row = json.loads(ln)
                 if "turns" in row and row.get("question_id") in gate:
-                    continue                               # scored by the gate already
+                    continue  # scored by the gate already
                 texts.append(str(row["turns"][0] if "turns" in row else row.get("text") or row["prompt"]))
             except (ValueError, KeyError, IndexError, TypeError, AttributeError):
                 raise DejavuuError(f"{path}:{i}: expected a JSON object with turns, text or prompt") from None
@@ -51,13 +51,15 @@ def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
     if not texts:
         raise DejavuuError(f"--texts {path} holds no text outside the quality gate's set")
     every = max(len(texts) // n, 1)
-    picked = texts[every // 2::every][:n] if every > 1 else texts[:n]
-    return [t[:1000] for t in picked], (f"{path.name} x{len(picked)} outside the gate's set"
-                                        + (f" (every {every}th)" if every > 1 else ""))
+    picked = texts[every // 2 :: every][:n] if every > 1 else texts[:n]
+    return [t[:1000] for t in picked], (
+        f"{path.name} x{len(picked)} outside the gate's set" + (f" (every {every}th)" if every > 1 else "")
+    )
 
 
-def quality_report(target: str, variant: str | None, texts: Path | None, n: int,
-                   threads: int) -> tuple[list[str], dict]:
+def quality_report(
+    target: str, variant: str | None, texts: Path | None, n: int, threads: int
+) -> tuple[list[str], dict]:
     """(lines to print, JSON record) for one variant of a built entry against its fp32 export."""
     from tokenizers import Tokenizer
 
@@ -72,16 +74,20 @@ def quality_report(target: str, variant: str | None, texts: Path | None, n: int,
     manifest = S.read_manifest(folder)
     v = variant or manifest.default_variant
     if v not in manifest.variants or v == "fp32":
-        raise CacheError(f"{target}: pick a quantized variant to score against fp32; it has "
-                         f"{', '.join(sorted(x for x in manifest.variants if x != 'fp32'))}")
+        raise CacheError(
+            f"{target}: pick a quantized variant to score against fp32; it has "
+            f"{', '.join(sorted(x for x in manifest.variants if x != 'fp32'))}"
+        )
     if "fp32" not in manifest.variants or not (folder / "tokenizer.json").is_file():
         raise CacheError(f"{target} lacks its fp32 export or tokenizer.json: nothing to score against")
     chosen, source = held_out_texts(texts, n)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     import numpy as np
 
-    prompts = [np.array(tok.encode(t, add_special_tokens=False).ids[:QUALITY_PROMPT_TOKENS] or [1], dtype=np.int64)
-               for t in chosen]
+    prompts = [
+        np.array(tok.encode(t, add_special_tokens=False).ids[:QUALITY_PROMPT_TOKENS] or [1], dtype=np.int64)
+        for t in chosen
+    ]
     contract = S.read_contract(folder)
     runners = {}
     for name in ("fp32", v):
@@ -92,10 +98,13 @@ def quality_report(target: str, variant: str | None, texts: Path | None, n: int,
     with step(f"{v} teacher-forced against fp32"):
         g = gate_quality(runners["fp32"], {v: runners[v]}, qs, {})[v]
     gate = manifest.variants[v].gates.get("quality", {})
-    lines = [f"{target} {v}: top-1 {g['top1']:.3f} ({g['agree']}/{g['positions']}), mean KL {g['mean_kl']:.4f} "
-             f"against fp32 over {source}",
-             f"  the build's gate (its own set): top-1 {gate['top1']:.3f}, mean KL {gate['mean_kl']:.4f}" if gate
-             else "  the build's gate: not measured"]
+    lines = [
+        f"{target} {v}: top-1 {g['top1']:.3f} ({g['agree']}/{g['positions']}), mean KL {g['mean_kl']:.4f} "
+        f"against fp32 over {source}",
+        f"  the build's gate (its own set): top-1 {gate['top1']:.3f}, mean KL {gate['mean_kl']:.4f}"
+        if gate
+        else "  the build's gate: not measured",
+    ]
     g.pop("passed", None)
     g.pop("floor", None)
     return lines, {"entry": str(folder), "variant": v, "held_out": g, "gate": gate}

@@ -21,8 +21,13 @@ from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_f
 from .config import TreeDecoderConfig, cache_key, tool_versions
 
 REFERENCE_FILE = "reference.npz"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 @dataclass
@@ -52,8 +57,9 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
             with timeline() as steps:
                 manifest = _export(cfg, src, tmp, name, key, tools)
                 if cfg.variants:
-                    _quantize_and_validate(tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads,
-                                           cfg.timing)
+                    _quantize_and_validate(
+                        tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads, cfg.timing
+                    )
                 else:
                     _auto_variants(tmp, manifest, cfg.threads, cfg.timing)
                 _finish(tmp, manifest, steps)
@@ -61,8 +67,9 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
     return BuildResult(out, manifest)
 
 
-def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = 2,
-               timing: bool = True) -> BuildResult:
+def quant_only(
+    name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = 2, timing: bool = True
+) -> BuildResult:
     """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references.
 
     Every file it carries into the new entry is verified first, and checked again as committed: a
@@ -74,9 +81,11 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
     try:
         with build_lock(name):
             if not (final / S.MANIFEST_FILE).is_file():
-                raise CacheError(f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first")
+                raise CacheError(
+                    f"no build named {name!r} in {final.parent}; run `dejavuu-build tree-decoder --name {name}` first"
+                )
             try:
-                manifest = verify_entry(final, skip=redo)    # all it carries; the variants it redoes are replaced
+                manifest = verify_entry(final, skip=redo)  # all it carries; the variants it redoes are replaced
             except CacheError as e:
                 raise CacheError(f"quant-only will not carry the files of an entry that does not verify: {e}") from None
             if manifest.kind not in ("decoder", "vlm"):
@@ -91,14 +100,18 @@ def quant_only(name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threa
                     _requant_key(manifest, tool_versions())
                     _finish(tmp, manifest, steps)
                 drift = [rel for rel, sha in carried.items() if manifest.files.get(rel, {}).get("sha256") != sha]
-                if drift:       # changed between the check and the copy: nothing is committed
-                    raise IntegrityError(f"{final / drift[0]} changed while quant-only ran; {name} is unchanged: "
-                                         f"run `dejavuu-build verify {name}`, then quant-only again")
+                if drift:  # changed between the check and the copy: nothing is committed
+                    raise IntegrityError(
+                        f"{final / drift[0]} changed while quant-only ran; {name} is unchanged: "
+                        f"run `dejavuu-build verify {name}`, then quant-only again"
+                    )
                 out = commit(tmp, name)
     except OSError as e:
-        raise CacheError(f"could not write the re-quantized {name} under {final.parent} "
-                         f"({e.strerror or type(e).__name__}): free disk space or make the cache writable; "
-                         f"{name} is unchanged") from None
+        raise CacheError(
+            f"could not write the re-quantized {name} under {final.parent} "
+            f"({e.strerror or type(e).__name__}): free disk space or make the cache writable; "
+            f"{name} is unchanged"
+        ) from None
     return BuildResult(out, manifest)
 
 
@@ -119,7 +132,7 @@ def _requant_key(manifest: Manifest, tools: dict) -> None:
 
     cfg = TreeDecoderConfig.from_json(manifest.build_config)
     if tools != manifest.tools or "built_with" in manifest.export:
-        manifest.export.setdefault("built_with", manifest.tools)     # the tools of the fp32 export
+        manifest.export.setdefault("built_with", manifest.tools)  # the tools of the fp32 export
         manifest.tools = tools
         tools = {"export": manifest.export["built_with"], "requantized": tools}
     manifest.cache_key = cache_key(cfg, identity_of(manifest.source), tools)
@@ -133,11 +146,18 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
     with step(f"load {src.id}"):
         model, tok, gen, recipe = load_model_and_tokenizer(src)
     with step(f"export fp32 ({recipe.name} recipe, dynamo, opset 23)") as t_exp:
-        info = export_decoder(model, recipe, tmp / variant_file("fp32"), hidden_layer=cfg.hidden_layer,
-                              primary=cfg.primary_input)
+        info = export_decoder(
+            model, recipe, tmp / variant_file("fp32"), hidden_layer=cfg.hidden_layer, primary=cfg.primary_input
+        )
     with step("torch fp32 references (greedy continuations, chain and tree parity)"):
-        ref = compute_reference(model, recipe, tok, hidden_layer=cfg.hidden_layer,
-                                new_tokens=cfg.reference_tokens, primary=cfg.primary_input)
+        ref = compute_reference(
+            model,
+            recipe,
+            tok,
+            hidden_layer=cfg.hidden_layer,
+            new_tokens=cfg.reference_tokens,
+            primary=cfg.primary_input,
+        )
         ref.save(tmp / REFERENCE_FILE)
     lm = recipe.text_causal_lm(model)
     extra: dict = {}
@@ -154,11 +174,23 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
     contract = _declared_contract(tmp, cfg, recipe, model, gen, dims)
     write_json(tmp / S.CONTRACT_FILE, contract.to_json())
     return Manifest(
-        name=name, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        cache_key=key, build_config=cfg.to_json(), source=src.to_json(), recipe=recipe.name, tools=tools,
-        export={"seconds": round(t_exp.seconds, 1), "torch_export_seconds": round(info.seconds, 1),
-                "nodes": info.nodes, "opset": info.opset, "op_counts": info.op_counts,
-                "tied_embeddings": info.tied_embeddings, "hidden_layer": cfg.hidden_layer, **extra},
+        name=name,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        cache_key=key,
+        build_config=cfg.to_json(),
+        source=src.to_json(),
+        recipe=recipe.name,
+        tools=tools,
+        export={
+            "seconds": round(t_exp.seconds, 1),
+            "torch_export_seconds": round(info.seconds, 1),
+            "nodes": info.nodes,
+            "opset": info.opset,
+            "op_counts": info.op_counts,
+            "tied_embeddings": info.tied_embeddings,
+            "hidden_layer": cfg.hidden_layer,
+            **extra,
+        },
         kind="vlm" if cfg.vision else "decoder",
     )
 
@@ -178,8 +210,16 @@ def _export_vision(cfg, src, model, tmp: Path) -> dict:
     write_json(tmp / PREPROCESSOR_JSON, pre)
     if int(pre.get("max_image_size", {}).get("longest_edge", dims["image_size"])) != dims["image_size"]:
         raise ValidationFailed("processor max_image_size differs from the vision tower's image_size")
-    write_json(tmp / VLM_JSON, {**dims, "image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-                                "global_image_token": "<global-img>", "position_ids": cfg.vision_position_ids})
+    write_json(
+        tmp / VLM_JSON,
+        {
+            **dims,
+            "image_token": "<image>",
+            "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>",
+            "position_ids": cfg.vision_position_ids,
+        },
+    )
     return info
 
 
@@ -231,8 +271,9 @@ def _save_tokenizer(tok, gen, folder: Path) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _quantize_and_validate(folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool,
-                           *, fp32_layouts: bool = True) -> None:
+def _quantize_and_validate(
+    folder: Path, manifest: Manifest, variants: list[str], threads: int, timing: bool, *, fp32_layouts: bool = True
+) -> None:
     """Quantize ``variants`` from the fp32 export and gate them, then time every variant and pick
     the default (quant-only and explicit --variants builds: one pass)."""
     g = _Gates(folder, manifest, threads)
@@ -282,7 +323,7 @@ class _Gates:
             from ..runtime.vision import load_embedder
 
             self.embed = load_embedder(folder, threads)
-        self.sessions: dict[str, tuple[Any, Contract]] = {}     # variant -> (session, its contract)
+        self.sessions: dict[str, tuple[Any, Contract]] = {}  # variant -> (session, its contract)
         self.quantized: list[str] = []
         self.t_quantize = 0.0
 
@@ -294,13 +335,18 @@ class _Gates:
         from .sources import gguf_of
 
         folder, manifest = self.folder, self.manifest
-        before = dict(manifest.variants)        # quant-only: the records of the files it rewrites
+        before = dict(manifest.variants)  # quant-only: the records of the files it rewrites
         gguf = gguf_of(manifest.source) if variants else None
         with _unguarded(folder / variant_file("fp32"), bool(variants)) as source:
             for v in variants:
                 with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
-                    rep = quantize_model(source, folder / variant_file(v), PLANS[v],
-                                         tied=manifest.export.get("tied_embeddings"), gguf=gguf)
+                    rep = quantize_model(
+                        source,
+                        folder / variant_file(v),
+                        PLANS[v],
+                        tied=manifest.export.get("tied_embeddings"),
+                        gguf=gguf,
+                    )
                 self.t_quantize += t.seconds
                 self.quantized.append(v)
                 manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
@@ -335,13 +381,19 @@ class _Gates:
             return
         if _sha256(self.folder / rec.file) == old.sha256:
             self.manifest.variants[v] = old
-            logger.info("  %s: rewritten byte for byte (sha256 %s…): its gates and calibration hold", v, old.sha256[:12])
+            logger.info(
+                "  %s: rewritten byte for byte (sha256 %s…): its gates and calibration hold", v, old.sha256[:12]
+            )
 
     def _gated(self, v: str) -> bool:
         """Gated already, on this machine and onnxruntime (a variant carried by quant-only)."""
         rec = self.manifest.variants.get(v)
-        return bool(rec and rec.gates and rec.gates.get("batched_vs_incremental", {}).get("machine") == self.machine
-                    and (v == "fp32" or "quality" in rec.gates))
+        return bool(
+            rec
+            and rec.gates
+            and rec.gates.get("batched_vs_incremental", {}).get("machine") == self.machine
+            and (v == "fp32" or "quality" in rec.gates)
+        )
 
     def _validate(self, v: str, *, fresh: bool) -> None:
         from ..runtime.session import cross_check, derive_contract, make_session
@@ -408,8 +460,9 @@ class _Gates:
                     tm["pad_cost_ratio"] = round(tm["n2_p256"] / tm["n1_p256"], 2)
         for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
             if not rec.passed:
-                logger.warning("⚠ %s is under its gate (%s): flagged in the manifest, never picked as default",
-                               v, _failed(rec))
+                logger.warning(
+                    "⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec)
+                )
         manifest.default_variant, manifest.default_reason = _choose_default(manifest)
         _calibrate(self.folder, manifest, self.sessions, self.threads, self.embed)
 
@@ -428,7 +481,7 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
 
     precision, layout = S.split_variant(v)
     rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
-    if rec.row_guard:                 # carried from an earlier build (quant-only): measured and guarded there
+    if rec.row_guard:  # carried from an earlier build (quant-only): measured and guarded there
         return
     if layout == "static":
         rec.row_guard = {"length_invariant": False, "why": "GroupQueryAttention: lone tokens are padded by the runtime"}
@@ -437,23 +490,41 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
     with step(f"row invariance of {v}, per op, on this CPU"):
         proto = onnx.load(str(path))
         rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
-        bad = [p for p in rep.probes if p.verdict == "variant"]     # the batched gate still checks the whole graph
+        bad = [p for p in rep.probes if p.verdict == "variant"]  # the batched gate still checks the whole graph
         guard = rep.guard_nodes()
-        summary: dict[str, Any] = {"length_invariant": not bad, "machine": rep.machine,
-                   "guarded": sorted({p.signature for p in rep.probes if p.verdict == "guardable"}),
-                   "guarded_nodes": len(guard), "not_exact": sorted(p.signature for p in bad),
-                   "first_break": rep.first_break.signature if rep.first_break else None}
-        tmp = path.with_name(path.name + ".guard.tmp")      # a new file: a carried (linked) one is never written
-        save_model(guard_rows(proto, guard, length_invariant=not bad,
-                              record={k: summary[k] for k in ("machine", "guarded")}), tmp)
+        summary: dict[str, Any] = {
+            "length_invariant": not bad,
+            "machine": rep.machine,
+            "guarded": sorted({p.signature for p in rep.probes if p.verdict == "guardable"}),
+            "guarded_nodes": len(guard),
+            "not_exact": sorted(p.signature for p in bad),
+            "first_break": rep.first_break.signature if rep.first_break else None,
+        }
+        tmp = path.with_name(path.name + ".guard.tmp")  # a new file: a carried (linked) one is never written
+        save_model(
+            guard_rows(proto, guard, length_invariant=not bad, record={k: summary[k] for k in ("machine", "guarded")}),
+            tmp,
+        )
         os.replace(tmp, path)
     rec.row_guard = {**summary, "probes": [p.to_json() for p in rep.probes]}
     rec.length_invariant = not bad
     for p in rep.probes:
-        logger.info("  %-58s %-10s alone %d/%d, beside a pad row %d/%d", p.signature, p.verdict,
-                    p.equal_alone, p.rows, p.equal_padded, p.rows)
-    logger.info("  %s: %s", v, f"length-invariant, {len(guard)} nodes guarded" if not bad else
-                f"NOT length-invariant here ({', '.join(summary['not_exact'])}): lone tokens get a pad row")
+        logger.info(
+            "  %-58s %-10s alone %d/%d, beside a pad row %d/%d",
+            p.signature,
+            p.verdict,
+            p.equal_alone,
+            p.rows,
+            p.equal_padded,
+            p.rows,
+        )
+    logger.info(
+        "  %s: %s",
+        v,
+        f"length-invariant, {len(guard)} nodes guarded"
+        if not bad
+        else f"NOT length-invariant here ({', '.join(summary['not_exact'])}): lone tokens get a pad row",
+    )
 
 
 def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, embed=None) -> None:
@@ -472,23 +543,33 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     default = manifest.default_variant
     # what a runtime opens without being told: the default and the static twin a server batches
     wanted = {default, S.variant_name(S.split_variant(default)[0], "static")} if default else set()
-    for v, (sess, declared) in sorted(sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])):
+    for v, (sess, declared) in sorted(
+        sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])
+    ):
         rec = manifest.variants[v]
         if not rec.passed or v not in wanted:
             continue
         flavour = (declared.kv_layout, declared.length_invariant)
         sha = _sha256(folder / rec.file)
         if rec.calibration.get("key") == calibration_key(sha, threads):
-            continue          # carried unchanged (quant-only) and measured on this machine already
+            continue  # carried unchanged (quant-only) and measured on this machine already
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
-            rec.calibration = record_calibration(Decoder(sess, declared, embed), sha, threads,
-                                                 cache_root() / ".runtime", hints.get(flavour))
+            rec.calibration = record_calibration(
+                Decoder(sess, declared, embed), sha, threads, cache_root() / ".runtime", hints.get(flavour)
+            )
         if rec.calibration["period"] is not None:
-            hints[flavour] = Calibration.from_json({k: rec.calibration[k] for k in ("version", "chain_exact", "period",
-                                                                                   "tile", "seconds")})
+            hints[flavour] = Calibration.from_json(
+                {k: rec.calibration[k] for k in ("version", "chain_exact", "period", "tile", "seconds")}
+            )
         c = rec.calibration
-        logger.info("  %s: verify %s, tree period %s, tile %s (%.1fs)", v,
-                    "exact" if c["chain_exact"] else "NOT exact", c["period"], c["tile"], c["seconds"])
+        logger.info(
+            "  %s: verify %s, tree period %s, tile %s (%.1fs)",
+            v,
+            "exact" if c["chain_exact"] else "NOT exact",
+            c["period"],
+            c["tile"],
+            c["seconds"],
+        )
 
 
 @contextmanager
@@ -535,8 +616,10 @@ def static_capacity(max_context: int | None, max_positions: int) -> int:
     return int(min(max_positions or 8192, 8192))
 
 
-_LAYOUT_STEPS = {"static": "static KV flavour of {p} (GroupQueryAttention, capacity {c})",
-                 "rowwise": "rowwise KV flavour of {p} (one-row attention in place, capacity {c})"}
+_LAYOUT_STEPS = {
+    "static": "static KV flavour of {p} (GroupQueryAttention, capacity {c})",
+    "rowwise": "rowwise KV flavour of {p} (one-row attention in place, capacity {c})",
+}
 
 
 def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: int, layout: str) -> bool:
@@ -560,14 +643,18 @@ def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: 
             return False
         save_model(proto, folder / variant_file(name))
     base = manifest.variants.get(precision)
-    manifest.variants[name] = VariantRecord(file=variant_file(name), quant=dict(base.quant) if base else {},
-                                            kv_layout=layout, kv_capacity=capacity)
+    manifest.variants[name] = VariantRecord(
+        file=variant_file(name), quant=dict(base.quant) if base else {}, kv_layout=layout, kv_capacity=capacity
+    )
     return True
 
 
 def _failed(rec: VariantRecord) -> str:
-    return ", ".join(f"{k}={json.dumps({x: y for x, y in g.items() if x != 'passed'})}"
-                     for k, g in rec.gates.items() if not g.get("passed"))
+    return ", ".join(
+        f"{k}={json.dumps({x: y for x, y in g.items() if x != 'passed'})}"
+        for k, g in rec.gates.items()
+        if not g.get("passed")
+    )
 
 
 # A faster variant displaces the preferred (smallest) one only when it is faster in EVERY
@@ -607,11 +694,15 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
         return (size, PREFERRED_LAYOUTS.index(layout), n)
 
     first = min(passing, key=pref)
-    why: dict = {"rule": "passing variants that keep the model's answers (top-1 >= "
-                         f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), smallest "
-                         "precision and in-place layout (rowwise, then static) preferred; a larger one only if "
-                         f"faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
-                 "preferred": first, "passing": sorted(passing), "below_default_floors": below}
+    why: dict = {
+        "rule": "passing variants that keep the model's answers (top-1 >= "
+        f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), smallest "
+        "precision and in-place layout (rowwise, then static) preferred; a larger one only if "
+        f"faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
+        "preferred": first,
+        "passing": sorted(passing),
+        "below_default_floors": below,
+    }
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
     if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:
         smallest = min(passing, key=lambda n: (passing[n].bytes or 0, n))
@@ -619,12 +710,15 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
         return smallest, why
     noise = max((max(x) - min(x)) / float(np.median(x)) for x in rounds.values())
     margin = max(MIN_SPEEDUP, 3 * noise)
-    faster = [n for n in passing if n != first
-              and all(a < (1 - margin) * b for a, b in zip(rounds[n], rounds[first]))]
+    faster = [n for n in passing if n != first and all(a < (1 - margin) * b for a, b in zip(rounds[n], rounds[first]))]
     pick = min(faster, key=lambda n: (float(np.median(rounds[n])), pref(n))) if faster else first
-    why.update(noise=round(noise, 4), margin=round(margin, 4), rounds=len(rounds[first]),
-               median_cost_ms={n: round(float(np.median(x)), 3) for n, x in rounds.items()},
-               clearly_faster=sorted(faster))
+    why.update(
+        noise=round(noise, 4),
+        margin=round(margin, 4),
+        rounds=len(rounds[first]),
+        median_cost_ms={n: round(float(np.median(x)), 3) for n, x in rounds.items()},
+        clearly_faster=sorted(faster),
+    )
     return pick, why
 
 
@@ -646,8 +740,13 @@ def _finish(folder: Path, manifest: Manifest, steps: list[tuple[str, float]] | N
 
 def _summary(manifest: Manifest) -> None:
     logger.info("")
-    logger.info("%s  (recipe %s, export %.1fs, %s nodes)", manifest.name, manifest.recipe,
-                manifest.export.get("seconds", 0), manifest.export.get("nodes", "?"))
+    logger.info(
+        "%s  (recipe %s, export %.1fs, %s nodes)",
+        manifest.name,
+        manifest.recipe,
+        manifest.export.get("seconds", 0),
+        manifest.export.get("nodes", "?"),
+    )
     for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
         mark = "✓" if rec.passed else "✗"
         parts = []
@@ -658,14 +757,20 @@ def _summary(manifest: Manifest) -> None:
             elif g == "teacher_forced":
                 parts.append(f"{m} top-1 {r['agree']}/{r['total']} (floor {r['floor']:.2f})")
             elif g == "quality":
-                parts.append(f"{m} quality top-1 {r['top1']:.3f} KL {r['mean_kl']:.4f} over {r['positions']} "
-                             f"(floor {r['floor']:.2f})")
+                parts.append(
+                    f"{m} quality top-1 {r['top1']:.3f} KL {r['mean_kl']:.4f} over {r['positions']} "
+                    f"(floor {r['floor']:.2f})"
+                )
             else:
                 parts.append(f"{m} batched=incremental {r['total'] - r['mismatches']}/{r['total']}")
         g = rec.row_guard
         if g:
-            parts.append(f"lone token = 1 row ({g.get('guarded_nodes', 0)} ops guarded)" if rec.length_invariant else
-                         "lone token padded" + (f" ({', '.join(g['not_exact'])} not row-exact)" if g.get("not_exact") else ""))
+            parts.append(
+                f"lone token = 1 row ({g.get('guarded_nodes', 0)} ops guarded)"
+                if rec.length_invariant
+                else "lone token padded"
+                + (f" ({', '.join(g['not_exact'])} not row-exact)" if g.get("not_exact") else "")
+            )
         t = rec.timings_ms
         tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if "n1_p256" in t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
@@ -675,8 +780,10 @@ def _summary(manifest: Manifest) -> None:
         if why.get("clearly_faster"):
             how = f"faster than {why['preferred']} in every one of {why['rounds']} interleaved rounds by > {why['margin']:.0%}"
         elif "margin" in why:
-            how = (f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round "
-                   f"(noise {why['noise']:.1%}, {why['rounds']} interleaved rounds)")
+            how = (
+                f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round "
+                f"(noise {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
+            )
         else:
             how = "the smallest passing file (not timed)"
         logger.info(" default %s: %s", manifest.default_variant, how)

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 # 2,048 positions): what a variant must keep to pass its gate at all (docs/quantization.md has the
 # measured figures; a default must also meet pipeline.DEFAULT_FLOORS).
 QUALITY_FLOORS = {"fp32": 0.99, "int8": 0.96, "int4": 0.75}
-QUALITY_TOKENS = 64              # fp32 greedy continuation per text, every position scored
-QUALITY_PROMPT_TOKENS = 128      # each text cut to this many tokens
+QUALITY_TOKENS = 64  # fp32 greedy continuation per text, every position scored
+QUALITY_PROMPT_TOKENS = 128  # each text cut to this many tokens
 
 
 @dataclass
@@ -43,8 +43,8 @@ class QualitySet:
         compares variant and fp32 on the same tokens, so the cut texts still measure agreement."""
         if all(len(p) + len(c) - 1 <= limit for p, c in zip(self.prompts, self.continuations)):
             return self
-        conts = [c[:max(limit - 1, 1)] for c in self.continuations]
-        prompts = [p[-max(limit - len(c) + 1, 1):] for p, c in zip(self.prompts, conts)]
+        conts = [c[: max(limit - 1, 1)] for c in self.continuations]
+        prompts = [p[-max(limit - len(c) + 1, 1) :] for p, c in zip(self.prompts, conts)]
         return QualitySet(prompts, conts, f"{self.source}, cut to {limit} positions")
 
     def digest(self) -> str:
@@ -125,7 +125,15 @@ def gate_quality(fp32: Runner, runners: dict[str, Runner], qs: QualitySet, floor
         precision = name.split("-")[0]
         floor = floors.get(precision, floors.get("int4", 0.0))
         rate = agree[name] / max(n, 1)
-        out[name] = {"passed": bool(rate >= floor), "top1": round(rate, 4), "agree": agree[name], "positions": n,
-                     "mean_kl": round(kl[name] / max(n, 1), 5), "floor": floor, "texts": len(qs.prompts),
-                     "set": qs.source, "set_sha256": qs.digest()}
+        out[name] = {
+            "passed": bool(rate >= floor),
+            "top1": round(rate, 4),
+            "agree": agree[name],
+            "positions": n,
+            "mean_kl": round(kl[name] / max(n, 1), 5),
+            "floor": floor,
+            "texts": len(qs.prompts),
+            "set": qs.source,
+            "set_sha256": qs.digest(),
+        }
     return out

@@ -13,62 +13,97 @@ import numpy as np
 
 from .quality import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, QualitySet
 
-TREE_PARENTS = [-1, -1, 0, 0, 2, 1, 4]   # siblings at two levels, a deep branch, a cousin
+TREE_PARENTS = [-1, -1, 0, 0, 2, 1, 4]  # siblings at two levels, a deep branch, a cousin
 PROMPTS = [
     "Translate to French: The weather is lovely today and we are going to the beach.",
     "Summarize: Speculative decoding drafts several tokens cheaply and verifies them in one forward pass of the large model, keeping the output identical.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Question: A train travels 120 km in 1.5 hours. What is its average speed? Answer step by step.",
 ]
-LONG_TEXT = ("The history of computing is a story of layers: hardware, operating systems, compilers and "
-             "languages, each hiding the complexity beneath it so that people can build the next layer. ")
+LONG_TEXT = (
+    "The history of computing is a story of layers: hardware, operating systems, compilers and "
+    "languages, each hiding the complexity beneath it so that people can build the next layer. "
+)
 
 
 @dataclass
 class Reference:
     prompts: list[np.ndarray]
     greedy: list[np.ndarray]
-    chain_ids: np.ndarray          # the chain parity sequence
-    chain_split: int               # prefill length; the rest is one chunk over that past
-    chain_logits: np.ndarray       # torch logits at every position of chain_ids [T, V]
-    chain_hidden: np.ndarray       # torch hidden states [T, H]
-    tree_tokens: np.ndarray        # tree node tokens (node 0 = root = last past token's successor)
+    chain_ids: np.ndarray  # the chain parity sequence
+    chain_split: int  # prefill length; the rest is one chunk over that past
+    chain_logits: np.ndarray  # torch logits at every position of chain_ids [T, V]
+    chain_hidden: np.ndarray  # torch hidden states [T, H]
+    tree_tokens: np.ndarray  # tree node tokens (node 0 = root = last past token's successor)
     tree_parents: np.ndarray
-    tree_logits: np.ndarray        # torch logits of each node's root->node path run as a chain
+    tree_logits: np.ndarray  # torch logits of each node's root->node path run as a chain
     tree_hidden: np.ndarray
-    quality: "QualitySet | None" = None   # the quality texts and torch's greedy continuations
+    quality: "QualitySet | None" = None  # the quality texts and torch's greedy continuations
 
     def save(self, path: Path) -> None:
         q: dict[str, Any] = {}
         if self.quality is not None:
-            q = {"quality_prompts": np.concatenate(self.quality.prompts),
-                 "quality_prompt_lens": [len(p) for p in self.quality.prompts],
-                 "quality_continuations": np.stack(self.quality.continuations),
-                 "quality_source": np.array(self.quality.source)}
+            q = {
+                "quality_prompts": np.concatenate(self.quality.prompts),
+                "quality_prompt_lens": [len(p) for p in self.quality.prompts],
+                "quality_continuations": np.stack(self.quality.continuations),
+                "quality_source": np.array(self.quality.source),
+            }
         np.savez_compressed(
-            path, **q, prompt_concat=np.concatenate(self.prompts), prompt_lens=[len(p) for p in self.prompts],
-            greedy=np.stack(self.greedy), chain_ids=self.chain_ids, chain_split=self.chain_split,
-            chain_logits=self.chain_logits.astype(np.float32), chain_hidden=self.chain_hidden.astype(np.float32),
-            tree_tokens=self.tree_tokens, tree_parents=self.tree_parents,
-            tree_logits=self.tree_logits.astype(np.float32), tree_hidden=self.tree_hidden.astype(np.float32))
+            path,
+            **q,
+            prompt_concat=np.concatenate(self.prompts),
+            prompt_lens=[len(p) for p in self.prompts],
+            greedy=np.stack(self.greedy),
+            chain_ids=self.chain_ids,
+            chain_split=self.chain_split,
+            chain_logits=self.chain_logits.astype(np.float32),
+            chain_hidden=self.chain_hidden.astype(np.float32),
+            tree_tokens=self.tree_tokens,
+            tree_parents=self.tree_parents,
+            tree_logits=self.tree_logits.astype(np.float32),
+            tree_hidden=self.tree_hidden.astype(np.float32),
+        )
 
     @classmethod
     def load(cls, path: Path) -> "Reference":
         z = np.load(path)
         offs = np.cumsum(np.r_[0, z["prompt_lens"]])
-        prompts = [z["prompt_concat"][offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+        prompts = [z["prompt_concat"][offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
         quality = None
-        if "quality_prompts" in z:          # builds before the quality gate have none: it is made then
+        if "quality_prompts" in z:  # builds before the quality gate have none: it is made then
             qo = np.cumsum(np.r_[0, z["quality_prompt_lens"]])
-            quality = QualitySet([z["quality_prompts"][qo[i]:qo[i + 1]] for i in range(len(qo) - 1)],
-                                 list(z["quality_continuations"]), str(z["quality_source"]))
-        return cls(prompts, list(z["greedy"]), z["chain_ids"], int(z["chain_split"]), z["chain_logits"],
-                   z["chain_hidden"], z["tree_tokens"], z["tree_parents"], z["tree_logits"], z["tree_hidden"],
-                   quality)
+            quality = QualitySet(
+                [z["quality_prompts"][qo[i] : qo[i + 1]] for i in range(len(qo) - 1)],
+                list(z["quality_continuations"]),
+                str(z["quality_source"]),
+            )
+        return cls(
+            prompts,
+            list(z["greedy"]),
+            z["chain_ids"],
+            int(z["chain_split"]),
+            z["chain_logits"],
+            z["chain_hidden"],
+            z["tree_tokens"],
+            z["tree_parents"],
+            z["tree_logits"],
+            z["tree_hidden"],
+            quality,
+        )
 
 
-def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_tokens: int = 24,
-                      min_chain: int = 48, seed: int = 0, primary: str = "input_ids") -> Reference:
+def compute_reference(
+    model,
+    recipe,
+    tokenizer,
+    *,
+    hidden_layer: int = -1,
+    new_tokens: int = 24,
+    min_chain: int = 48,
+    seed: int = 0,
+    primary: str = "input_ids",
+) -> Reference:
     """Torch fp32 references, with transformers' own masks (eager attention), never our wrapper."""
     import torch
 
@@ -100,21 +135,27 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
 
         prompts = []
         for text in PROMPTS:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"] if tokenizer is not None else \
-                list(np.random.default_rng(len(text)).integers(3, cfg.vocab_size, 12))
+            ids = (
+                tokenizer(text, add_special_tokens=False)["input_ids"]
+                if tokenizer is not None
+                else list(np.random.default_rng(len(text)).integers(3, cfg.vocab_size, 12))
+            )
             prompts.append(np.array(ids[:96] or [1], dtype=np.int64))
         greedy = [_torch_greedy(lm, p, new_tokens, primary) for p in prompts]
         chain = np.concatenate([prompts[0], greedy[0]])
         if len(chain) < min_chain:
-            filler = tokenizer(LONG_TEXT * (1 + min_chain // 20), add_special_tokens=False)["input_ids"] \
-                if tokenizer is not None else list(np.random.default_rng(1).integers(3, cfg.vocab_size, min_chain))
-            chain = np.concatenate([np.array(filler[:min_chain - len(chain)], dtype=np.int64), chain])
+            filler = (
+                tokenizer(LONG_TEXT * (1 + min_chain // 20), add_special_tokens=False)["input_ids"]
+                if tokenizer is not None
+                else list(np.random.default_rng(1).integers(3, cfg.vocab_size, min_chain))
+            )
+            chain = np.concatenate([np.array(filler[: min_chain - len(chain)], dtype=np.int64), chain])
         chain_logits, chain_hidden = run(chain)
         split = len(chain) - 8
         rng = np.random.default_rng(seed)
         parents = np.array(TREE_PARENTS)
         tokens = np.zeros(len(parents), dtype=np.int64)
-        for i, par in enumerate(parents):      # distinct tokens among siblings
+        for i, par in enumerate(parents):  # distinct tokens among siblings
             taken = {int(tokens[j]) for j in range(i) if parents[j] == par}
             t = int(rng.integers(3, cfg.vocab_size))
             while t in taken:
@@ -133,8 +174,19 @@ def compute_reference(model, recipe, tokenizer, *, hidden_layer: int = -1, new_t
             tree_hidden.append(hd[-1])
     finally:
         cfg._attn_implementation = prev
-    return Reference(prompts, greedy, chain, split, chain_logits, chain_hidden, tokens, parents,
-                     np.stack(tree_logits), np.stack(tree_hidden), quality)
+    return Reference(
+        prompts,
+        greedy,
+        chain,
+        split,
+        chain_logits,
+        chain_hidden,
+        tokens,
+        parents,
+        np.stack(tree_logits),
+        np.stack(tree_hidden),
+        quality,
+    )
 
 
 def _torch_greedy(lm, prompt: np.ndarray, new_tokens: int, primary: str) -> np.ndarray:
@@ -161,8 +213,9 @@ def _torch_quality_set(lm, tokenizer, vocab: int, primary: str) -> "QualitySet":
     from .quality_texts import TEXTS
 
     if tokenizer is not None:
-        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"][:QUALITY_PROMPT_TOKENS] or [1]
-                   for _, _, t in TEXTS]
+        prompts = [
+            tokenizer(t, add_special_tokens=False)["input_ids"][:QUALITY_PROMPT_TOKENS] or [1] for _, _, t in TEXTS
+        ]
         source = f"spec-bench x{len(TEXTS)} (quality_texts.py)"
     else:
         prompts = [list(np.random.default_rng(q).integers(3, vocab, QUALITY_PROMPT_TOKENS)) for q, _, _ in TEXTS]
@@ -173,7 +226,7 @@ def _torch_quality_set(lm, tokenizer, vocab: int, primary: str) -> "QualitySet":
     past, out = None, []
     with torch.no_grad():
         for _ in range(QUALITY_TOKENS):
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
             kw = {"inputs_embeds": lm.get_input_embeddings()(ids)} if primary == "inputs_embeds" else {"input_ids": ids}
             res = lm(**kw, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
             past = res.past_key_values

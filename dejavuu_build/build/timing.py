@@ -31,7 +31,7 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
     for name, (session, contract) in sessions.items():
         dec = Decoder(session, contract)
         plans[name] = (dec, _timing_cases(dec, contract, rng))
-    for dec, cases in plans.values():          # warm-up: first runs grow arenas and fault pages in
+    for dec, cases in plans.values():  # warm-up: first runs grow arenas and fault pages in
         for _, n, toks, embeds, kv in cases:
             with dec.padding(n != 1):
                 dec.forward(toks, None, kv, embeds=embeds)
@@ -61,13 +61,18 @@ def _timing_cases(dec, contract: Contract, rng) -> list[tuple]:
         if in_place(contract.kv_layout):
             kv.buf[:, :, :, :past_len] = rng.standard_normal(kv.buf[:, :, :, :past_len].shape).astype(np.float32)
         else:
-            kv.arrays = {k: rng.standard_normal((1, contract.num_kv_heads, past_len, contract.head_dim))
-                         .astype(np.float32) for k in kv.names}
+            kv.arrays = {
+                k: rng.standard_normal((1, contract.num_kv_heads, past_len, contract.head_dim)).astype(np.float32)
+                for k in kv.names
+            }
         kv.length = past_len
         for n in (1, 2, 8):
             toks = [int(t) for t in rng.integers(0, contract.vocab_size, n)]
-            embeds = rng.standard_normal((1, n, contract.hidden_size)).astype(np.float32) \
-                if contract.primary_input == "inputs_embeds" else None
+            embeds = (
+                rng.standard_normal((1, n, contract.hidden_size)).astype(np.float32)
+                if contract.primary_input == "inputs_embeds"
+                else None
+            )
             cases.append((f"n{n}_p{past_len}", n, toks, embeds, kv))
     return cases
 

@@ -29,22 +29,28 @@ import numpy as np
 # what _compare takes for one op: run(feeds), make_rows(m, full=None), split_row(feeds, r), pad_row(feeds)
 ProbeFns = tuple[Callable, Callable, Callable, Callable]
 
-ROWS = (2, 3, 5, 8, 17)          # the multi-row forwards each row is compared across
-NORMS = ("SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
-         "LayerNormalization", "SkipLayerNormalization")
+ROWS = (2, 3, 5, 8, 17)  # the multi-row forwards each row is compared across
+NORMS = (
+    "SkipSimplifiedLayerNormalization",
+    "SimplifiedLayerNormalization",
+    "RMSNormalization",
+    "LayerNormalization",
+    "SkipLayerNormalization",
+)
 MS = "com.microsoft"
 
 
 @dataclass
 class OpProbe:
     """What one op (one node, standing for every node of its signature) does to a row's bits."""
-    signature: str                   # "MatMulNBits bits=4 block=32 acc=4 K=576 N=960"
+
+    signature: str  # "MatMulNBits bits=4 block=32 acc=4 K=576 N=960"
     op: str
-    nodes: list[str]                 # every node of this signature, in graph order
-    first_index: int                 # topological index of the first of them
-    rows: int = 0                    # rows compared
-    equal_alone: int = 0             # ... equal to the row computed alone
-    equal_padded: int = 0            # ... equal to the row computed beside one pad row
+    nodes: list[str]  # every node of this signature, in graph order
+    first_index: int  # topological index of the first of them
+    rows: int = 0  # rows compared
+    equal_alone: int = 0  # ... equal to the row computed alone
+    equal_padded: int = 0  # ... equal to the row computed beside one pad row
     maxdiff_alone: float = 0.0
     maxdiff_padded: float = 0.0
     note: str = ""
@@ -77,8 +83,11 @@ class ExactnessReport:
 
     def to_json(self) -> dict:
         fb = self.first_break
-        return {"machine": self.machine, "first_break": fb.signature if fb else None,
-                "probes": [p.to_json() for p in self.probes]}
+        return {
+            "machine": self.machine,
+            "first_break": fb.signature if fb else None,
+            "probes": [p.to_json() for p in self.probes],
+        }
 
 
 def machine() -> dict:
@@ -143,7 +152,7 @@ def _single_node(model, node, feeds: list[str]):
 def _constants(model) -> set[str]:
     """Values that depend on initializers only (never on a graph input)."""
     const = {t.name for t in model.graph.initializer}
-    for n in model.graph.node:                    # graph order is topological
+    for n in model.graph.node:  # graph order is topological
         if n.input and all((not x) or x in const for x in n.input) or (not n.input and n.op_type == "Constant"):
             const.update(n.output)
     return const
@@ -163,7 +172,7 @@ def _compare(p: OpProbe, run, make_rows, split_row, pad_row) -> None:
     r)`` the feeds of row r alone, ``pad_row(feeds)`` those feeds beside one zero pad row; ``run``
     returns the output as [rows, ...]."""
     full = make_rows(max(ROWS))
-    ref = run(full)                               # each row among 17
+    ref = run(full)  # each row among 17
     alone = [run(split_row(full, r))[0] for r in range(max(ROWS))]
     padded = [run(pad_row(split_row(full, r)))[0] for r in range(max(ROWS))]
     for m in ROWS:
@@ -190,8 +199,11 @@ def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[ProbeFns | N
     elif node.op_type == "RotaryEmbedding":
         if len(feeds) != 3 or not head_dim:
             return None, "RotaryEmbedding with a position input or unknown head size: not probed"
-        specs = {feeds[0]: ([1, 2, R, head_dim], 2), feeds[1]: ([1, R, head_dim // 2], 1),
-                 feeds[2]: ([1, R, head_dim // 2], 1)}
+        specs = {
+            feeds[0]: ([1, 2, R, head_dim], 2),
+            feeds[1]: ([1, R, head_dim // 2], 1),
+            feeds[2]: ([1, R, head_dim // 2], 1),
+        }
     else:
         w = next((shapes[i] for i in node.input if i in shapes), None)
         if w is None:
@@ -210,10 +222,12 @@ def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[ProbeFns | N
     def run(fd):
         return np.moveaxis(s.run(None, fd)[0], out_axis, 0)
 
-    return (run,
-            lambda m, full=None: {f: take(v, ax[f], slice(0, m)) for f, v in data.items()},
-            lambda fd, r: {f: take(v, ax[f], slice(r, r + 1)) for f, v in fd.items()},
-            lambda fd: {f: np.concatenate([v, np.zeros_like(v)], ax[f]) for f, v in fd.items()}), ""
+    return (
+        run,
+        lambda m, full=None: {f: take(v, ax[f], slice(0, m)) for f, v in data.items()},
+        lambda fd, r: {f: take(v, ax[f], slice(r, r + 1)) for f, v in fd.items()},
+        lambda fd: {f: np.concatenate([v, np.zeros_like(v)], ax[f]) for f, v in fd.items()},
+    ), ""
 
 
 def _attention(model, node, threads: int, rng, layout: str, heads: int, past: int) -> tuple[ProbeFns | None, str]:
@@ -230,7 +244,7 @@ def _attention(model, node, threads: int, rng, layout: str, heads: int, past: in
     if not kv_heads:
         return None, "K/V shape unknown"
     if layout == "rowwise":
-        L = -(-(past + R) // 64) * 64            # the runtime's buffer: whole tiles of 64
+        L = -(-(past + R) // 64) * 64  # the runtime's buffer: whole tiles of 64
         K = rng.standard_normal((1, kv_heads, L, dim)).astype(np.float32)
         V = rng.standard_normal((1, kv_heads, L, dim)).astype(np.float32)
         Q = rng.standard_normal((1, heads, R, dim)).astype(np.float32) * 0.125
@@ -239,9 +253,11 @@ def _attention(model, node, threads: int, rng, layout: str, heads: int, past: in
             n = len(rows)
             m = np.full((1, heads, n, L), NEG, np.float32)
             for i, r in enumerate(rows):
-                m[..., i, :past + r + 1 if r >= 0 else past + 1] = 0   # a pad row attends the past
-            qq = Q[:, :, [max(r, 0) for r in rows]] * np.array([1.0 if r >= 0 else 0.0 for r in rows],
-                                                                np.float32)[None, None, :, None]
+                m[..., i, : past + r + 1 if r >= 0 else past + 1] = 0  # a pad row attends the past
+            qq = (
+                Q[:, :, [max(r, 0) for r in rows]]
+                * np.array([1.0 if r >= 0 else 0.0 for r in rows], np.float32)[None, None, :, None]
+            )
             return {q: qq.reshape(1, heads * n, 1, dim), k: K, v: V, mask: m.reshape(1, heads * n, 1, L)}
 
         def run(fd):
@@ -253,15 +269,15 @@ def _attention(model, node, threads: int, rng, layout: str, heads: int, past: in
         Q = rng.standard_normal((1, heads, R, dim)).astype(np.float32)
 
         def feeds_for(rows: list[int]):
-            last = max(rows) + 1                    # a step sees the keys up to its last row
+            last = max(rows) + 1  # a step sees the keys up to its last row
             m = np.full((1, 1, len(rows), past + last), NEG, np.float32)
             for i, r in enumerate(rows):
                 if r >= 0:
-                    m[0, 0, i, :past + r + 1] = 0
+                    m[0, 0, i, : past + r + 1] = 0
                 else:
                     m[0, 0, i] = 0
             qq = np.concatenate([Q[:, :, [r]] if r >= 0 else np.zeros_like(Q[:, :, :1]) for r in rows], 2)
-            return {q: qq, k: K[:, :, :past + last], v: V[:, :, :past + last], mask: m}
+            return {q: qq, k: K[:, :, : past + last], v: V[:, :, : past + last], mask: m}
 
         def run(fd):
             return s.run(None, fd)[0][0].transpose(1, 0, 2)
@@ -305,8 +321,10 @@ def _signature(model, node) -> str | None:
     op = node.op_type
     if op == "MatMulNBits":
         has_zp = len(node.input) > 3 and bool(node.input[3])
-        return (f"MatMulNBits bits={_attr(node, 'bits', 4)} block={_attr(node, 'block_size')} "
-                f"acc={_attr(node, 'accuracy_level', 0)}{' zp' if has_zp else ''} K={_attr(node, 'K')} N={_attr(node, 'N')}")
+        return (
+            f"MatMulNBits bits={_attr(node, 'bits', 4)} block={_attr(node, 'block_size')} "
+            f"acc={_attr(node, 'accuracy_level', 0)}{' zp' if has_zp else ''} K={_attr(node, 'K')} N={_attr(node, 'N')}"
+        )
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
     if op == "MatMul" and len(node.input) == 2 and node.input[1] in inits and len(inits[node.input[1]]) == 2:
         k, n = inits[node.input[1]]
@@ -321,8 +339,16 @@ def _signature(model, node) -> str | None:
     return None
 
 
-def probe(model, *, layout: str = "concat", heads: int = 0, head_dim: int = 0, threads: int = 2,
-          pasts: tuple[int, ...] = (40, 1000), seed: int = 0) -> ExactnessReport:
+def probe(
+    model,
+    *,
+    layout: str = "concat",
+    heads: int = 0,
+    head_dim: int = 0,
+    threads: int = 2,
+    pasts: tuple[int, ...] = (40, 1000),
+    seed: int = 0,
+) -> ExactnessReport:
     """Probe every op signature of ``model`` (an onnx ModelProto of one of our decoders)."""
     rng = np.random.default_rng(seed)
     groups: dict[str, OpProbe] = {}
@@ -359,13 +385,20 @@ def probe(model, *, layout: str = "concat", heads: int = 0, head_dim: int = 0, t
 
 def format_report(rep: ExactnessReport, title: str) -> list[str]:
     m = rep.machine
-    lines = [f"{title}: row invariance per op, {m['cpu']} ({m['isa']}: {' '.join(m['flags'])}), "
-             f"onnxruntime {m['onnxruntime']}",
-             f"  {'op':<58} {'nodes':>5} {'alone':>9} {'padded':>9}  verdict"]
+    lines = [
+        f"{title}: row invariance per op, {m['cpu']} ({m['isa']}: {' '.join(m['flags'])}), "
+        f"onnxruntime {m['onnxruntime']}",
+        f"  {'op':<58} {'nodes':>5} {'alone':>9} {'padded':>9}  verdict",
+    ]
     for p in rep.probes:
-        lines.append(f"  {p.signature:<58} {len(p.nodes):>5} {p.equal_alone:>4}/{p.rows:<4} "
-                     f"{p.equal_padded:>4}/{p.rows:<4} {p.verdict}{'  (' + p.note + ')' if p.note else ''}")
+        lines.append(
+            f"  {p.signature:<58} {len(p.nodes):>5} {p.equal_alone:>4}/{p.rows:<4} "
+            f"{p.equal_padded:>4}/{p.rows:<4} {p.verdict}{'  (' + p.note + ')' if p.note else ''}"
+        )
     fb = rep.first_break
-    lines.append(f"  first op whose lone row differs: {fb.signature} ({fb.nodes[0]}), {fb.verdict}" if fb
-                 else "  every probed op gives a row the same bits alone and among others")
+    lines.append(
+        f"  first op whose lone row differs: {fb.signature} ({fb.nodes[0]}), {fb.verdict}"
+        if fb
+        else "  every probed op gives a row the same bits alone and among others"
+    )
     return lines

@@ -42,8 +42,9 @@ def text_dims(recipe, config) -> dict[str, Any]:
     }
 
 
-def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1,
-                   primary: str = S.INPUT_IDS) -> ExportInfo:
+def export_decoder(
+    model: Any, recipe, out_path: Path, *, hidden_layer: int = -1, primary: str = S.INPUT_IDS
+) -> ExportInfo:
     """Export ``model`` (a full HF model of ``recipe``'s family) as a tree-capable decoder."""
     import torch
 
@@ -52,8 +53,9 @@ def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1
     dims = text_dims(recipe, model.config)
     L, kv, D, H = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], dims["hidden_size"]
     lm = recipe.text_causal_lm(model).eval()
-    wrapper = DecoderWrapper(lm, L, recipe.sliding_windows(model.config), recipe.mask_argument,
-                             hidden_layer=hidden_layer, primary=primary).eval()
+    wrapper = DecoderWrapper(
+        lm, L, recipe.sliding_windows(model.config), recipe.mask_argument, hidden_layer=hidden_layer, primary=primary
+    ).eval()
     n, p = 3, 5  # sample sizes: > 1 so torch.export keeps them symbolic
     if primary == S.INPUTS_EMBEDS:
         first = torch.randn(1, n, H)
@@ -63,23 +65,30 @@ def export_decoder(model: Any, recipe, out_path: Path, *, hidden_layer: int = -1
     bias = torch.zeros(1, 1, n, p + n)
     past = [torch.zeros(1, kv, p, D) for _ in range(2 * L)]
     Nd = torch.export.Dim("N", min=1, max=8192)
-    Pd = torch.export.Dim("P", min=0, max=131071)   # 131072 fails a guard, costing a second trace
+    Pd = torch.export.Dim("P", min=0, max=131071)  # 131072 fails a guard, costing a second trace
     Td = torch.export.Dim("T", min=1, max=131072)
     first_dims = {1: Nd}
     dynamic = (first_dims, {1: Nd}, {2: Nd, 3: Td}, tuple({2: Pd} for _ in past))
     in_names = [primary, S.POSITION_IDS, S.ATTENTION_BIAS] + [
-        S.PAST_KEY.format(i=i) if k == 0 else S.PAST_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
+        S.PAST_KEY.format(i=i) if k == 0 else S.PAST_VALUE.format(i=i) for i in range(L) for k in (0, 1)
+    ]
     out_names = [S.LOGITS, S.HIDDEN_STATES] + [
-        S.PRESENT_KEY.format(i=i) if k == 0 else S.PRESENT_VALUE.format(i=i) for i in range(L) for k in (0, 1)]
-    proto, seconds = dynamo_export(wrapper, (first, pos, bias, *past), out_path, in_names, out_names, dynamic,
-                                   f"decoder (recipe {recipe.name})")
+        S.PRESENT_KEY.format(i=i) if k == 0 else S.PRESENT_VALUE.format(i=i) for i in range(L) for k in (0, 1)
+    ]
+    proto, seconds = dynamo_export(
+        wrapper, (first, pos, bias, *past), out_path, in_names, out_names, dynamic, f"decoder (recipe {recipe.name})"
+    )
     tied = finalize_graph(proto)
     save_model(proto, out_path)
     ops = collections.Counter(nd.op_type for nd in proto.graph.node)
-    logger.info("  exported %d nodes (%s)", len(proto.graph.node),
-                ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
-    return ExportInfo(seconds=seconds, nodes=len(proto.graph.node), opset=OPSET,
-                      op_counts=dict(ops.most_common()), tied_embeddings=tied)
+    logger.info("  exported %d nodes (%s)", len(proto.graph.node), ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
+    return ExportInfo(
+        seconds=seconds,
+        nodes=len(proto.graph.node),
+        opset=OPSET,
+        op_counts=dict(ops.most_common()),
+        tied_embeddings=tied,
+    )
 
 
 def dynamo_export(module, args, out_path: Path, in_names, out_names, dynamic, what: str):
@@ -95,19 +104,30 @@ def dynamo_export(module, args, out_path: Path, in_names, out_names, dynamic, wh
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, args, str(tmp), dynamo=True, opset_version=OPSET, input_names=in_names,
-                              output_names=out_names, dynamic_shapes=dynamic, external_data=False, verbose=False)
+            torch.onnx.export(
+                module,
+                args,
+                str(tmp),
+                dynamo=True,
+                opset_version=OPSET,
+                input_names=in_names,
+                output_names=out_names,
+                dynamic_shapes=dynamic,
+                external_data=False,
+                verbose=False,
+            )
     except Exception as e:
-        raise ExportError(f"torch.onnx export of the {what} failed: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ExportError(
+            f"torch.onnx export of the {what} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     seconds = time.perf_counter() - t0
-    proto = onnx.load(str(tmp))          # external data (a model past 2 GB) is read in here
-    for leftover in tmp.parent.glob(tmp.name + "*"):   # the graph and the exporter's .data files
+    proto = onnx.load(str(tmp))  # external data (a model past 2 GB) is read in here
+    for leftover in tmp.parent.glob(tmp.name + "*"):  # the graph and the exporter's .data files
         leftover.unlink()
     return proto, seconds
 
 
-EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf cannot serialise a message of 2 GB or more
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf cannot serialise a message of 2 GB or more
 
 
 def tensor_bytes(proto) -> int:
@@ -129,8 +149,14 @@ def save_model(proto, path: Path) -> None:
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
     if tensor_bytes(proto) > EXTERNAL_DATA_BYTES:
-        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=path.name + ".data", size_threshold=1024)
+        onnx.save(
+            proto,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
     else:
         onnx.save(proto, str(path))
 
@@ -166,8 +192,14 @@ def finalize_graph(proto) -> bool:
         name = f"{base}/{nd.op_type}"
         used[name] += 1
         nd.name = name if used[name] == 1 else f"{name}_{used[name] - 1}"
-        if nd.op_type == "MatMul" and module and len(nd.input) == 2 and nd.input[1] in inits \
-                and nd.input[1] not in renamed_inits and not nd.input[1].startswith(("model.", "lm")):
+        if (
+            nd.op_type == "MatMul"
+            and module
+            and len(nd.input) == 2
+            and nd.input[1] in inits
+            and nd.input[1] not in renamed_inits
+            and not nd.input[1].startswith(("model.", "lm"))
+        ):
             renamed_inits[nd.input[1]] = f"{module}.weight_T"
         del nd.metadata_props[:]
     # The lm-head: the MatMul producing logits.
@@ -175,8 +207,9 @@ def finalize_graph(proto) -> bool:
     if lm_node is None or lm_node.op_type != "MatMul":
         raise ExportError("could not find the lm-head MatMul producing `logits`")
     lm_node.name = LM_HEAD_NODE
-    embed = next((nd for nd in g.node if nd.op_type == "Gather" and len(nd.input) == 2
-                  and nd.input[1] in (S.INPUT_IDS,)), None)
+    embed = next(
+        (nd for nd in g.node if nd.op_type == "Gather" and len(nd.input) == 2 and nd.input[1] in (S.INPUT_IDS,)), None
+    )
     if embed is not None:
         embed.name = EMBED_NODE
     w = lm_node.input[1]

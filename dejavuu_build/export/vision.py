@@ -73,7 +73,7 @@ def vision_dims(config) -> dict[str, int]:
         "image_size": int(vc.image_size),
         "patch_size": int(vc.patch_size),
         "scale_factor": sf,
-        "image_seq_len": int(((vc.image_size // vc.patch_size) ** 2) / (sf ** 2)),
+        "image_seq_len": int(((vc.image_size // vc.patch_size) ** 2) / (sf**2)),
         "image_token_id": int(config.image_token_id),
         "text_hidden_size": int(config.text_config.hidden_size),
         "vision_hidden_size": int(vc.hidden_size),
@@ -118,26 +118,26 @@ def _vision_wrapper(vlm, position_ids: str = "transformers"):
             real = real | (first & ~real.any())
             # unfold(size=p, step=p) twice + sum > 0 == any over each p x p block (remainder dropped).
             m = pixel_attention_mask[:, : ph * p, : pw * p].to(torch.bool)
-            patch_mask = m.reshape(B, ph, p, pw, p).any(dim=4).any(dim=2)        # [B, ph, pw]
+            patch_mask = m.reshape(B, ph, p, pw, p).any(dim=4).any(dim=2)  # [B, ph, pw]
 
             emb = self.vision_model.embeddings
             x = emb.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [B, ph*pw, D]
             # Position ids (vectorised SmolVLMVisionEmbeddings loop): the k-th unmasked patch
             # (row-major) gets HF's pos_ids[k] = bucket_h[k // nb_w] * nps + bucket_w[k % nb_w].
-            nb_h = patch_mask[:, :, 0].sum(dim=1)                             # [B] int64
+            nb_h = patch_mask[:, :, 0].sum(dim=1)  # [B] int64
             nb_w = patch_mask[:, 0, :].sum(dim=1)
             flat = patch_mask.reshape(B, ph * pw)
             rank = flat.to(torch.int64).cumsum(dim=1) - 1
             nb_w_safe = torch.clamp(nb_w, min=1)[:, None]
             hi = torch.div(rank, nb_w_safe, rounding_mode="floor").to(pixel_values.dtype)
             wi = torch.remainder(rank, nb_w_safe).to(pixel_values.dtype)
-            if self.mode == "transformers":   # transformers 4.55-4.57: idx / nb * (1 - 1e-6)
+            if self.mode == "transformers":  # transformers 4.55-4.57: idx / nb * (1 - 1e-6)
                 fh = hi / nb_h[:, None] * self.shrink
                 fw = wi / nb_w[:, None] * self.shrink
-            else:                             # <= 4.54 / the fix: arange(0, 1 - 1e-6, 1 / nb) == idx * (1 / nb)
+            else:  # <= 4.54 / the fix: arange(0, 1 - 1e-6, 1 / nb) == idx * (1 / nb)
                 fh = hi * (1.0 / nb_h)[:, None]
                 fw = wi * (1.0 / nb_w)[:, None]
-            bh = (self.boundaries <= fh[..., None]).sum(dim=-1)               # bucketize(right=True)
+            bh = (self.boundaries <= fh[..., None]).sum(dim=-1)  # bucketize(right=True)
             bw = (self.boundaries <= fw[..., None]).sum(dim=-1)
             pos = torch.where(flat, bh * self.nps + bw, torch.zeros_like(bh))
             x = x + emb.position_embedding(pos)
@@ -180,8 +180,10 @@ def _check_shrink_kept(proto) -> None:
                 a = numpy_helper.to_array(inits[x])
                 if a.size == 1 and a.dtype == np.float32 and a.reshape(()) == target:
                     return
-    raise ExportError("vision export: the (1 - 1e-6) position-bucket factor was optimized out of the graph "
-                      "(onnxscript no-op rule); position ids would be wrong")
+    raise ExportError(
+        "vision export: the (1 - 1e-6) position-bucket factor was optimized out of the graph "
+        "(onnxscript no-op rule); position ids would be wrong"
+    )
 
 
 def _summary(proto, seconds: float) -> dict[str, Any]:
@@ -210,8 +212,9 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     mask = torch.ones(n, S, S, dtype=torch.bool)
     Nd = torch.export.Dim("num_images", min=1, max=4096)
     dynamic = ({0: Nd}, {0: Nd})
-    proto, seconds = dynamo_export(wrapper, (pv, mask), out_path, [PIXEL_VALUES, PIXEL_ATTENTION_MASK],
-                             [IMAGE_FEATURES], dynamic, "vision encoder")
+    proto, seconds = dynamo_export(
+        wrapper, (pv, mask), out_path, [PIXEL_VALUES, PIXEL_ATTENTION_MASK], [IMAGE_FEATURES], dynamic, "vision encoder"
+    )
     if position_ids == "transformers":
         _check_shrink_kept(proto)
     _finalize(proto, prefix="")
@@ -222,9 +225,13 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     save_model(proto, Path(out_path))
     info = _summary(proto, seconds)
     logger.info("  vision encoder: %d nodes in %.1fs", info["nodes"], seconds)
-    info.update({"inputs": {PIXEL_VALUES: ["num_images", 3, S, S], PIXEL_ATTENTION_MASK: ["num_images", S, S]},
-                 "outputs": {IMAGE_FEATURES: ["num_real_images", dims["image_seq_len"], dims["text_hidden_size"]]},
-                 "position_ids": position_ids})
+    info.update(
+        {
+            "inputs": {PIXEL_VALUES: ["num_images", 3, S, S], PIXEL_ATTENTION_MASK: ["num_images", S, S]},
+            "outputs": {IMAGE_FEATURES: ["num_real_images", dims["image_seq_len"], dims["text_hidden_size"]]},
+            "position_ids": position_ids,
+        }
+    )
     info.update(dims)
     return info
 
@@ -266,8 +273,13 @@ def export_embeddings(vlm_model, out_path: Path) -> dict[str, Any]:
                     nd.input[i] = EMBED_WEIGHT
     save_model(proto, Path(out_path))
     info = _summary(proto, seconds)
-    info.update({"inputs": {EMBED_INPUT: ["batch", "N"]},
-                 "outputs": {EMBED_OUTPUT: ["batch", "N", int(emb.embedding_dim)]},
-                 "vocab_size": int(emb.num_embeddings), "hidden_size": int(emb.embedding_dim)})
+    info.update(
+        {
+            "inputs": {EMBED_INPUT: ["batch", "N"]},
+            "outputs": {EMBED_OUTPUT: ["batch", "N", int(emb.embedding_dim)]},
+            "vocab_size": int(emb.num_embeddings),
+            "hidden_size": int(emb.embedding_dim),
+        }
+    )
     logger.info("  token embedding: %d nodes in %.1fs", info["nodes"], seconds)
     return info

@@ -31,11 +31,12 @@ ATTN_IMPL = "dejavuu_gqa_sdpa"
 class _Masks:
     """The masks the running DecoderWrapper handed to the model, so the attention function can
     check each layer got the one its own ``sliding_window`` argument calls for."""
+
     bias: Any = None
     sliding: Any = None
     window: int | None = None
     active: bool = False
-    qk_scale: float = 1.0      # RoPE attention scaling moved from cos/sin into the softmax scale
+    qk_scale: float = 1.0  # RoPE attention scaling moved from cos/sin into the softmax scale
 
 
 _MASKS = _Masks()
@@ -50,16 +51,31 @@ def _check_window(module, attention_mask, sliding_window) -> None:
     layer = getattr(module, "layer_idx", "?")
     if sliding_window:
         if _MASKS.sliding is None or attention_mask is not _MASKS.sliding or int(sliding_window) != _MASKS.window:
-            raise ExportError(f"layer {layer} attends within sliding_window={sliding_window} but got "
-                              + ("an unnarrowed mask" if _MASKS.window is None else f"the mask for window {_MASKS.window}")
-                              + ": the recipe does not map this model's window")
+            raise ExportError(
+                f"layer {layer} attends within sliding_window={sliding_window} but got "
+                + ("an unnarrowed mask" if _MASKS.window is None else f"the mask for window {_MASKS.window}")
+                + ": the recipe does not map this model's window"
+            )
     elif _MASKS.sliding is not None and attention_mask is _MASKS.sliding:
-        raise ExportError(f"layer {layer} has full attention but got the sliding-window mask: the recipe's "
-                          f"mask_argument gives windowed masks to full-attention layers")
+        raise ExportError(
+            f"layer {layer} has full attention but got the sliding-window mask: the recipe's "
+            f"mask_argument gives windowed masks to full-attention layers"
+        )
 
 
-def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-              softcap=None, sliding_window=None, **_: Any):
+def _gqa_sdpa(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    softcap=None,
+    sliding_window=None,
+    **_: Any,
+):
     """SDPA with K/V heads left un-expanded (enable_gqa): the exporter emits one ONNX Attention
     taking the grouped K/V directly, instead of repeat_kv's Expand nodes (faster at long past).
     The window itself is in the mask (``DecoderWrapper._sliding_bias``); ``sliding_window`` is
@@ -67,11 +83,12 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if softcap is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by the fused export")
     _check_window(module, attention_mask, sliding_window)
-    if _MASKS.active and _MASKS.qk_scale != 1.0 and getattr(module, "use_rope", True):   # not NoPE layers
+    if _MASKS.active and _MASKS.qk_scale != 1.0 and getattr(module, "use_rope", True):  # not NoPE layers
         scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * _MASKS.qk_scale
     gqa = key.shape[1] != query.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -79,8 +96,15 @@ AttentionInterface.register(ATTN_IMPL, _gqa_sdpa)
 
 
 class DecoderWrapper(nn.Module):
-    def __init__(self, causal_lm: PreTrainedModel, num_layers: int, sliding_windows: list[int | None],
-                 mask_argument, hidden_layer: int = -1, primary: str = "input_ids"):
+    def __init__(
+        self,
+        causal_lm: PreTrainedModel,
+        num_layers: int,
+        sliding_windows: list[int | None],
+        mask_argument,
+        hidden_layer: int = -1,
+        primary: str = "input_ids",
+    ):
         super().__init__()
         self.lm = causal_lm
         self.num_layers = num_layers
@@ -102,9 +126,9 @@ class DecoderWrapper(nn.Module):
         # past length from the bias (P + N wide), not from the past tensors: in the static KV
         # flavour those are the whole preallocated buffer.
         past = torch.arange(bias.shape[3] - position_ids.shape[1], device=bias.device, dtype=position_ids.dtype)
-        k_pos = torch.cat([past, position_ids[0]])                       # [T]
-        q_pos = position_ids[0]                                          # [N]
-        too_far = (q_pos[:, None] - k_pos[None, :]) >= window            # [N, T]
+        k_pos = torch.cat([past, position_ids[0]])  # [T]
+        q_pos = position_ids[0]  # [N]
+        too_far = (q_pos[:, None] - k_pos[None, :]) >= window  # [N, T]
         neg = torch.finfo(bias.dtype).min
         return torch.where(too_far[None, None], torch.full_like(bias, neg), bias)
 
@@ -120,7 +144,7 @@ class DecoderWrapper(nn.Module):
             return []
         nope = getattr(self.lm.config, "no_rope_layers", None)
         if nope and not all(nope) and not any(hasattr(m, "use_rope") for m in self.lm.modules()):
-            return []     # NoPE layers we could not tell apart: leave the scaling on cos/sin
+            return []  # NoPE layers we could not tell apart: leave the scaling on cos/sin
         return rots
 
     def forward(self, primary, position_ids, attention_bias, *past):
@@ -139,8 +163,15 @@ class DecoderWrapper(nn.Module):
             for r in rots:
                 r.attention_scaling = 1.0
         try:
-            out = self.lm(**kw, position_ids=position_ids, attention_mask=self.mask_argument(attention_bias, sliding),
-                          past_key_values=cache, use_cache=True, output_hidden_states=True, return_dict=True)
+            out = self.lm(
+                **kw,
+                position_ids=position_ids,
+                attention_mask=self.mask_argument(attention_bias, sliding),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                return_dict=True,
+            )
         finally:
             cfg._attn_implementation = prev
             _MASKS.bias = _MASKS.sliding = _MASKS.window = None

@@ -32,11 +32,11 @@ CARRIED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 class Blocks:
     """One GGUF tensor's blocks as rows [N, K/block] of levels: ``w = scale * q + offset``."""
 
-    kind: str                       # the GGUF type
-    bits: int                       # bits of the file's levels: 4, 5, 6 or 8
-    q: np.ndarray                   # [N, nb, block] uint8 levels, 0 .. 2^bits - 1
-    scale: np.ndarray               # [N, nb] float32
-    offset: np.ndarray              # [N, nb] float32 (-scale * 2^(bits-1) for a centred type)
+    kind: str  # the GGUF type
+    bits: int  # bits of the file's levels: 4, 5, 6 or 8
+    q: np.ndarray  # [N, nb, block] uint8 levels, 0 .. 2^bits - 1
+    scale: np.ndarray  # [N, nb] float32
+    offset: np.ndarray  # [N, nb] float32 (-scale * 2^(bits-1) for a centred type)
 
     @property
     def block(self) -> int:
@@ -95,22 +95,27 @@ def decode(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     if kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
         b = raw.reshape(n, nb, at + 20)
-        q = _nibbles(b[..., at + 4:]) | (_fifth_bit(b[..., at:at + 4]) << 4)
+        q = _nibbles(b[..., at + 4 :]) | (_fifth_bit(b[..., at : at + 4]) << 4)
         d = _f16(b[..., 0:2])
         return Blocks(kind, 5, q, d, -16 * d if kind == "Q5_0" else _f16(b[..., 2:4]))
-    if kind in ("Q4_K", "Q5_K"):             # super-blocks of 256: 8 sub-blocks of 32, 6-bit scales and mins
+    if kind in ("Q4_K", "Q5_K"):  # super-blocks of 256: 8 sub-blocks of 32, 6-bit scales and mins
         five = kind == "Q5_K"
         b = raw.reshape(n, k // 256, 176 if five else 144)
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, mn = _k_scales(b[..., 4:16])
-        qs = b[..., 48 if five else 16:].reshape(n, k // 256, 4, 32)   # 4 x 64 elements: low nibbles, then high
+        qs = b[..., 48 if five else 16 :].reshape(n, k // 256, 4, 32)  # 4 x 64 elements: low nibbles, then high
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
-        if five:                              # bit i of qh[j]: the fifth bit of sub-block i, element j
+        if five:  # bit i of qh[j]: the fifth bit of sub-block i, element j
             qh = b[..., 16:48]
             q = q | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
-        return Blocks(kind, 5 if five else 4, q.reshape(n, nb, BLOCK).astype(np.uint8),
-                      (d * sc).reshape(n, nb), (-(dmin * mn)).reshape(n, nb))
-    if kind == "Q6_K":                       # super-blocks of 256: 16 sub-blocks of 16, int8 scales, q - 32
+        return Blocks(
+            kind,
+            5 if five else 4,
+            q.reshape(n, nb, BLOCK).astype(np.uint8),
+            (d * sc).reshape(n, nb),
+            (-(dmin * mn)).reshape(n, nb),
+        )
+    if kind == "Q6_K":  # super-blocks of 256: 16 sub-blocks of 16, int8 scales, q - 32
         b = raw.reshape(n, k // 256, 210)
         ql: np.ndarray = b[..., 0:128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
         ql = (ql & 0x0F).reshape(n, -1, 8, 32)
@@ -137,7 +142,7 @@ class GGUFBlocks:
         self._by_shape: dict[tuple[int, int], list] = {}
         for t in self._reader.tensors:
             if t.tensor_type.name in CARRIED_TYPES and len(t.shape) == 2:
-                k, n = (int(x) for x in t.shape)            # GGML order: ne0 = K
+                k, n = (int(x) for x in t.shape)  # GGML order: ne0 = K
                 self._by_shape.setdefault((n, k), []).append(t)
         self._keys: dict[str, dict[bytes, int]] = {}
 

@@ -48,11 +48,11 @@ class QuantPlan:
     lm_head_bits: int = 8
     lm_head_block: int = 128
     embed_bits: int = 8
-    accuracy_level: int = 4          # int8 activations inside MatMulNBits: faster on CPU
-    symmetric: bool = False          # re-quantized blocks: False = a zero point per block (asymmetric)
-    gguf_min: str = "offset"         # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
-                                     # kernels + an fp32 block-sum term), "nearest" integer zero point
-                                     # (fast, not exact) or "float_zp" (exact, slow kernels)
+    accuracy_level: int = 4  # int8 activations inside MatMulNBits: faster on CPU
+    symmetric: bool = False  # re-quantized blocks: False = a zero point per block (asymmetric)
+    gguf_min: str = "offset"  # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
+    # kernels + an fp32 block-sum term), "nearest" integer zero point
+    # (fast, not exact) or "float_zp" (exact, slow kernels)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -69,8 +69,9 @@ class QuantPlan:
 # (1.8 MB on SmolLM2) for no measurable loss.
 PLANS: dict[str, QuantPlan] = {
     "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
-    "int4": QuantPlan(body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True,
-                      gguf_min="offset"),
+    "int4": QuantPlan(
+        body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True, gguf_min="offset"
+    ),
 }
 GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
 
@@ -119,7 +120,7 @@ def _quantize_rows(w_rows: np.ndarray, bits: int, block: int, symmetric: bool = 
     cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, bits=bits)
     packed, scales, zp = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(np.ascontiguousarray(w_rows.T, np.float32))
     q = _unpack(packed, bits).reshape(n, k // block, block)
-    z = None if symmetric else _unpack(zp, bits)[:, :k // block]
+    z = None if symmetric else _unpack(zp, bits)[:, : k // block]
     return Encoded(bits, q, scales.astype(np.float32), z, f"q{bits} bs{block} {'sym' if symmetric else 'asym'}")
 
 
@@ -142,24 +143,24 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     outside the "offset" form."""
     name = src.kind
     width = 8 if bits == 8 or src.bits > 4 else 4
-    shift = 2 ** (width - 1) - 2 ** (src.bits - 1)          # centre the file's levels in the kernel's range
+    shift = 2 ** (width - 1) - 2 ** (src.bits - 1)  # centre the file's levels in the kernel's range
     q = (src.q.astype(np.int16) + shift).astype(np.uint8)
     bs = "" if src.block == BLOCK else f" bs{src.block}"
     if src.centred:
         return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs})")
     if bits == 8:
         return None
-    if plan.gguf_min == "offset":                             # s*q + o = s*(q' - 2^(w-1)) + (o + s*2^(b-1))
+    if plan.gguf_min == "offset":  # s*q + o = s*(q' - 2^(w-1)) + (o + s*2^(b-1))
         c = (src.offset + src.scale * np.float32(2 ** (src.bits - 1))).astype(np.float32)
         return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs} + block-sum offset)", c)
-    if width != 4:                                               # onnxruntime has no 8-bit float zero points
+    if width != 4:  # onnxruntime has no 8-bit float zero points
         return None
-    flat = src.scale == 0                                        # a constant block: w = offset
+    flat = src.scale == 0  # a constant block: w = offset
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = shift - src.offset / src.scale
-    if plan.gguf_min == "float_zp":                              # (q' - zp) * scale = scale * q + offset
+    if plan.gguf_min == "float_zp":  # (q' - zp) * scale = scale * q + offset
         qf = np.where(flat[..., None], 0, q).astype(np.uint8)
-        zp = np.where(flat, -1.0, ratio).astype(np.float32)      # a constant block: (0 + 1) * offset
+        zp = np.where(flat, -1.0, ratio).astype(np.float32)  # a constant block: (0 + 1) * offset
         s = np.where(flat, src.offset, src.scale).astype(np.float32)
         return Encoded(width, qf, s, zp, f"{name} carried exactly (q{width}{bs}, float zero points)")
     # Nearest integer zero point: w = scale * (q - z) + r, |r| <= scale / 2 per block.
@@ -178,8 +179,14 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     q = np.where(use_own[..., None], own.q, fresh.q)
     s = np.where(use_own, own.scales, fresh.scales).astype(np.float32)
     zp = np.where(use_own, own_zp, fresh.zp).astype(np.uint8)
-    return Encoded(4, q, s, zp, f"{name} carried (q4, minimum as the nearest integer zero point; "
-                                f"{100 * (1 - use_own.mean()):.1f}% of blocks re-rounded where closer)")
+    return Encoded(
+        4,
+        q,
+        s,
+        zp,
+        f"{name} carried (q4, minimum as the nearest integer zero point; "
+        f"{100 * (1 - use_own.mean()):.1f}% of blocks re-rounded where closer)",
+    )
 
 
 def _sibling_name(node, role: str) -> str:
@@ -213,8 +220,9 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     raise ValueError(f"unsupported bit width {bits}")
 
 
-def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None = None,
-                   gguf: str | Path | None = None) -> dict:
+def quantize_model(
+    src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None = None, gguf: str | Path | None = None
+) -> dict:
     """Quantize the fp32 decoder at ``src`` into ``dst`` following ``plan``; returns a report.
     ``gguf``: the GGUF file the fp32 weights came from, whose own blocks are carried over.
 
@@ -246,9 +254,9 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     if lm is None:
         raise ExportError(f"{src.name}: no {LM_HEAD_NODE} node; re-export with this version of dejavuu-build")
     new_inits: list = []
-    replaced: dict[int, list] = {}     # id(node) -> replacement nodes
+    replaced: dict[int, list] = {}  # id(node) -> replacement nodes
     drop_nodes: set[int] = set()
-    block_sums: dict[tuple[str, int], str] = {}   # (input, block) -> its block sums, shared by its readers
+    block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums, shared by its readers
     report: dict = {"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None}
     fp_bytes = q_bytes = 0
 
@@ -265,7 +273,7 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             where, file_blocks = found
             enc = carry(file_blocks, bits, plan)
             if enc is not None and plan.symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
-                enc = None                    # a block minimum needs a zero point: round afresh, symmetric
+                enc = None  # a block minimum needs a zero point: round afresh, symmetric
             if enc is not None:
                 report["gguf"]["carried"] += 1
                 enc.note = f"{where} {enc.note}"
@@ -285,17 +293,20 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             if e_name not in {i.name for i in new_inits}:
                 add_init(block_sum_matrix(k, enc.block), e_name)
             block_sums[key] = f"{prefix}.block_sums"
-            nodes.append(helper.make_node("MatMul", [x, e_name], [block_sums[key]], name=_sibling_name(node, "blocksums")))
+            nodes.append(
+                helper.make_node("MatMul", [x, e_name], [block_sums[key]], name=_sibling_name(node, "blocksums"))
+            )
         if enc.offset is None:
             raise ValueError(f"{node.name}: an offset term needs the encoding's block offsets")
         c = add_init(np.ascontiguousarray(enc.offset.T), prefix + f".q{enc.bits}_offset")
         y0, off = node.output[0] + "_nbits", node.output[0] + "_offset"
-        nodes += [helper.make_node("MatMul", [block_sums[key], c], [off], name=_sibling_name(node, "offset")),
-                  helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset")]
+        nodes += [
+            helper.make_node("MatMul", [block_sums[key], c], [off], name=_sibling_name(node, "offset")),
+            helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset"),
+        ]
         return nodes, y0
 
-    def matmul_nbits(node, enc: Encoded | None, prefix: str,
-                     shared: tuple[str, str, int] | None = None) -> list:
+    def matmul_nbits(node, enc: Encoded | None, prefix: str, shared: tuple[str, str, int] | None = None) -> list:
         after: list = []
         out = node.output[0]
         if shared is None:
@@ -303,9 +314,12 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
                 raise ValueError(f"{node.name}: MatMulNBits needs the weight's encoding or the shared table")
             n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
             bits, block = enc.bits, enc.block
-            ins = [node.input[0], add_init(enc.packed(), prefix + f".q{bits}"),
-                   add_init(enc.scales, prefix + f".q{bits}_scales")]
-            packed_zp = enc.packed_zp()       # None exactly when enc.zp is
+            ins = [
+                node.input[0],
+                add_init(enc.packed(), prefix + f".q{bits}"),
+                add_init(enc.scales, prefix + f".q{bits}_scales"),
+            ]
+            packed_zp = enc.packed_zp()  # None exactly when enc.zp is
             if packed_zp is not None:
                 ins.append(add_init(packed_zp, prefix + f".q{bits}_zero_points"))
             if enc.offset is not None:
@@ -321,9 +335,18 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
             b_name = prefix + ".q8_view"
             extra = [helper.make_node("Reshape", [data, shape], [b_name], name=node.name + "_ViewTied")]
             ins = [node.input[0], b_name, s_name]
-        mm = helper.make_node("MatMulNBits", ins, [out],
-                              name=node.name + "NBits", domain=MS, K=k, N=n, bits=bits, block_size=block,
-                              accuracy_level=plan.accuracy_level)
+        mm = helper.make_node(
+            "MatMulNBits",
+            ins,
+            [out],
+            name=node.name + "NBits",
+            domain=MS,
+            K=k,
+            N=n,
+            bits=bits,
+            block_size=block,
+            accuracy_level=plan.accuracy_level,
+        )
         return extra + [mm] + after
 
     def fused_nbits(members: list[tuple]) -> list:
@@ -336,12 +359,19 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         name = scope + "/" + "_".join(nd.name.rsplit("/", 2)[-2] for nd in nds)
         scope_p = prefixes[0].rpartition(".")[0]
         prefix = (scope_p + "." if scope_p else "") + "_".join(p.rpartition(".")[2] for p in prefixes)
-        enc = Encoded(encs[0].bits, np.concatenate([e.q for e in encs]), np.concatenate([e.scales for e in encs]),
-                      None, "", np.concatenate([e.offset for e in encs]))
+        enc = Encoded(
+            encs[0].bits,
+            np.concatenate([e.q for e in encs]),
+            np.concatenate([e.scales for e in encs]),
+            None,
+            "",
+            np.concatenate([e.offset for e in encs]),
+        )
         fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
         sizes = add_init(np.array([e.q.shape[0] for e in encs], np.int64), prefix + ".split")
-        split = helper.make_node("Split", [fused.output[0], sizes], [nd.output[0] for nd in nds], axis=-1,
-                                 name=name + "/Split")
+        split = helper.make_node(
+            "Split", [fused.output[0], sizes], [nd.output[0] for nd in nds], axis=-1, name=name + "/Split"
+        )
         return matmul_nbits(fused, enc, prefix) + [split]
 
     lm_w = lm.input[1]
@@ -351,24 +381,38 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
         if table_name not in inits:
             raise ExportError(f"{EMBED_NODE} does not read a constant table")
         table = inits.array(table_name)
-        lm_tied = lm_w not in inits and lm_w in producers and producers[lm_w].op_type == "Transpose" \
+        lm_tied = (
+            lm_w not in inits
+            and lm_w in producers
+            and producers[lm_w].op_type == "Transpose"
             and producers[lm_w].input[0] == table_name
+        )
         eb = plan.lm_head_bits if lm_tied else plan.embed_bits
         eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
         if eb != 8 or eblock is None:
             raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
         enc = encode(table, 8, eblock)
         if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
-            enc = _quantize_rows(table, 8, eblock, symmetric=True)   # a 4-bit or Q6_K table: 8 bits, the plan's block
+            enc = _quantize_rows(table, 8, eblock, symmetric=True)  # a 4-bit or Q6_K table: 8 bits, the plan's block
         eblock = enc.block
         data_name = add_init(enc.q.reshape(table.shape), "model.embed_tokens.q8")
         s_name = add_init(enc.scales, "model.embed_tokens.q8_scales")
         fp_bytes += table.nbytes
         report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
         del table, enc
-        replaced[id(emb)] = [helper.make_node("GatherBlockQuantized", [data_name, emb.input[1], s_name],
-                                              list(emb.output), name=EMBED_NODE + "BlockQuantized", domain=MS,
-                                              bits=8, block_size=eblock, gather_axis=0, quantize_axis=1)]
+        replaced[id(emb)] = [
+            helper.make_node(
+                "GatherBlockQuantized",
+                [data_name, emb.input[1], s_name],
+                list(emb.output),
+                name=EMBED_NODE + "BlockQuantized",
+                domain=MS,
+                bits=8,
+                block_size=eblock,
+                gather_axis=0,
+                quantize_axis=1,
+            )
+        ]
         if lm_tied:
             replaced[id(lm)] = matmul_nbits(lm, None, "lm_head", shared=(data_name, s_name, eblock))
             drop_nodes.add(id(producers[lm_w]))
@@ -392,8 +436,14 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     # Every other MatMul with a constant weight (lm-head untied included), one weight in memory at a
     # time; siblings reading one input (q/k/v, gate/up) are encoded together, so that those carried
     # with an offset term can be fused (fused_nbits).
-    todo = [(nd, src_) for nd in g.node if nd.op_type == "MatMul" and id(nd) not in replaced
-            and len(nd.input) == 2 and (src_ := const_source(nd)) is not None]
+    todo = [
+        (nd, src_)
+        for nd in g.node
+        if nd.op_type == "MatMul"
+        and id(nd) not in replaced
+        and len(nd.input) == 2
+        and (src_ := const_source(nd)) is not None
+    ]
     siblings: dict[str, list] = {}
     for nd, src_ in todo:
         siblings.setdefault(nd.input[0], []).append((nd, src_))
@@ -450,6 +500,10 @@ def quantize_model(src: Path, dst: Path, plan: QuantPlan, *, tied: bool | None =
     save_model(model, dst)
     if blocks is not None:
         report["gguf"]["file"] = blocks.path.name
-    report.update(seconds=round(time.perf_counter() - t0, 2), quantized_nodes=len(report["nodes"]),
-                  float_weight_bytes=int(fp_bytes), quantized_weight_bytes=int(q_bytes))
+    report.update(
+        seconds=round(time.perf_counter() - t0, 2),
+        quantized_nodes=len(report["nodes"]),
+        float_weight_bytes=int(fp_bytes),
+        quantized_weight_bytes=int(q_bytes),
+    )
     return report

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-_GRAPH = 7            # ModelProto.graph
-_INITIALIZER = 5      # GraphProto.initializer
-_DIMS, _DATA_TYPE, _NAME = 1, 2, 8   # TensorProto fields read from the header
+_GRAPH = 7  # ModelProto.graph
+_INITIALIZER = 5  # GraphProto.initializer
+_DIMS, _DATA_TYPE, _NAME = 1, 2, 8  # TensorProto fields read from the header
 
 
 def _varint(buf, at: int) -> tuple[int, int]:
@@ -91,7 +91,7 @@ class StreamedModel:
                     graph.append(bytes(buf[gfirst:gnxt]))
         self.model = onnx.ModelProto.FromString(b"".join(top))
         self.model.graph.CopyFrom(onnx.GraphProto.FromString(b"".join(graph)))
-        self.names = list(self._inits)          # file order, to write them back in it
+        self.names = list(self._inits)  # file order, to write them back in it
 
     @staticmethod
     def _header(buf, start: int, end: int) -> _Init:
@@ -99,7 +99,7 @@ class StreamedModel:
         name, dtype = "", 0
         for field, wire, _, at, nxt in _fields(buf, start, end):
             if field == _DIMS:
-                if wire == 2:                    # packed
+                if wire == 2:  # packed
                     while at < nxt:
                         d, at = _varint(buf, at)
                         dims.append(d)

@@ -57,9 +57,13 @@ def recipe_for(config: Any) -> "Recipe":
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
-FEATURE_LABELS = {"local_rope_base": "local-layer RoPE base", "nope_layers": "NoPE layers",
-                  "attn_softcapping": "attention softcapping", "partial_rotary": "partial RoPE",
-                  "chunked_attention": "chunked attention"}
+FEATURE_LABELS = {
+    "local_rope_base": "local-layer RoPE base",
+    "nope_layers": "NoPE layers",
+    "attn_softcapping": "attention softcapping",
+    "partial_rotary": "partial RoPE",
+    "chunked_attention": "chunked attention",
+}
 
 
 def text_config_of(config: Any) -> Any:
@@ -151,25 +155,37 @@ class Recipe:
             raise UnsupportedArchitecture(
                 f"{self.name} recipe: the config sets {'; '.join(bad.values())}, which changes attention and "
                 f"which this recipe does not map; refusing rather than exporting a model that answers "
-                f"differently (supported here: {', '.join(sorted(self.handles)) or 'plain causal attention'})")
+                f"differently (supported here: {', '.join(sorted(self.handles)) or 'plain causal attention'})"
+            )
         mine, cfg = self.sliding_windows(config), config_windows(config)
         if list(mine) != list(cfg):
-            raise UnsupportedArchitecture(f"{self.name} recipe: its sliding windows {mine} differ from the "
-                                          f"config's {cfg}; refusing")
+            raise UnsupportedArchitecture(
+                f"{self.name} recipe: its sliding windows {mine} differ from the config's {cfg}; refusing"
+            )
         if len({w for w in cfg if w}) > 1:
-            raise UnsupportedArchitecture(f"{self.name} recipe: several sliding-window lengths "
-                                          f"{sorted({w for w in cfg if w})} in one model are not supported")
+            raise UnsupportedArchitecture(
+                f"{self.name} recipe: several sliding-window lengths "
+                f"{sorted({w for w in cfg if w})} in one model are not supported"
+            )
         return self
 
     def supports(self) -> dict[str, str]:
         """What ``dejavuu-build recipes`` and the README list for this family."""
         ropes = sorted(h.split(":", 1)[1] for h in self.handles if h.startswith("rope:"))
-        return {"tree": "yes",
-                "sliding_window": "yes" if "sliding_window" in self.handles else "-",
-                "rope": ", ".join(["default"] + ropes),
-                "other": ", ".join(sorted(FEATURE_LABELS.get(h, h) for h in self.handles
-                                          if h != "sliding_window" and not h.startswith("rope:"))) or "-",
-                "vlm": "yes" if self.vlm else "-"}
+        return {
+            "tree": "yes",
+            "sliding_window": "yes" if "sliding_window" in self.handles else "-",
+            "rope": ", ".join(["default"] + ropes),
+            "other": ", ".join(
+                sorted(
+                    FEATURE_LABELS.get(h, h)
+                    for h in self.handles
+                    if h != "sliding_window" and not h.startswith("rope:")
+                )
+            )
+            or "-",
+            "vlm": "yes" if self.vlm else "-",
+        }
 
     # --- model -------------------------------------------------------------------------
     def text_causal_lm(self, model: Any) -> Any:
@@ -195,7 +211,7 @@ class Recipe:
             e = getattr(src, "eos_token_id", None) if src is not None else None
             if e is None:
                 continue
-            for t in (e if isinstance(e, (list, tuple)) else [e]):
+            for t in e if isinstance(e, (list, tuple)) else [e]:
                 if int(t) not in ids:
                     ids.append(int(t))
         return ids

@@ -18,9 +18,20 @@ class Gemma3Recipe(Recipe):
         from transformers import Gemma3TextConfig
 
         # A window of 8 so tests cross it with short prompts; every other layer slides.
-        return Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                                max_position_embeddings=512, sliding_window=8,
-                                layer_types=["sliding_attention", "full_attention"] * 2,
-                                query_pre_attn_scalar=16, tie_word_embeddings=True,
-                                architectures=["Gemma3ForCausalLM"], eos_token_id=[1, 106], bos_token_id=2)
+        return Gemma3TextConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=512,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+            architectures=["Gemma3ForCausalLM"],
+            eos_token_id=[1, 106],
+            bos_token_id=2,
+        )

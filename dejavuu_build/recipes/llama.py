@@ -15,15 +15,30 @@ class LlamaRecipe(Recipe):
     def tiny_config(self):
         from transformers import LlamaConfig
 
-        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           tie_word_embeddings=True, rope_theta=10000.0, architectures=["LlamaForCausalLM"],
-                           eos_token_id=2, bos_token_id=1)
+        return LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            architectures=["LlamaForCausalLM"],
+            eos_token_id=2,
+            bos_token_id=1,
+        )
 
     def tiny_cases(self):
         # Llama 3.2-like RoPE scaling over an original length of 32, so tests run past it.
         l3 = self.tiny_config()
-        l3.rope_scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32}
+        l3.rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         l3.rope_theta = 500000.0
         return {"": self.tiny_config(), "llama3": l3}

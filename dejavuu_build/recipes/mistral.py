@@ -20,7 +20,18 @@ class MistralRecipe(Recipe):
         from transformers import MistralConfig
 
         # A window of 12 so the gates' 48+ token chain and trees cross it.
-        return MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                             sliding_window=12, tie_word_embeddings=False, architectures=["MistralForCausalLM"],
-                             eos_token_id=2, bos_token_id=1)
+        return MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            sliding_window=12,
+            tie_word_embeddings=False,
+            architectures=["MistralForCausalLM"],
+            eos_token_id=2,
+            bos_token_id=1,
+        )

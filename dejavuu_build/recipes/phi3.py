@@ -25,7 +25,7 @@ class Phi3Recipe(Recipe):
     def text_config(self, config):
         if rope_type(config) != "longrope":
             return config
-        capped = copy.copy(config)           # a shallow copy: only the length limit differs
+        capped = copy.copy(config)  # a shallow copy: only the length limit differs
         capped.max_position_embeddings = original_rope_length(config) or config.max_position_embeddings
         return capped
 
@@ -35,7 +35,7 @@ class Phi3Recipe(Recipe):
         return s
 
     def mask_argument(self, bias, sliding):
-        return bias if sliding is None else sliding     # one mask for all layers, as in Mistral
+        return bias if sliding is None else sliding  # one mask for all layers, as in Mistral
 
     def text_causal_lm(self, model):
         """The model with its rotary module held on the short LongRoPE factors: transformers'
@@ -43,10 +43,12 @@ class Phi3Recipe(Recipe):
         the capped context the short factors are what transformers itself uses."""
         rot = getattr(getattr(model, "model", model), "rotary_emb", None)
         if rot is not None and getattr(rot, "rope_type", None) == "longrope":
-            logger.warning("LongRoPE: exported with its short factors, exact up to %d positions; the decoder's "
-                           "context is capped there (the long-factor switch is not exportable)",
-                           original_rope_length(model.config))
-            rot.rope_type = "longrope-short"      # dynamic_rope_update only acts on "longrope"
+            logger.warning(
+                "LongRoPE: exported with its short factors, exact up to %d positions; the decoder's "
+                "context is capped there (the long-factor switch is not exportable)",
+                original_rope_length(model.config),
+            )
+            rot.rope_type = "longrope-short"  # dynamic_rope_update only acts on "longrope"
             rot.inv_freq = rot.original_inv_freq
         return model
 
@@ -56,9 +58,24 @@ class Phi3Recipe(Recipe):
         from transformers import Phi3Config
 
         half = 64 // 4 // 2
-        return Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          original_max_position_embeddings=128, sliding_window=12, tie_word_embeddings=False,
-                          rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
-                                        "long_factor": [2.0 + 0.5 * i for i in range(half)]},
-                          architectures=["Phi3ForCausalLM"], eos_token_id=2, bos_token_id=1, pad_token_id=0)
+        return Phi3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            original_max_position_embeddings=128,
+            sliding_window=12,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(half)],
+            },
+            architectures=["Phi3ForCausalLM"],
+            eos_token_id=2,
+            bos_token_id=1,
+            pad_token_id=0,
+        )

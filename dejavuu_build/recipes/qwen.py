@@ -15,10 +15,21 @@ class Qwen2Recipe(Recipe):
         from transformers import Qwen2Config
 
         # Layer 1 slides (window 12, crossed by the gates), layer 0 attends to everything.
-        return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           use_sliding_window=True, sliding_window=12, max_window_layers=1,
-                           tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"], eos_token_id=2)
+        return Qwen2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+            architectures=["Qwen2ForCausalLM"],
+            eos_token_id=2,
+        )
 
 
 @register
@@ -31,8 +42,19 @@ class Qwen3Recipe(Qwen2Recipe):
     def tiny_config(self):
         from transformers import Qwen3Config
 
-        return Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           max_position_embeddings=512, tie_word_embeddings=True,
-                           use_sliding_window=True, sliding_window=12, max_window_layers=1,
-                           architectures=["Qwen3ForCausalLM"], eos_token_id=2)
+        return Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+            architectures=["Qwen3ForCausalLM"],
+            eos_token_id=2,
+        )

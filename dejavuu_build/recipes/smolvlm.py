@@ -22,8 +22,11 @@ def _text_lm(vlm):
 
         def forward(self, input_ids=None, inputs_embeds=None, **kw):
             out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kw)
-            return SimpleNamespace(logits=self.lm_head(out.last_hidden_state),
-                                   hidden_states=out.hidden_states, past_key_values=out.past_key_values)
+            return SimpleNamespace(
+                logits=self.lm_head(out.last_hidden_state),
+                hidden_states=out.hidden_states,
+                past_key_values=out.past_key_values,
+            )
 
     return TextLM(vlm)
 
@@ -46,13 +49,32 @@ class SmolVLMRecipe(Recipe):
         from transformers import LlamaConfig, SmolVLMConfig
         from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig
 
-        text = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           tie_word_embeddings=False, eos_token_id=2)
-        vision = SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, image_size=32, patch_size=8)
-        return SmolVLMConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
-                             image_token_id=250, architectures=["SmolVLMForConditionalGeneration"])
+        text = LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            eos_token_id=2,
+        )
+        vision = SmolVLMVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        return SmolVLMConfig(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            scale_factor=2,
+            image_token_id=250,
+            architectures=["SmolVLMForConditionalGeneration"],
+        )
 
     def tiny_model(self, seed: int = 0):
         import torch

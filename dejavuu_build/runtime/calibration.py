@@ -32,7 +32,7 @@ from ..log import logger
 from .tree import aligned_layout, with_root
 
 PERIODS = (4, 8, 16, 32, 64)
-TILES = (None, 256, 128, 64, 32, 16)        # tried in this order: the least pruning first
+TILES = (None, 256, 128, 64, 32, 16)  # tried in this order: the least pruning first
 CALIBRATION_VERSION = 2
 
 
@@ -77,18 +77,18 @@ def _chain_exact(dec, pasts=(9, 13, 60, 250, 1020), rows=(2, 3, 5, 8)) -> bool:
     toks = _tokens(dec, pasts[0] + max(rows) + 1)
     kv = dec.new_cache()
     try:
-        _, _, pres = dec.forward(toks[:pasts[0]], None, kv)
+        _, _, pres = dec.forward(toks[: pasts[0]], None, kv)
         kv.commit(pres, pasts[0], list(range(pasts[0])))
         for past in pasts:
             kv.truncate(past)
             inc = []
-            for t in toks[past:past + max(rows)]:
+            for t in toks[past : past + max(rows)]:
                 li, _, pres = dec.forward([t], None, kv)
                 kv.commit(pres, 1, [0])
                 inc.append(li[0])
             kv.truncate(past)
             for n in rows:
-                lb, _, _ = dec.forward(toks[past:past + n], None, kv)
+                lb, _, _ = dec.forward(toks[past : past + n], None, kv)
                 if not np.array_equal(lb, np.stack(inc[:n])):
                     return False
         return True
@@ -104,19 +104,22 @@ def _periods(dec, periods=PERIODS):
 
     def exact(gap: int, seed: int) -> bool:
         toks = _tokens(dec, 64, seed)
-        kv.truncate(0)                                # earlier probes overwrote rows: prefill again
+        kv.truncate(0)  # earlier probes overwrote rows: prefill again
         _, _, pres = dec.forward(toks[:25], None, kv)
         kv.commit(pres, 25, list(range(25)))
-        for past in range(24, 8, -1):                 # descending: a step only overwrites rows >= past
+        for past in range(24, 8, -1):  # descending: a step only overwrites rows >= past
             kv.truncate(past)
-            a, b, c, d = toks[past:past + 4]
+            a, b, c, d = toks[past : past + 4]
             chain, _, _ = dec.forward([a, b, c, d], None, kv)
             # b hangs off a after `gap` pads; c off b directly; d off c after 2*gap pads (depth 3)
             nodes = [a] + [a] * gap + [b, c] + [a] * (2 * gap) + [d]
             parents = [-1] + [-1] * gap + [0, gap + 1] + [-1] * (2 * gap) + [gap + 2]
             out, _, _ = dec.forward(nodes, parents, kv)
-            if not (np.array_equal(out[gap + 1], chain[1]) and np.array_equal(out[gap + 2], chain[2])
-                    and np.array_equal(out[-1], chain[3])):
+            if not (
+                np.array_equal(out[gap + 1], chain[1])
+                and np.array_equal(out[gap + 2], chain[2])
+                and np.array_equal(out[-1], chain[3])
+            ):
                 return False
         return True
 
@@ -133,7 +136,7 @@ def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
     aligned_layout matches its chains bit for bit at pasts just before 64..1024-key boundaries."""
     lim = _limit(dec)
     toks = _tokens(dec, 1100)
-    draft_parents = [-1, -1, 0, 1, 2]                 # two branches: 1-3-5 first-child path, 2-4
+    draft_parents = [-1, -1, 0, 1, 2]  # two branches: 1-3-5 first-child path, 2-4
     parents = with_root(draft_parents)
     paths = {1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 1, 3, 5]}
     pasts = [b - o for b in (64, 128, 256, 512, 1024) for o in (1, 3, 8) if b + 2 * period + 8 < lim]
@@ -142,10 +145,10 @@ def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
     kv = dec.new_cache()
     ok = dict.fromkeys(tiles, True)
     try:
-        _, _, pres = dec.forward(toks[:max(pasts)], None, kv)
+        _, _, pres = dec.forward(toks[: max(pasts)], None, kv)
         kv.commit(pres, max(pasts), list(range(max(pasts))))
-        step = toks[max(pasts):max(pasts) + 6]
-        for past in sorted(pasts, reverse=True):      # descending: a forward only overwrites rows >= past
+        step = toks[max(pasts) : max(pasts) + 6]
+        for past in sorted(pasts, reverse=True):  # descending: a forward only overwrites rows >= past
             kv.truncate(past)
             chains = {}
             for leaf in (5, 4):
@@ -154,10 +157,10 @@ def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
                     chains[node] = out[d]
             for tile in (t for t in tiles if ok[t]):
                 slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
-                kept = [i for i, s_ in enumerate(slot) if s_ >= 0]     # as the engine feeds it
+                kept = [i for i, s_ in enumerate(slot) if s_ >= 0]  # as the engine feeds it
                 out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
                 ok[tile] = all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
-        for t in tiles:          # the first that held (None, no tile rule, is one of them)
+        for t in tiles:  # the first that held (None, no tile rule, is one of them)
             if ok[t]:
                 return True, t
         return False, None
@@ -203,8 +206,10 @@ def calibration_key(graph_id: str, threads: int) -> str:
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha256(f"{graph_id}|{onnxruntime.__version__}|{platform.machine()}|{platform.processor()}|"
-                          f"{flags}|{threads}|v{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+    return hashlib.sha256(
+        f"{graph_id}|{onnxruntime.__version__}|{platform.machine()}|{platform.processor()}|"
+        f"{flags}|{threads}|v{CALIBRATION_VERSION}".encode()
+    ).hexdigest()[:24]
 
 
 def spot_check(dec) -> bool:
@@ -223,16 +228,22 @@ def cached_calibration(dec, graph_id: str, threads: int, folder: Path) -> Calibr
         cal = Calibration.from_json(json.loads(f.read_text()))
         if not cal.chain_exact or spot_check(dec):
             return cal
-        logger.warning("the exactness calibration %s claims exact verification, which this machine contradicts: "
-                       "measuring again", f)
+        logger.warning(
+            "the exactness calibration %s claims exact verification, which this machine contradicts: measuring again", f
+        )
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("ignoring an invalid exactness calibration %s (%s): measuring again", f, e)
     logger.info("measuring decoding exactness of this decoder on this machine (once; seconds) …")
     cal = calibrate(dec)
-    logger.info("  exactness: verify %s, tree period %s, tile %s (%.1fs)",
-                "exact" if cal.chain_exact else "NOT exact (plain decoding)", cal.period, cal.tile, cal.seconds)
+    logger.info(
+        "  exactness: verify %s, tree period %s, tile %s (%.1fs)",
+        "exact" if cal.chain_exact else "NOT exact (plain decoding)",
+        cal.period,
+        cal.tile,
+        cal.seconds,
+    )
     _save(f, cal)
     return cal
 

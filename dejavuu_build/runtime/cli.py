@@ -20,6 +20,7 @@ from ..log import logger
 
 def friendly(fn):
     """Turn typed errors into one line on stderr and exit code 2; never a traceback."""
+
     @wraps(fn)
     def inner(*a, **kw):
         try:
@@ -37,8 +38,11 @@ def friendly(fn):
         except Exception as e:
             if logger.isEnabledFor(logging.DEBUG):
                 raise
-            click.echo(f"error: unexpected {type(e).__name__}: {_one_line(e)[:300]} (run with -v for details)", err=True)
+            click.echo(
+                f"error: unexpected {type(e).__name__}: {_one_line(e)[:300]} (run with -v for details)", err=True
+            )
             sys.exit(1)
+
     return inner
 
 
@@ -82,8 +86,29 @@ def _one_line(e: BaseException) -> str:
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result and stats as JSON.")
 @friendly
-def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_new_tokens, temperature, top_p,
-             top_k, seed, stop, variant, datastore, threads, images, draft_model, stream, as_json):
+def generate(
+    name,
+    prompt,
+    chat,
+    method,
+    tree,
+    width,
+    max_nodes,
+    max_depth,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    variant,
+    datastore,
+    threads,
+    images,
+    draft_model,
+    stream,
+    as_json,
+):
     """Generate from a built decoder with speculative decoding.
 
     NAME is a cache name, or a path (./folder, path/to/decoder_int4.onnx)."""
@@ -94,18 +119,39 @@ def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_
     if chat is not None and prompt is not None:
         raise GenerationError("give a PROMPT or --chat TEXT, not both")
     _check_text(chat if chat is not None else prompt, "--chat text" if chat is not None else "the prompt")
-    _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width, max_depth=max_depth,
-                    max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=list(stop))
+    _check_settings(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        width=width,
+        max_depth=max_depth,
+        max_nodes=max_nodes,
+        max_new_tokens=max_new_tokens,
+        stop=list(stop),
+    )
     threads = check_threads(threads)
     model = load(name, variant=variant, threads=threads)
     inp = [{"role": "user", "content": chat}] if chat is not None else prompt
-    kw = dict(method=method, tree=tree, width=width, max_nodes=max_nodes, max_depth=max_depth,
-              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-              stop=list(stop), datastore=datastore, images=list(images) or None)
+    kw = dict(
+        method=method,
+        tree=tree,
+        width=width,
+        max_nodes=max_nodes,
+        max_depth=max_depth,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop),
+        datastore=datastore,
+        images=list(images) or None,
+    )
     if draft_model:
         kw["draft_model"] = draft_model
     if stream and not as_json:
-        with closing(model.stream(inp, **kw)) as pieces:   # a reader that leaves stops the decoding at once
+        with closing(model.stream(inp, **kw)) as pieces:  # a reader that leaves stops the decoding at once
             for piece in pieces:
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
@@ -119,6 +165,9 @@ def generate(name, prompt, chat, method, tree, width, max_nodes, max_depth, max_
         return
     click.echo(res.text)
     s = res.stats
-    click.echo(f"[{model.variant} · {res.method}{' tree' if res.tree else ''} · {s.tokens} tokens in {s.steps} steps · "
-               f"{s.tokens_per_step:.2f} tok/step · accepted {s.accepted}/{s.drafted} · decode {s.decode_tok_s:.1f} tok/s · "
-               f"stop: {res.stop_reason}]", err=True)
+    click.echo(
+        f"[{model.variant} · {res.method}{' tree' if res.tree else ''} · {s.tokens} tokens in {s.steps} steps · "
+        f"{s.tokens_per_step:.2f} tok/step · accepted {s.accepted}/{s.drafted} · decode {s.decode_tok_s:.1f} tok/s · "
+        f"stop: {res.stop_reason}]",
+        err=True,
+    )

@@ -20,7 +20,7 @@ from ..schema import KV_WRITE_INDEX, LOGITS, ROW_SLOTS, SLOT_ROWS, Contract, in_
 from .kv import Cache, GrowingKV, KVCache, StaticKV
 from .tree import NEG, causal_inputs, row_bias, slot_tokens, step_inputs
 
-ROWWISE_TILE = 64    # the rowwise buffer grows in multiples of this many positions (GrowingKV)
+ROWWISE_TILE = 64  # the rowwise buffer grows in multiples of this many positions (GrowingKV)
 
 
 class Decoder:
@@ -31,22 +31,28 @@ class Decoder:
         self.c = contract
         self.embed = embed
         self.out_names = [o.name for o in session.get_outputs()]
-        self.kv_in = [contract.kv_input_pattern.format(i=i, kv=kv)
-                      for i in range(contract.num_layers) for kv in ("key", "value")]
-        self.kv_out = [contract.kv_output_pattern.format(i=i, kv=kv)
-                       for i in range(contract.num_layers) for kv in ("key", "value")]
+        self.kv_in = [
+            contract.kv_input_pattern.format(i=i, kv=kv) for i in range(contract.num_layers) for kv in ("key", "value")
+        ]
+        self.kv_out = [
+            contract.kv_output_pattern.format(i=i, kv=kv) for i in range(contract.num_layers) for kv in ("key", "value")
+        ]
         self.has_hidden = contract.hidden_output is not None
         if contract.mask_kind == "additive_4d" and contract.mask_input is None:
-            raise GenerationError("the contract's mask is additive_4d but names no mask input: re-derive it from the graph")
+            raise GenerationError(
+                "the contract's mask is additive_4d but names no mask input: re-derive it from the graph"
+            )
         # the 4D additive mask's input (trees and chains); None: a 2D padding mask or none
         self._bias_input = contract.mask_input if contract.mask_kind == "additive_4d" else None
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
         self.rowwise = contract.kv_layout == "rowwise"
-        self.pad_single = not (self.rowwise or contract.length_invariant)   # see forward(); changed only through padding()
-        self.last_run_s = 0.0    # seconds inside onnxruntime's run in the last forward
+        self.pad_single = not (
+            self.rowwise or contract.length_invariant
+        )  # see forward(); changed only through padding()
+        self.last_run_s = 0.0  # seconds inside onnxruntime's run in the last forward
         self.outputs = ["logits"] + (["hidden_states"] if self.has_hidden else []) + self.kv_out
-        self.static = in_place(contract.kv_layout)     # buffers bound as past and present
+        self.static = in_place(contract.kv_layout)  # buffers bound as past and present
         self.capacity = contract.kv_capacity if self.static else 0
         # released in-place buffers (StaticKV's buffer or GrowingKV's memory) with their IOBinding,
         # reused by the next generation (reclaim)
@@ -55,7 +61,7 @@ class Decoder:
         # rows decoupled from attention slots (export.passes.static_kv): pad slots cost attention only
         self.sparse = SLOT_ROWS in {i.name for i in session.get_inputs()}
         self._arange = np.zeros(0, dtype=np.int64)
-        self._feeds: dict[int, RowFeeds] = {}     # rowwise: bound inputs/outputs per row count
+        self._feeds: dict[int, RowFeeds] = {}  # rowwise: bound inputs/outputs per row count
         self._feeds_size = 0
 
     def reclaim(self, buffers: np.ndarray, binding: Any) -> None:
@@ -108,9 +114,15 @@ class Decoder:
                 binding.bind_ortvalue_output(o_name, v)
         return StaticKV(self, buf, binding)
 
-    def forward(self, tokens: Sequence[int], parents: list[int] | None, kv: Cache,
-                embeds: np.ndarray | None = None, copy: bool = True,
-                slots: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray] | None]:
+    def forward(
+        self,
+        tokens: Sequence[int],
+        parents: list[int] | None,
+        kv: Cache,
+        embeds: np.ndarray | None = None,
+        copy: bool = True,
+        slots: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray] | None]:
         """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
 
         ``slots``: a tree in an aligned slot layout (Job.plan): ``parents`` then covers the slots
@@ -132,8 +144,9 @@ class Decoder:
         if slots is not None and not self.sparse:
             assert parents is not None
             slots = list(slots)
-            logits, hidden, present = self.forward(slot_tokens(list(tokens), slots, len(parents)), parents, kv,
-                                                   embeds, copy=copy)
+            logits, hidden, present = self.forward(
+                slot_tokens(list(tokens), slots, len(parents)), parents, kv, embeds, copy=copy
+            )
             return logits[slots], (hidden[slots] if hidden is not None else None), present
         n = len(tokens)
         past = kv.length
@@ -148,7 +161,9 @@ class Decoder:
             feeds["inputs_embeds"] = embeds if embeds is not None else self.embeddings(toks[None])
         else:
             feeds["input_ids"] = toks[None]
-        m = len(parents) if slots is not None and parents is not None else len(toks)   # attention slots (graph rows if dense)
+        m = (
+            len(parents) if slots is not None and parents is not None else len(toks)
+        )  # attention slots (graph rows if dense)
         if self._bias_input is not None:
             pos, bias = causal_inputs(m, past) if parents is None else step_inputs(parents, past)
             feeds[self._bias_input] = bias
@@ -176,12 +191,18 @@ class Decoder:
         hidden = out[1][0][:n] if self.has_hidden else None
         present = out[2:] if self.has_hidden else out[1:]
         if pad:
-            present = [a[:, :, :past + 1] for a in present]
+            present = [a[:, :, : past + 1] for a in present]
         return logits, hidden, present
 
-    def _forward_rowwise(self, tokens: Sequence[int], parents: list[int] | None, kv: GrowingKV,
-                         embeds: np.ndarray | None, copy: bool, slots: Sequence[int] | None,
-                         ) -> tuple[np.ndarray, np.ndarray | None, None]:
+    def _forward_rowwise(
+        self,
+        tokens: Sequence[int],
+        parents: list[int] | None,
+        kv: GrowingKV,
+        embeds: np.ndarray | None,
+        copy: bool,
+        slots: Sequence[int] | None,
+    ) -> tuple[np.ndarray, np.ndarray | None, None]:
         """The rowwise graph: one row per token, whatever the step (no pad row); the rows' K/V go
         to ``kv.length ..`` in order and each row gets its own mask over the bound buffer
         (``parents``: a tree fed one row per node, e.g. by the gates; the engine sends chains).
@@ -194,7 +215,7 @@ class Decoder:
         kv.ensure(past + n)
         f = self._row_feeds(n, kv.size)
         f.fill(tokens, parents, past)
-        if f.embeds is not None:     # an inputs_embeds decoder
+        if f.embeds is not None:  # an inputs_embeds decoder
             f.embeds[:] = embeds if embeds is not None else self.embeddings(np.asarray(tokens, np.int64)[None])
         if kv.bound is not f:
             f.bind(kv.binding)
@@ -224,8 +245,8 @@ class Decoder:
         need = rows * (V + H)
         if self._out_buf.size < need:
             self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
-        logits = self._out_buf[:rows * V].reshape(1, rows, V)
-        return logits, (self._out_buf[rows * V:need].reshape(1, rows, H) if self.has_hidden else None)
+        logits = self._out_buf[: rows * V].reshape(1, rows, V)
+        return logits, (self._out_buf[rows * V : need].reshape(1, rows, H) if self.has_hidden else None)
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray:
         """ids [1, N] -> inputs_embeds [1, N, H] through the embedder the decoder was opened with."""
@@ -238,8 +259,9 @@ class Decoder:
             self._arange = np.arange(max(m, 2 * len(self._arange)), dtype=np.int64)
         return self._arange[:m]
 
-    def _run_static(self, feeds: dict[str, np.ndarray], kv: StaticKV, n: int, m: int, rows: int,
-                    copy: bool) -> tuple[np.ndarray, np.ndarray | None, None]:
+    def _run_static(
+        self, feeds: dict[str, np.ndarray], kv: StaticKV, n: int, m: int, rows: int, copy: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, None]:
         """One forward on the in-place cache: inputs bound for the new rows only, logits and hidden
         states written straight into one reusable array, K/V rows written into the cache buffer.
         With ``copy=False`` the returned rows are views, valid until the next forward (the engine's
@@ -250,7 +272,7 @@ class Decoder:
         b = kv.binding
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
-        logits, hidden = self._outputs(rows if self.sparse else m)   # sparse graphs: one row per token
+        logits, hidden = self._outputs(rows if self.sparse else m)  # sparse graphs: one row per token
         b.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         if hidden is not None:
             b.bind_ortvalue_output(self.c.hidden_output, ort.OrtValue.ortvalue_from_numpy(hidden))
@@ -265,8 +287,10 @@ class Decoder:
 def _check_room(kv: StaticKV, rows: int) -> None:
     """Refuse a step whose rows would not fit an in-place cache's capacity."""
     if kv.length + rows > kv.capacity:
-        raise GenerationError(f"the KV cache holds {kv.capacity} positions and this step needs {kv.length + rows}: "
-                              f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context")
+        raise GenerationError(
+            f"the KV cache holds {kv.capacity} positions and this step needs {kv.length + rows}: "
+            f"use a shorter prompt or fewer new tokens, or rebuild with a larger --max-context"
+        )
 
 
 class RowFeeds:
@@ -279,7 +303,7 @@ class RowFeeds:
     OrtValue across runs, so reusing the same memory makes the step's host work a few writes.
     """
 
-    KEEP_ROWS = 64       # row counts up to this keep their feeds between steps (drafts; not prefill chunks)
+    KEEP_ROWS = 64  # row counts up to this keep their feeds between steps (drafts; not prefill chunks)
 
     def __init__(self, c: Contract, n: int, size: int, outputs: tuple[np.ndarray, np.ndarray | None]):
         self.c, self.n, self.size = c, n, size
@@ -288,7 +312,7 @@ class RowFeeds:
         self.pos = np.zeros((1, n), np.int64)
         self.write = np.zeros(1, np.int64)
         self.bias = np.empty((1, 1, n, size), np.float32)
-        self.logits, self.hidden = outputs      # views of the decoder's reused output array
+        self.logits, self.hidden = outputs  # views of the decoder's reused output array
         # row r of a chain's mask over past p is zeros up to key p + r: the window of ``ramp``
         # (size zeros, then NEG) that starts at size - p - r - 1; windows are views, one copy fills all rows
         ramp = np.concatenate([np.zeros(size, np.float32), np.full(size, NEG, np.float32)])
@@ -302,7 +326,7 @@ class RowFeeds:
         if parents is None:
             np.add(self._steps, past, out=self.pos[0])
             start = self.size - past - self.n
-            np.copyto(self.bias[0, 0], self._windows[start:start + self.n][::-1])
+            np.copyto(self.bias[0, 0], self._windows[start : start + self.n][::-1])
         else:
             pos, bias = row_bias(parents, past, self.size)
             self.pos[:], self.bias[:] = pos, bias
@@ -312,8 +336,12 @@ class RowFeeds:
 
         c = self.c
         primary = ("inputs_embeds", self.embeds) if self.embeds is not None else ("input_ids", self.ids)
-        for name, arr in (primary, (c.position_input, self.pos), (c.mask_input, self.bias),
-                          (KV_WRITE_INDEX, self.write)):
+        for name, arr in (
+            primary,
+            (c.position_input, self.pos),
+            (c.mask_input, self.bias),
+            (KV_WRITE_INDEX, self.write),
+        ):
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(self.logits))
         if self.hidden is not None:

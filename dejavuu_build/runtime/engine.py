@@ -21,8 +21,15 @@ from .sampling import Sampler, residual
 
 
 class Engine:
-    def __init__(self, decoder: Decoder, *, tree_capable: bool, period: int | None = None, tile: int | None = None,
-                 fill: Successors | None = None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        tree_capable: bool,
+        period: int | None = None,
+        tile: int | None = None,
+        fill: Successors | None = None,
+    ):
         """``period`` and ``tile`` come from runtime.calibration: the layout that keeps tree rows
         bit-identical to chains on this machine. ``fill``: where an empty draft takes its one
         guess from (see Successors); None keeps empty steps plain (the exactness reference)."""
@@ -32,12 +39,22 @@ class Engine:
         self.tile = tile
         self.fill = fill
 
-    def generate(self, prompt_ids: Sequence[int], *, drafter: Drafter, sampler: Sampler,
-                 max_new_tokens: int, tree: bool = False, budget: DraftBudget | None = None,
-                 eos_ids: Sequence[int] = (), should_stop: StopFn | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 residual_fn: ResidualFn = residual,
-                 validate_drafts: bool = False) -> tuple[list[int], GenerationStats, str]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        drafter: Drafter,
+        sampler: Sampler,
+        max_new_tokens: int,
+        tree: bool = False,
+        budget: DraftBudget | None = None,
+        eos_ids: Sequence[int] = (),
+        should_stop: StopFn | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        prefill_embeds: np.ndarray | None = None,
+        residual_fn: ResidualFn = residual,
+        validate_drafts: bool = False,
+    ) -> tuple[list[int], GenerationStats, str]:
         """Generate up to ``max_new_tokens``; returns (new token ids, stats, stop reason).
         Drafts are validated on every step; ``validate_drafts`` is kept for callers that pass it."""
         budget = budget or DraftBudget()
@@ -45,31 +62,48 @@ class Engine:
             budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
         tokens = [int(t) for t in prompt_ids]
         cap = self.dec.capacity
-        if cap and len(tokens) + max_new_tokens + 1 > cap:   # +1: the pad row of a one-token step
-            raise GenerationError(f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
-                                  f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "
-                                  f"max_new_tokens or rebuild with a larger --max-context")
-        job = Job(tokens, drafter=drafter, sampler=sampler, max_new_tokens=max_new_tokens, budget=budget,
-                  period=self.period if budget.tree else None, tile=self.tile if budget.tree else None,
-                  eos_ids=eos_ids, should_stop=should_stop, on_tokens=on_tokens, prefill_embeds=prefill_embeds,
-                  capacity=cap, fill=self.fill, residual_fn=residual_fn, single_rows=self.dec.single_rows)
+        if cap and len(tokens) + max_new_tokens + 1 > cap:  # +1: the pad row of a one-token step
+            raise GenerationError(
+                f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
+                f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "
+                f"max_new_tokens or rebuild with a larger --max-context"
+            )
+        job = Job(
+            tokens,
+            drafter=drafter,
+            sampler=sampler,
+            max_new_tokens=max_new_tokens,
+            budget=budget,
+            period=self.period if budget.tree else None,
+            tile=self.tile if budget.tree else None,
+            eos_ids=eos_ids,
+            should_stop=should_stop,
+            on_tokens=on_tokens,
+            prefill_embeds=prefill_embeds,
+            capacity=cap,
+            fill=self.fill,
+            residual_fn=residual_fn,
+            single_rows=self.dec.single_rows,
+        )
         kv = self.dec.new_cache()
         try:
-            while job.prefilling:    # chunks bound the logits buffer of a long prompt
+            while job.prefilling:  # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
                 if isinstance(kv, GrowingKV) and kv.length + len(rows.tokens) >= len(tokens):
                     # the last chunk (rowwise): decode room too (earlier chunks must not attend to it, masked)
                     kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
                 logits, hidden, present = self.dec.forward(
-                    rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False)
+                    rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False
+                )
                 job.after_prefill(partial(kv.commit, present), logits, hidden)
             while not job.done:
                 rows = job.plan(kv.length)
                 t0 = time.perf_counter()
                 logits, hidden, present = self.dec.forward(rows.tokens, rows.parents, kv, copy=False, slots=rows.slots)
-                job.after_step(partial(kv.commit, present), logits, hidden,
-                               time.perf_counter() - t0, self.dec.last_run_s)
+                job.after_step(
+                    partial(kv.commit, present), logits, hidden, time.perf_counter() - t0, self.dec.last_run_s
+                )
         finally:
             kv.release()
-        assert job.reason is not None    # the loop ends when the job has its reason to stop
+        assert job.reason is not None  # the loop ends when the job has its reason to stop
         return job.new, job.stats, job.reason

@@ -58,7 +58,7 @@ def _pil():
 
 def image_seq_len(image_size: int, patch_size: int, scale_factor: int) -> int:
     """Image tokens per tile: ``(image_size // patch_size) ** 2 // scale_factor ** 2``."""
-    return int(((image_size // patch_size) ** 2) / (scale_factor ** 2))
+    return int(((image_size // patch_size) ** 2) / (scale_factor**2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,13 +194,15 @@ def _as_array(image: Any, index: int) -> tuple[np.ndarray, list[int] | None]:
         if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
             arr = arr.transpose(1, 2, 0)  # channels-first array
     else:
-        raise GenerationError(f"image {index}: expected a path, a PIL image or a numpy array, "
-                              f"got {type(image).__name__}")
+        raise GenerationError(
+            f"image {index}: expected a path, a PIL image or a numpy array, got {type(image).__name__}"
+        )
     if arr.ndim == 2:
         arr = arr[..., None]
     if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4) or arr.shape[0] < 1 or arr.shape[1] < 1:
-        raise GenerationError(f"image {index}: unsupported array shape {tuple(arr.shape)} "
-                              "(want HxW, HxWxC or CxHxW with C in 1, 3, 4)")
+        raise GenerationError(
+            f"image {index}: unsupported array shape {tuple(arr.shape)} (want HxW, HxWxC or CxHxW with C in 1, 3, 4)"
+        )
     return arr, palette
 
 
@@ -209,8 +211,9 @@ def _size_dict(value: Any, name: str) -> dict[str, int]:
         return {"longest_edge": value}
     if isinstance(value, dict) and ("longest_edge" in value or ("height" in value and "width" in value)):
         return {k: int(v) for k, v in value.items()}
-    raise GenerationError(f"preprocessor config: {name} must be {{'longest_edge': N}} or "
-                          f"{{'height': H, 'width': W}}, got {value!r}")
+    raise GenerationError(
+        f"preprocessor config: {name} must be {{'longest_edge': N}} or {{'height': H, 'width': W}}, got {value!r}"
+    )
 
 
 @dataclass
@@ -260,13 +263,20 @@ class SmolVLMImagePreprocessor:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict:
-        return {"do_convert_rgb": self.do_convert_rgb, "do_resize": self.do_resize, "size": dict(self.size),
-                "resample": int(self.resample), "do_image_splitting": self.do_image_splitting,
-                "max_image_size": dict(self.max_image_size), "do_rescale": self.do_rescale,
-                "rescale_factor": self.rescale_factor, "do_normalize": self.do_normalize,
-                "image_mean": list(self.image_mean) if isinstance(self.image_mean, (list, tuple)) else self.image_mean,
-                "image_std": list(self.image_std) if isinstance(self.image_std, (list, tuple)) else self.image_std,
-                "do_pad": self.do_pad}
+        return {
+            "do_convert_rgb": self.do_convert_rgb,
+            "do_resize": self.do_resize,
+            "size": dict(self.size),
+            "resample": int(self.resample),
+            "do_image_splitting": self.do_image_splitting,
+            "max_image_size": dict(self.max_image_size),
+            "do_rescale": self.do_rescale,
+            "rescale_factor": self.rescale_factor,
+            "do_normalize": self.do_normalize,
+            "image_mean": list(self.image_mean) if isinstance(self.image_mean, (list, tuple)) else self.image_mean,
+            "image_std": list(self.image_std) if isinstance(self.image_std, (list, tuple)) else self.image_std,
+            "do_pad": self.do_pad,
+        }
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -292,7 +302,7 @@ class SmolVLMImagePreprocessor:
             for r in range(rows):
                 for c in range(cols):
                     y0, x0 = r * oh, c * ow
-                    frames.append(arr[y0:min(y0 + oh, height), x0:min(x0 + ow, width), :])
+                    frames.append(arr[y0 : min(y0 + oh, height), x0 : min(x0 + ow, width), :])
             if height != tile or width != tile:
                 arr = _resize(arr, tile, tile, self.resample)
         else:
@@ -346,8 +356,7 @@ class SmolVLMImagePreprocessor:
             frames = [self._normalize(f) for f in frames]
         channels = {f.shape[-1] for f in frames}
         if channels != {3}:
-            raise GenerationError(f"images must end up with 3 channels, got {sorted(channels)} "
-                                  "(enable do_convert_rgb)")
+            raise GenerationError(f"images must end up with 3 channels, got {sorted(channels)} (enable do_convert_rgb)")
         if self.do_pad:
             ph = max(f.shape[0] for f in frames)
             pw = max(f.shape[1] for f in frames)
@@ -382,9 +391,15 @@ def _resample(value: Any) -> int:
 # Prompt expansion (processing_smolvlm.py: _prompt_split_image / _prompt_single_image)
 
 
-def image_prompt_string(rows: int, cols: int, *, image_seq_len: int, image_token: str = IMAGE_TOKEN,
-                        fake_image_token: str = FAKE_IMAGE_TOKEN,
-                        global_image_token: str = GLOBAL_IMAGE_TOKEN) -> str:
+def image_prompt_string(
+    rows: int,
+    cols: int,
+    *,
+    image_seq_len: int,
+    image_token: str = IMAGE_TOKEN,
+    fake_image_token: str = FAKE_IMAGE_TOKEN,
+    global_image_token: str = GLOBAL_IMAGE_TOKEN,
+) -> str:
     """The text that replaces one ``<image>``: ``get_image_prompt_string``."""
     if rows == 0 and cols == 0:
         return f"{fake_image_token}{global_image_token}{image_token * image_seq_len}{fake_image_token}"
@@ -397,20 +412,36 @@ def image_prompt_string(rows: int, cols: int, *, image_seq_len: int, image_token
     return text
 
 
-def expand_image_tokens(text: str, rows: Sequence[int], cols: Sequence[int], *, image_seq_len: int,
-                        image_token: str = IMAGE_TOKEN, fake_image_token: str = FAKE_IMAGE_TOKEN,
-                        global_image_token: str = GLOBAL_IMAGE_TOKEN) -> str:
+def expand_image_tokens(
+    text: str,
+    rows: Sequence[int],
+    cols: Sequence[int],
+    *,
+    image_seq_len: int,
+    image_token: str = IMAGE_TOKEN,
+    fake_image_token: str = FAKE_IMAGE_TOKEN,
+    global_image_token: str = GLOBAL_IMAGE_TOKEN,
+) -> str:
     """Replace the i-th ``image_token`` of ``text`` by image i's prompt string
     (``SmolVLMProcessor.expand_text_with_image_tokens`` for one sample)."""
     if len(rows) != len(cols):
         raise GenerationError(f"rows ({len(rows)}) and cols ({len(cols)}) differ in length")
     parts = text.split(image_token)
     if len(parts) - 1 != len(rows):
-        raise GenerationError(f"the prompt has {len(parts) - 1} {image_token} token(s) but "
-                              f"{len(rows)} image(s) were given")
+        raise GenerationError(
+            f"the prompt has {len(parts) - 1} {image_token} token(s) but {len(rows)} image(s) were given"
+        )
     out = parts[0]
     for i, (r, c) in enumerate(zip(rows, cols)):
-        out += image_prompt_string(r, c, image_seq_len=image_seq_len, image_token=image_token,
-                                   fake_image_token=fake_image_token,
-                                   global_image_token=global_image_token) + parts[i + 1]
+        out += (
+            image_prompt_string(
+                r,
+                c,
+                image_seq_len=image_seq_len,
+                image_token=image_token,
+                fake_image_token=fake_image_token,
+                global_image_token=global_image_token,
+            )
+            + parts[i + 1]
+        )
     return out

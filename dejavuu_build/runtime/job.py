@@ -23,8 +23,8 @@ from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .sampling import Sampler, accept_ratio, residual
 from .tree import aligned_layout, with_root
 
-ResidualFn = Callable[[np.ndarray, np.ndarray], np.ndarray]   # sampling.residual's signature
-StopFn = Callable[[list[int]], "int | None"]    # generated ids -> the prefix length that ends at a stop string
+ResidualFn = Callable[[np.ndarray, np.ndarray], np.ndarray]  # sampling.residual's signature
+StopFn = Callable[[list[int]], "int | None"]  # generated ids -> the prefix length that ends at a stop string
 
 
 @dataclass
@@ -37,13 +37,13 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    forward_s: float = 0.0      # decode steps' time inside onnxruntime's run (prefill excluded)
+    forward_s: float = 0.0  # decode steps' time inside onnxruntime's run (prefill excluded)
     kv_s: float = 0.0
     overhead_s: float = 0.0
     total_s: float = 0.0
-    accept_hist: list[int] = field(default_factory=list)   # accepted draft tokens per step
-    filled: int = 0             # steps whose empty draft took the pad row's place (Engine ``fill``)
-    fill_accepted: int = 0      # ... and whose filled token was accepted
+    accept_hist: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    filled: int = 0  # steps whose empty draft took the pad row's place (Engine ``fill``)
+    fill_accepted: int = 0  # ... and whose filled token was accepted
 
     @property
     def mean_accepted(self) -> float:
@@ -75,9 +75,13 @@ class GenerationStats:
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("accept_hist")
-        d.update(mean_accepted=round(self.mean_accepted, 3), tokens_per_step=round(self.tokens_per_step, 3),
-                 acceptance_rate=round(self.acceptance_rate, 3), decode_tok_s=round(self.decode_tok_s, 2),
-                 host_ms_per_step=round(self.host_ms_per_step, 4))
+        d.update(
+            mean_accepted=round(self.mean_accepted, 3),
+            tokens_per_step=round(self.tokens_per_step, 3),
+            acceptance_rate=round(self.acceptance_rate, 3),
+            decode_tok_s=round(self.decode_tok_s, 2),
+            host_ms_per_step=round(self.host_ms_per_step, 4),
+        )
         for k, v in list(d.items()):
             if isinstance(v, float):
                 d[k] = round(v, 5)
@@ -90,11 +94,20 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1)
 
 
-PREFILL_CHUNK = 512   # prompt rows per prefill forward (the logits of 512 rows of a 49k vocabulary: 100 MB)
+PREFILL_CHUNK = 512  # prompt rows per prefill forward (the logits of 512 rows of a 49k vocabulary: 100 MB)
 
 
-def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, period: int, tile: int | None,
-                width: int, capacity: int, past: int) -> tuple[Draft, list[int], list[int], list[int], list[int]]:
+def tree_layout(
+    draft: Draft,
+    step_tokens: list[int],
+    parents: list[int],
+    *,
+    period: int,
+    tile: int | None,
+    width: int,
+    capacity: int,
+    past: int,
+) -> tuple[Draft, list[int], list[int], list[int], list[int]]:
     """Place a draft tree (root included in ``step_tokens``/``parents``) in the period-aligned slot
     layout of tree.aligned_layout, within ``period * width`` slots and the cache's room; nodes the
     layout prunes are dropped. Returns (draft, step_tokens, parents, slot per node, slot parents)."""
@@ -108,8 +121,11 @@ def tree_layout(draft: Draft, step_tokens: list[int], parents: list[int], *, per
         parents = [-1 if parents[i] < 0 else new_index[parents[i]] for i in keep]
         step_tokens = [step_tokens[i] for i in keep]
         slot = [slot[i] for i in keep]
-        draft = Draft([step_tokens[i] for i in range(1, len(keep))], [p - 1 for p in parents[1:]],
-                      [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None)
+        draft = Draft(
+            [step_tokens[i] for i in range(1, len(keep))],
+            [p - 1 for p in parents[1:]],
+            [draft.probs[i - 1] for i in keep[1:]] if draft.probs is not None else None,
+        )
     return draft, step_tokens, parents, slot, slot_parents
 
 
@@ -167,9 +183,16 @@ class FillPolicy:
         return self._skipped % self.explore == 0
 
 
-def accept_path(step_tokens: Sequence[int], parents: Sequence[int], draft: Draft, logits: np.ndarray,
-            sampler: Sampler, pos: int, residual_fn: ResidualFn,
-            argmax: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+def accept_path(
+    step_tokens: Sequence[int],
+    parents: Sequence[int],
+    draft: Draft,
+    logits: np.ndarray,
+    sampler: Sampler,
+    pos: int,
+    residual_fn: ResidualFn,
+    argmax: np.ndarray | None = None,
+) -> tuple[list[int], list[int]]:
     """Walk the tree from the root, committing the target's token at each position (``argmax``:
     every row's, precomputed for greedy decoding); returns (committed tokens, the path of step
     nodes accepted, root first). Lossless: every committed token is the target's own choice."""
@@ -177,7 +200,7 @@ def accept_path(step_tokens: Sequence[int], parents: Sequence[int], draft: Draft
     for i, p in enumerate(parents[1:], start=1):
         children.setdefault(p, []).append(i)
     node, path, committed = 0, [0], []
-    probs = draft.probs if not sampler.greedy else None    # min(1, p/q) where the drafter gave q
+    probs = draft.probs if not sampler.greedy else None  # min(1, p/q) where the drafter gave q
     if argmax is None and sampler.greedy:
         argmax = logits.argmax(-1)
     while True:
@@ -185,8 +208,7 @@ def accept_path(step_tokens: Sequence[int], parents: Sequence[int], draft: Draft
         nxt: int | None
         if probs is not None and len(kids) == 1:
             c = kids[0]
-            ok, tok = accept_ratio(sampler.probs(logits[node]), probs[c - 1], step_tokens[c], sampler, pos,
-                                   residual_fn)
+            ok, tok = accept_ratio(sampler.probs(logits[node]), probs[c - 1], step_tokens[c], sampler, pos, residual_fn)
             nxt = c if ok else None
         else:
             tok = int(argmax[node]) if argmax is not None else sampler.pick(logits[node], pos)
@@ -199,20 +221,21 @@ def accept_path(step_tokens: Sequence[int], parents: Sequence[int], draft: Draft
         pos += 1
 
 
-def cut_step(new: list[int], committed: list[int], eos: set[int] | Sequence[int], max_new: int,
-             should_stop: StopFn | None) -> tuple[list[int], str | None]:
+def cut_step(
+    new: list[int], committed: list[int], eos: set[int] | Sequence[int], max_new: int, should_stop: StopFn | None
+) -> tuple[list[int], str | None]:
     """This step's ``committed`` tokens cut at EOS, the token budget or a stop string (``new``: those
     generated before the step), with why the generation stops (None: it goes on)."""
     reason = None
-    committed = committed[:max(0, max_new - len(new))]
+    committed = committed[: max(0, max_new - len(new))]
     for i, t in enumerate(committed):
         if t in eos:
-            committed, reason = committed[:i + 1], "eos"
+            committed, reason = committed[: i + 1], "eos"
             break
     if should_stop is not None:
         cut = should_stop(new + committed)
         if cut is not None:
-            committed, reason = (new + committed)[len(new):max(cut, len(new))], "stop_string"
+            committed, reason = (new + committed)[len(new) : max(cut, len(new))], "stop_string"
     if reason is None and len(new) + len(committed) >= max_new:
         reason = "max_new_tokens"
     return committed, reason
@@ -225,8 +248,8 @@ class Rows:
 
     tokens: list[int]
     parents: list[int] | None
-    embeds: np.ndarray | None = None     # [rows, hidden]
-    slots: list[int] | None = None       # a tree's aligned layout: token i's slot; parents then per slot
+    embeds: np.ndarray | None = None  # [rows, hidden]
+    slots: list[int] | None = None  # a tree's aligned layout: token i's slot; parents then per slot
 
 
 class Job:
@@ -236,12 +259,25 @@ class Job:
     and puts all their rows into one batched forward, so both decode a request identically.
     ``commit(n_rows, keep)`` keeps the rows ``keep`` of the ``n_rows`` just fed in the caller's KV."""
 
-    def __init__(self, ids: Sequence[int], *, drafter: Drafter, sampler: Sampler, max_new_tokens: int,
-                 budget: DraftBudget, period: int | None, tile: int | None, eos_ids: Sequence[int] = (),
-                 should_stop: StopFn | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, prefill_embeds: np.ndarray | None = None,
-                 capacity: int = 0, fill: Successors | None = None, residual_fn: ResidualFn = residual,
-                 single_rows: int = 2):
+    def __init__(
+        self,
+        ids: Sequence[int],
+        *,
+        drafter: Drafter,
+        sampler: Sampler,
+        max_new_tokens: int,
+        budget: DraftBudget,
+        period: int | None,
+        tile: int | None,
+        eos_ids: Sequence[int] = (),
+        should_stop: StopFn | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        prefill_embeds: np.ndarray | None = None,
+        capacity: int = 0,
+        fill: Successors | None = None,
+        residual_fn: ResidualFn = residual,
+        single_rows: int = 2,
+    ):
         self.tokens = [int(t) for t in ids]
         self.prompt_len = len(self.tokens)
         self.drafter, self.sampler, self.max_new = drafter, sampler, max_new_tokens
@@ -251,8 +287,8 @@ class Job:
         self.prefill_embeds = prefill_embeds
         self.capacity = capacity
         self.fill, self.residual_fn = fill, residual_fn
-        self.single_rows = single_rows          # graph rows a lone token costs (its pad row, if any)
-        self.fill_policy = FillPolicy() if fill is not None and single_rows < 2 else None   # None: the fill is free
+        self.single_rows = single_rows  # graph rows a lone token costs (its pad row, if any)
+        self.fill_policy = FillPolicy() if fill is not None and single_rows < 2 else None  # None: the fill is free
         self.new: list[int] = []
         self.reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.tokens))
@@ -278,12 +314,13 @@ class Job:
     def prefill_rows(self) -> Rows:
         """The next prompt chunk (PREFILL_CHUNK rows: the same boundaries however it is driven)."""
         i = self.prefilled
-        part = self.tokens[i:i + PREFILL_CHUNK]
-        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i:i + PREFILL_CHUNK]
+        part = self.tokens[i : i + PREFILL_CHUNK]
+        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i : i + PREFILL_CHUNK]
         return Rows(part, None, emb)
 
-    def after_prefill(self, commit: Callable[[int, list[int]], None], logits: np.ndarray,
-                      hidden: np.ndarray | None) -> None:
+    def after_prefill(
+        self, commit: Callable[[int, list[int]], None], logits: np.ndarray, hidden: np.ndarray | None
+    ) -> None:
         n = len(self.prefill_rows().tokens)
         commit(n, list(range(n)))
         self.prefilled += n
@@ -294,9 +331,15 @@ class Job:
         self.new.append(first)
         self.tokens.append(first)
         d = self.drafter
-        d.feedback(Feedback(committed=[first], drafted=0, accepted=0,
-                            topk_ids=_topk_rows(logits[-1:], 8) if d.wants_topk else None,
-                            hidden=hidden[-1:].copy() if d.wants_hidden and hidden is not None else None))
+        d.feedback(
+            Feedback(
+                committed=[first],
+                drafted=0,
+                accepted=0,
+                topk_ids=_topk_rows(logits[-1:], 8) if d.wants_topk else None,
+                hidden=hidden[-1:].copy() if d.wants_hidden and hidden is not None else None,
+            )
+        )
         if self.on_tokens:
             self.on_tokens([first])
         _, self.reason = cut_step([], [first], self.eos, self.max_new, self.should_stop)
@@ -313,16 +356,22 @@ class Job:
         draft = self.drafter.propose(self.tokens, b) if b.max_depth > 0 else Draft()
         self._draft_dt = time.perf_counter() - t1
         self.stats.draft_s += self._draft_dt
-        try:   # always (microseconds): a malformed draft would verify wrong positions, not fail
-            draft.validate()                     # topology first: parents before children
+        try:  # always (microseconds): a malformed draft would verify wrong positions, not fail
+            draft.validate()  # topology first: parents before children
             draft = draft.within(b)
             draft.validate(b)
         except (ValueError, TypeError, AttributeError) as e:
-            raise GenerationError(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r} proposed "
-                                  f"an invalid draft: {e}") from None
-        own = len(draft)                         # the drafter's nodes (a fill is the engine's)
-        if not own and self.fill is not None and b.max_depth > 0 and self.tokens[-1] in self.fill and (
-                self.fill_policy is None or self.fill_policy.pays(self.stats.filled, self.stats.fill_accepted)):
+            raise GenerationError(
+                f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r} proposed an invalid draft: {e}"
+            ) from None
+        own = len(draft)  # the drafter's nodes (a fill is the engine's)
+        if (
+            not own
+            and self.fill is not None
+            and b.max_depth > 0
+            and self.tokens[-1] in self.fill
+            and (self.fill_policy is None or self.fill_policy.pays(self.stats.filled, self.stats.fill_accepted))
+        ):
             draft = Draft([self.fill[self.tokens[-1]]], [-1])
             self.stats.filled += 1
         step_tokens = [self.tokens[-1]] + draft.tokens
@@ -333,13 +382,26 @@ class Job:
         if self.period is None:
             raise GenerationError("a tree draft needs the calibrated slot period (Engine period=...): verify chains")
         draft, step_tokens, parents, slot, slot_parents = tree_layout(
-            draft, step_tokens, parents, period=self.period, tile=self.tile, width=b.width,
-            capacity=self.capacity, past=kv_length)
+            draft,
+            step_tokens,
+            parents,
+            period=self.period,
+            tile=self.tile,
+            width=b.width,
+            capacity=self.capacity,
+            past=kv_length,
+        )
         self._step = (draft, len(draft), step_tokens, parents, slot, len(slot_parents))
         return Rows(step_tokens, slot_parents, slots=slot)
 
-    def after_step(self, commit: Callable[[int, list[int]], None], logits: np.ndarray, hidden: np.ndarray | None,
-                   verify_s: float, forward_s: float) -> None:
+    def after_step(
+        self,
+        commit: Callable[[int, list[int]], None],
+        logits: np.ndarray,
+        hidden: np.ndarray | None,
+        verify_s: float,
+        forward_s: float,
+    ) -> None:
         """Accept the longest agreeing path of the rows ``plan`` laid out, given their outputs
         (one row per token: a tree's slots are the forward's business)."""
         if self._step is None:
@@ -351,10 +413,18 @@ class Job:
         st.forward_s += forward_s
         if self.fill_policy is not None:
             self.fill_policy.observe(n_slots, forward_s)
-        argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None   # one pass, all rows
-        committed, path = accept_path(step_tokens, parents, draft, logits, sampler, len(self.tokens),
-                                      self.residual_fn, argmax if sampler.greedy else None)
-        if self.fill is not None and argmax is not None:     # (computed above whenever there is a fill)
+        argmax = logits.argmax(-1) if sampler.greedy or self.fill is not None else None  # one pass, all rows
+        committed, path = accept_path(
+            step_tokens,
+            parents,
+            draft,
+            logits,
+            sampler,
+            len(self.tokens),
+            self.residual_fn,
+            argmax if sampler.greedy else None,
+        )
+        if self.fill is not None and argmax is not None:  # (computed above whenever there is a fill)
             self.fill.learn(step_tokens, argmax)
             st.fill_accepted += int(own == 0 and len(path) > 1)
         commit(n_slots, [slots[i] for i in path])
@@ -372,13 +442,19 @@ class Job:
         # about the drafter's own nodes, never a fill: a fill's own row (rowwise) is the engine's
         # cost, so that step reports a lone token's rows and no verify time to fit
         paid_fill = self.fill_policy is not None and not own and len(draft) > 0
-        d.feedback(Feedback(
-            committed=committed, drafted=own, accepted=len(path) - 1 if own else 0,
-            accepted_path=[i - 1 for i in path[1:]] if own else [],
-            topk_ids=_topk_rows(logits if own else logits[:1], 8) if d.wants_topk else None,
-            hidden=hidden[path] if d.wants_hidden and hidden is not None else None,
-            draft_seconds=self._draft_dt, verify_seconds=0.0 if paid_fill else verify_s,
-            rows=self.single_rows if paid_fill else max(n_slots, self.single_rows)))
+        d.feedback(
+            Feedback(
+                committed=committed,
+                drafted=own,
+                accepted=len(path) - 1 if own else 0,
+                accepted_path=[i - 1 for i in path[1:]] if own else [],
+                topk_ids=_topk_rows(logits if own else logits[:1], 8) if d.wants_topk else None,
+                hidden=hidden[path] if d.wants_hidden and hidden is not None else None,
+                draft_seconds=self._draft_dt,
+                verify_seconds=0.0 if paid_fill else verify_s,
+                rows=self.single_rows if paid_fill else max(n_slots, self.single_rows),
+            )
+        )
         self._step = None
         if self.reason:
             self._finish()

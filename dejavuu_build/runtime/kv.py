@@ -37,9 +37,9 @@ class KVCache:
             raise GenerationError("a concat KV cache keeps the graph's present outputs, and this step returned none")
         L = self.length
         if keep == list(range(n_new)):
-            new = [np.ascontiguousarray(a) for a in present]   # a no-op unless a pad row was cut
+            new = [np.ascontiguousarray(a) for a in present]  # a no-op unless a pad row was cut
         elif keep == list(range(len(keep))):
-            new = [np.ascontiguousarray(a[:, :, :L + len(keep)]) for a in present]
+            new = [np.ascontiguousarray(a[:, :, : L + len(keep)]) for a in present]
         else:
             idx = np.concatenate([np.arange(L), L + np.asarray(keep, dtype=np.int64)])
             new = [np.take(a, idx, axis=2) for a in present]
@@ -70,8 +70,8 @@ class StaticKV:
 
     def __init__(self, decoder: Decoder, buffers: np.ndarray, binding: Any):
         self.dec = decoder
-        self.buf: np.ndarray | None = buffers   # [2 * layers, 1, kv_heads, capacity, head_dim]; None once released
-        self.binding: Any = binding             # an onnxruntime IOBinding
+        self.buf: np.ndarray | None = buffers  # [2 * layers, 1, kv_heads, capacity, head_dim]; None once released
+        self.binding: Any = binding  # an onnxruntime IOBinding
         self.length = 0
         self.capacity = buffers.shape[3]
 
@@ -89,7 +89,7 @@ class StaticKV:
         if keep != list(range(k)):
             buf = self.buffers()
             src = L + np.asarray(keep, dtype=np.int64)
-            buf[:, :, :, L:L + k] = buf[:, :, :, src]
+            buf[:, :, :, L : L + k] = buf[:, :, :, src]
         self.length = L + k
 
     def truncate(self, length: int) -> None:
@@ -143,13 +143,16 @@ class GrowingKV(StaticKV):
         self.tile = tile
         self.capacity = capacity
         self.size = 0
-        self.bound: RowFeeds | None = None     # the decoder's RowFeeds last bound to this binding (rebound when it changes)
+        self.bound: RowFeeds | None = (
+            None  # the decoder's RowFeeds last bound to this binding (rebound when it changes)
+        )
 
     def _view(self, size: int) -> np.ndarray:
         """The first ``size`` positions' layout: [2 * layers, 1, KV, size, D], a view of ``mem``."""
         c = self.dec.c
-        return self.mem[:, :c.num_kv_heads * size * c.head_dim].reshape(
-            len(self.mem), 1, c.num_kv_heads, size, c.head_dim)
+        return self.mem[:, : c.num_kv_heads * size * c.head_dim].reshape(
+            len(self.mem), 1, c.num_kv_heads, size, c.head_dim
+        )
 
     def step(self, positions: int) -> int:
         """How far the buffer grows past ``positions``: ``tile * isqrt(positions / (4 tile))``."""
@@ -172,8 +175,8 @@ class GrowingKV(StaticKV):
         t = self.tile
         size = min(self.capacity, round_up(max(positions, self.size + self.step(max(positions, self.size))), t))
         old, new = self.buffers(), self._view(size)
-        for h in range(self.dec.c.num_kv_heads - 1, 0, -1):    # later heads first: nothing is overwritten unread
-            new[:, :, h, :self.length] = old[:, :, h, :self.length]
+        for h in range(self.dec.c.num_kv_heads - 1, 0, -1):  # later heads first: nothing is overwritten unread
+            new[:, :, h, : self.length] = old[:, :, h, : self.length]
         for j, (i_name, o_name) in enumerate(zip(self.dec.kv_in, self.dec.kv_out)):
             v = ort.OrtValue.ortvalue_from_numpy(new[j])
             self.binding.bind_ortvalue_input(i_name, v)
@@ -186,4 +189,4 @@ class GrowingKV(StaticKV):
             self.buf = self.binding = None
 
 
-Cache = Union[KVCache, StaticKV]    # what Decoder.new_cache returns (GrowingKV is a StaticKV)
+Cache = Union[KVCache, StaticKV]  # what Decoder.new_cache returns (GrowingKV is a StaticKV)

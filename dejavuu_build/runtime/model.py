@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .calibration import Calibration
     from .vision import VisionParts
 
-DEFAULT_THREADS = 2        # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
+DEFAULT_THREADS = 2  # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
 
 
 def cpu_count() -> int:
@@ -75,6 +75,7 @@ def check_threads(threads: int | None) -> int:
 
 def _check_settings(*, temperature, top_p, top_k, seed, width, max_depth, max_nodes, max_new_tokens, stop) -> None:
     """Refuse settings that would answer with garbage or loop, with one line that says what to do."""
+
     def number(x) -> bool:
         return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
@@ -116,17 +117,23 @@ def _check_ids(prompt, vocab_size: int | None) -> list[int]:
     from whatever the embedding gather reads, or wrap around when negative)."""
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
-            raise GenerationError(f"token ids must be a 1-D array of integers, got a {prompt.ndim}-D {prompt.dtype} "
-                                  f"array: pass one prompt's ids")
+            raise GenerationError(
+                f"token ids must be a 1-D array of integers, got a {prompt.ndim}-D {prompt.dtype} "
+                f"array: pass one prompt's ids"
+            )
         prompt = prompt.tolist()
     ids = []
     for i, t in enumerate(prompt):
         if not _integer(t):
-            raise GenerationError(f"token ids must be integers, but item {i} is {str(repr(t))[:40]}: pass one "
-                                  f"prompt as a flat list of ids")
+            raise GenerationError(
+                f"token ids must be integers, but item {i} is {str(repr(t))[:40]}: pass one "
+                f"prompt as a flat list of ids"
+            )
         if t < 0 or (vocab_size and t >= vocab_size):
-            raise GenerationError(f"token id {t} (item {i}) is outside this model's vocabulary "
-                                  f"[0, {vocab_size or '?'}): pass ids the tokenizer gives")
+            raise GenerationError(
+                f"token id {t} (item {i}) is outside this model's vocabulary "
+                f"[0, {vocab_size or '?'}): pass ids the tokenizer gives"
+            )
         ids.append(int(t))
     return ids
 
@@ -134,10 +141,15 @@ def _check_ids(prompt, vocab_size: int | None) -> list[int]:
 def _check_messages(messages) -> list[dict]:
     """Chat messages: dicts with a string role and a string (or, for VLMs, list) content."""
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
-                or not isinstance(msg.get("content"), (str, list)):
-            raise GenerationError(f"chat message {i} is {str(repr(msg))[:60]}: every message must be a dict with "
-                                  f"a string 'role' and a string 'content'")
+        if (
+            not isinstance(msg, dict)
+            or not isinstance(msg.get("role"), str)
+            or not isinstance(msg.get("content"), (str, list))
+        ):
+            raise GenerationError(
+                f"chat message {i} is {str(repr(msg))[:60]}: every message must be a dict with "
+                f"a string 'role' and a string 'content'"
+            )
         if isinstance(msg["content"], str):
             _check_text(msg["content"], "a chat message")
     return list(messages)
@@ -180,14 +192,21 @@ class GenerationResult:
     tree: bool = False
 
     def to_json(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "stop_reason": self.stop_reason, "method": self.method, "tree": self.tree,
-                "stats": self.stats.to_json()}
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "stop_reason": self.stop_reason,
+            "method": self.method,
+            "tree": self.tree,
+            "stats": self.stats.to_json(),
+        }
 
 
 @dataclass
 class RequestPlan:
     """One request's decoding set-up (`Model.plan`)."""
+
     sampler: Sampler
     drafter: Drafter
     budget: DraftBudget
@@ -207,9 +226,9 @@ class Model:
     tokenizer: TextTokenizer | None
     eos_ids: list[int] = field(default_factory=list)
     manifest: S.Manifest | None = None
-    vision: VisionParts | None = None       # VLM builds' vision encoder and image splicing
+    vision: VisionParts | None = None  # VLM builds' vision encoder and image splicing
     _warned_tree: bool = False
-    _calibration: Calibration | None = None     # measured on first use
+    _calibration: Calibration | None = None  # measured on first use
     _warned_exact: bool = False
     # empty drafts verify a successor guess: in the pad row where there is one (free), else in a
     # row of its own while it pays (job.FillPolicy)
@@ -225,9 +244,11 @@ class Model:
         me = threading.get_ident()
         if self._owner == me:
             if not reentrant:
-                raise GenerationError("generate was called from inside a callback of a generate on the same Model: "
-                                      "finish that call first, or load a second Model")
-            yield              # the calibration inside generate's plan: already held
+                raise GenerationError(
+                    "generate was called from inside a callback of a generate on the same Model: "
+                    "finish that call first, or load a second Model"
+                )
+            yield  # the calibration inside generate's plan: already held
             return
         with self._lock:
             self._owner = me
@@ -254,8 +275,10 @@ class Model:
                 raise GenerationError("the prompt is empty: give some text")
             ids = self.tokenizer.encode(_check_text(prompt))
         elif isinstance(prompt, (list, tuple)) and any(isinstance(t, str) for t in prompt):
-            raise GenerationError("prompt must be a string, a list of chat messages (dicts) or a list of token ids; "
-                                  "got a list holding text: pass the text as one string")
+            raise GenerationError(
+                "prompt must be a string, a list of chat messages (dicts) or a list of token ids; "
+                "got a list holding text: pass the text as one string"
+            )
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = _check_ids(prompt, self.contract.vocab_size)
         else:
@@ -265,27 +288,89 @@ class Model:
         return ids
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt, *, method: str | Drafter = "baseline", tree: bool = False,
-                 max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, stop: Sequence[str] = (), datastore=None, width: int = 2, max_nodes: int | None = None,
-                 max_depth: int = 8, on_tokens=None, validate_drafts: bool = False, residual_fn=None,
-                 images: Sequence | None = None, prefill_embeds: np.ndarray | None = None,
-                 **drafter_params) -> GenerationResult:
+    def generate(
+        self,
+        prompt,
+        *,
+        method: str | Drafter = "baseline",
+        tree: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        datastore=None,
+        width: int = 2,
+        max_nodes: int | None = None,
+        max_depth: int = 8,
+        on_tokens=None,
+        validate_drafts: bool = False,
+        residual_fn=None,
+        images: Sequence | None = None,
+        prefill_embeds: np.ndarray | None = None,
+        **drafter_params,
+    ) -> GenerationResult:
         """``prefill_embeds``: the prompt ids' embeddings with image features already spliced in
         (``vision.prefill``), for callers that prepared them once (the server)."""
         stop = as_list(stop)
-        _check_settings(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, width=width,
-                        max_depth=max_depth, max_nodes=max_nodes, max_new_tokens=max_new_tokens, stop=stop)
+        _check_settings(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            width=width,
+            max_depth=max_depth,
+            max_nodes=max_nodes,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+        )
         with self._exclusive():
-            return self._generate(prompt, method=method, tree=tree, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                  datastore=datastore, width=width, max_nodes=max_nodes, max_depth=max_depth,
-                                  on_tokens=on_tokens, validate_drafts=validate_drafts, residual_fn=residual_fn,
-                                  images=images, prefill_embeds=prefill_embeds, drafter_params=drafter_params)
+            return self._generate(
+                prompt,
+                method=method,
+                tree=tree,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop,
+                datastore=datastore,
+                width=width,
+                max_nodes=max_nodes,
+                max_depth=max_depth,
+                on_tokens=on_tokens,
+                validate_drafts=validate_drafts,
+                residual_fn=residual_fn,
+                images=images,
+                prefill_embeds=prefill_embeds,
+                drafter_params=drafter_params,
+            )
 
-    def _generate(self, prompt, *, method, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, datastore,
-                  width, max_nodes, max_depth, on_tokens, validate_drafts, residual_fn, images, prefill_embeds,
-                  drafter_params) -> GenerationResult:
+    def _generate(
+        self,
+        prompt,
+        *,
+        method,
+        tree,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+        datastore,
+        width,
+        max_nodes,
+        max_depth,
+        on_tokens,
+        validate_drafts,
+        residual_fn,
+        images,
+        prefill_embeds,
+        drafter_params,
+    ) -> GenerationResult:
         if images:
             if self.vision is None:
                 raise GenerationError(f"{self.folder.name} takes no images: build a VLM with `dejavuu-build vlm`")
@@ -295,33 +380,69 @@ class Model:
         else:
             ids = self.encode(prompt)
             if prefill_embeds is not None and prefill_embeds.shape[:2] != (1, len(ids)):
-                raise GenerationError(f"prefill_embeds must be [1, {len(ids)}, hidden] for this prompt, "
-                                      f"got {list(prefill_embeds.shape)}")
+                raise GenerationError(
+                    f"prefill_embeds must be [1, {len(ids)}, hidden] for this prompt, got {list(prefill_embeds.shape)}"
+                )
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1")
         limit = self.contract.max_positions
         if limit and len(ids) + max_new_tokens > limit:
-            raise GenerationError(f"prompt ({len(ids)} tokens{', images included' if images else ''}) + max_new_tokens "
-                                  f"({max_new_tokens}) exceeds the model's {limit} positions: shorten the prompt, "
-                                  f"use fewer images or lower max_new_tokens")
-        plan = self.plan(method, tree=tree, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                         stop=stop, datastore=datastore, width=width, max_nodes=max_nodes, max_depth=max_depth,
-                         drafter_params=drafter_params)
-        engine = Engine(self.decoder, tree_capable=self.tree_capable, period=plan.period, tile=plan.tile,
-                        fill=plan.fill)
-        new, stats, reason = engine.generate(ids, drafter=plan.drafter, sampler=plan.sampler,
-                                             max_new_tokens=max_new_tokens, tree=plan.tree, budget=plan.budget,
-                                             eos_ids=self.eos_ids, should_stop=plan.should_stop, on_tokens=on_tokens,
-                                             validate_drafts=validate_drafts, prefill_embeds=prefill_embeds,
-                                             **({"residual_fn": residual_fn} if residual_fn else {}))
+            raise GenerationError(
+                f"prompt ({len(ids)} tokens{', images included' if images else ''}) + max_new_tokens "
+                f"({max_new_tokens}) exceeds the model's {limit} positions: shorten the prompt, "
+                f"use fewer images or lower max_new_tokens"
+            )
+        plan = self.plan(
+            method,
+            tree=tree,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            datastore=datastore,
+            width=width,
+            max_nodes=max_nodes,
+            max_depth=max_depth,
+            drafter_params=drafter_params,
+        )
+        engine = Engine(
+            self.decoder, tree_capable=self.tree_capable, period=plan.period, tile=plan.tile, fill=plan.fill
+        )
+        new, stats, reason = engine.generate(
+            ids,
+            drafter=plan.drafter,
+            sampler=plan.sampler,
+            max_new_tokens=max_new_tokens,
+            tree=plan.tree,
+            budget=plan.budget,
+            eos_ids=self.eos_ids,
+            should_stop=plan.should_stop,
+            on_tokens=on_tokens,
+            validate_drafts=validate_drafts,
+            prefill_embeds=prefill_embeds,
+            **({"residual_fn": residual_fn} if residual_fn else {}),
+        )
         text = cut(self.tokenizer.decode(new), stop) if self.tokenizer else ""
         name = method if isinstance(method, str) else getattr(method, "name", "custom")
         return GenerationResult(text, new, len(ids), stats, reason, name, plan.tree)
 
-    def plan(self, method: str | Drafter = "baseline", *, tree: bool = False, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (), datastore=None,
-             width: int = 2, max_nodes: int | None = None, max_depth: int = 8,
-             drafter_params: dict | None = None) -> "RequestPlan":
+    def plan(
+        self,
+        method: str | Drafter = "baseline",
+        *,
+        tree: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        datastore=None,
+        width: int = 2,
+        max_nodes: int | None = None,
+        max_depth: int = 8,
+        drafter_params: dict | None = None,
+    ) -> "RequestPlan":
         """How one request decodes on this machine: its sampler, drafter, draft budget and the
         exactness fallbacks (chains when the CPU has no exact tree layout, plain steps when a batched
         verify is not bit-identical), each announced once. `generate` and the server's scheduler
@@ -329,43 +450,64 @@ class Model:
         sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         drafter = self._drafter(method, datastore, dict(drafter_params or {}), sampler)
         if tree and not self.tree_capable and not self._warned_tree:
-            logger.warning("this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
-                           self.contract.mask_kind)
+            logger.warning(
+                "this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
+                self.contract.mask_kind,
+            )
             self._warned_tree = True
         use_tree = tree and self.tree_capable
         if use_tree and self.tree_period is None:
             if not self._warned_tree:
-                logger.warning("%s: " + ("a rowwise variant verifies chains only (its one-row attention cannot give "
-                                         "tree nodes their chain's arithmetic; the -static variant can)"
-                                         if self.decoder.rowwise else
-                                         "this CPU's attention kernel showed no key-block period under which tree "
-                                         "rows are bit-identical to chains") + ": verifying chains to stay lossless",
-                               self.variant)
+                logger.warning(
+                    "%s: "
+                    + (
+                        "a rowwise variant verifies chains only (its one-row attention cannot give "
+                        "tree nodes their chain's arithmetic; the -static variant can)"
+                        if self.decoder.rowwise
+                        else "this CPU's attention kernel showed no key-block period under which tree "
+                        "rows are bit-identical to chains"
+                    )
+                    + ": verifying chains to stay lossless",
+                    self.variant,
+                )
                 self._warned_tree = True
             use_tree = False
-        budget = DraftBudget(max_nodes=max_nodes or (16 if use_tree else max_depth), max_depth=max_depth,
-                             width=width if use_tree else 1, tree=use_tree)
+        budget = DraftBudget(
+            max_nodes=max_nodes or (16 if use_tree else max_depth),
+            max_depth=max_depth,
+            width=width if use_tree else 1,
+            tree=use_tree,
+        )
         # plain decoding (by name, or the bare Drafter the bench passes) never drafts nor fills
-        speculative = method not in ("baseline", "baseline_n1") if isinstance(method, str) else type(method) is not Drafter
+        speculative = (
+            method not in ("baseline", "baseline_n1") if isinstance(method, str) else type(method) is not Drafter
+        )
         if speculative and not self.calibration.chain_exact:
             if not self._warned_exact:
-                logger.warning("on this machine a batched verify is not bit-identical to single steps: decoding "
-                               "plainly (exact, without drafts) instead of speculatively")
+                logger.warning(
+                    "on this machine a batched verify is not bit-identical to single steps: decoding "
+                    "plainly (exact, without drafts) instead of speculatively"
+                )
                 self._warned_exact = True
             budget = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False)
             use_tree = False
         stop = as_list(stop)
-        return RequestPlan(sampler=sampler, drafter=drafter, budget=budget, tree=use_tree,
-                           period=self.tree_period if use_tree else None,
-                           tile=self.calibration.tile if use_tree else None,
-                           should_stop=stop_fn(self.tokenizer, stop) if stop else None,
-                           fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None)
+        return RequestPlan(
+            sampler=sampler,
+            drafter=drafter,
+            budget=budget,
+            tree=use_tree,
+            period=self.tree_period if use_tree else None,
+            tile=self.calibration.tile if use_tree else None,
+            should_stop=stop_fn(self.tokenizer, stop) if stop else None,
+            fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None,
+        )
 
     @property
     def calibration(self) -> Calibration:
         """Measured once per machine, onnxruntime, graph and thread count (runtime.calibration)."""
         if self._calibration is None:
-            with self._exclusive(reentrant=True):     # it runs the decoder
+            with self._exclusive(reentrant=True):  # it runs the decoder
                 if self._calibration is None:
                     self._calibration = _calibration(self)
                     logger.debug("exactness calibration: %s", self._calibration)
@@ -412,9 +554,9 @@ class Model:
         worker.thread.start()
         try:
             while (item := q.get()) is not done:
-                if ready := text.push(item):     # (nothing once a stop string was met: the rest drains)
+                if ready := text.push(item):  # (nothing once a stop string was met: the rest drains)
                     yield ready
-        finally:      # the consumer stopped (or finished): stop the worker and wait for it
+        finally:  # the consumer stopped (or finished): stop the worker and wait for it
             worker.stop()
             _LIVE_STREAMS.discard(worker)
         if err:
@@ -432,19 +574,27 @@ class Model:
             if dm is None:
                 raise GenerationError("method draft_model needs draft_model=NAME[:VARIANT] (a build in the cache)")
             if not isinstance(dm, (str, Model)):
-                raise GenerationError(f"draft_model must be NAME[:VARIANT] (a build in the cache) or a loaded Model, "
-                                      f"got {str(repr(dm))[:40]}")
+                raise GenerationError(
+                    f"draft_model must be NAME[:VARIANT] (a build in the cache) or a loaded Model, "
+                    f"got {str(repr(dm))[:40]}"
+                )
             if isinstance(dm, str):
                 name, colon, variant = dm.partition(":")
                 if colon and not variant:
                     raise GenerationError(f"draft_model {dm!r} names no variant after ':': pass NAME or NAME:VARIANT")
                 dm = load(name, variant=variant or None)
-            if dm.decoder is self.decoder:   # one decoder's buffers cannot hold both models' steps
+            if dm.decoder is self.decoder:  # one decoder's buffers cannot hold both models' steps
                 raise GenerationError("the draft model is this Model itself: load it a second time to draft with it")
             if dm.contract.vocab_size != self.contract.vocab_size:
                 raise GenerationError("the draft model's vocabulary differs from the target's")
-            return ModelDrafter(dm, temperature=sampler.temperature, top_p=sampler.top_p, top_k=sampler.top_k,
-                                seed=sampler.seed, **params)
+            return ModelDrafter(
+                dm,
+                temperature=sampler.temperature,
+                top_p=sampler.top_p,
+                top_k=sampler.top_k,
+                seed=sampler.seed,
+                **params,
+            )
         from .drafters import METHODS, make_drafter
 
         if method not in METHODS:
@@ -461,8 +611,11 @@ def _calibration(model: "Model") -> Calibration:
     """The machine-local exactness calibration of this model's graph (runtime.calibration)."""
     from .calibration import cached_calibration
 
-    graph_id = (model.manifest.variants[model.variant].sha256 if model.manifest and model.variant in model.manifest.variants
-                else f"{model.folder}/{model.variant}")
+    graph_id = (
+        model.manifest.variants[model.variant].sha256
+        if model.manifest and model.variant in model.manifest.variants
+        else f"{model.folder}/{model.variant}"
+    )
     threads = model.decoder.s.get_session_options().intra_op_num_threads
     return cached_calibration(model.decoder, graph_id, threads, cache_root() / ".runtime")
 
@@ -474,12 +627,16 @@ def load_datastore(name_or_path: str):
 
     def read(folder: Path):
         if not folder.is_dir():
-            raise CacheError(f"no datastore {str(name_or_path)!r}; build it with `dejavuu-build datastore --from FILE "
-                             f"--tokenizer MODEL --name {folder.name}`")
+            raise CacheError(
+                f"no datastore {str(name_or_path)!r}; build it with `dejavuu-build datastore --from FILE "
+                f"--tokenizer MODEL --name {folder.name}`"
+            )
         m = verify_entry(folder)
         if m.kind != "datastore":
-            raise CacheError(f"{str(name_or_path)!r} is a {m.kind} build, not a datastore: pass a datastore's name "
-                             f"(build one with `dejavuu-build datastore --from FILE --tokenizer MODEL --name NAME`)")
+            raise CacheError(
+                f"{str(name_or_path)!r} is a {m.kind} build, not a datastore: pass a datastore's name "
+                f"(build one with `dejavuu-build datastore --from FILE --tokenizer MODEL --name NAME`)"
+            )
         return Datastore.load(folder)
 
     return read_entry(folder, read)
@@ -504,10 +661,15 @@ def _check_target(folder: Path, onnx_file: Path | None, name_or_path) -> None:
     if folder.is_dir():
         return
     if not is_path_like(name_or_path):
-        here = (f"; the folder ./{name_or_path} here is not looked at: pass ./{name_or_path} to load it"
-                if Path(str(name_or_path)).is_dir() else "")
-        raise CacheError(f"no build named {str(name_or_path)!r} in {cache_root()}; build it with "
-                         f"`dejavuu-build tree-decoder --name {name_or_path}` (and --model ...){here}")
+        here = (
+            f"; the folder ./{name_or_path} here is not looked at: pass ./{name_or_path} to load it"
+            if Path(str(name_or_path)).is_dir()
+            else ""
+        )
+        raise CacheError(
+            f"no build named {str(name_or_path)!r} in {cache_root()}; build it with "
+            f"`dejavuu-build tree-decoder --name {name_or_path}` (and --model ...){here}"
+        )
     raise CacheError(f"{folder} is not a folder or an .onnx file")
 
 
@@ -518,8 +680,9 @@ def resolve_folder(name_or_path: str | os.PathLike) -> tuple[Path, Path | None]:
     return folder, onnx_file
 
 
-def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads: int | None = None,
-         verify: bool = True) -> Model:
+def load(
+    name_or_path: str | os.PathLike, *, variant: str | None = None, threads: int | None = None, verify: bool = True
+) -> Model:
     """Load a decoder by cache name, folder or .onnx path (the manifest's default variant unless named).
 
     A bare word is a cache name; a path (``./x``, ``a/b``, ``x.onnx``, a Path) is that path. An
@@ -527,8 +690,10 @@ def load(name_or_path: str | os.PathLike, *, variant: str | None = None, threads
     manifest, and all of them come from one committed build even while it is being rebuilt."""
     threads = check_threads(threads)
     if variant is not None and (not isinstance(variant, str) or not variant.strip()):
-        raise CacheError(f"variant must name one of the build's variants (such as int4), got {variant!r}; "
-                         f"leave it out for the manifest's default")
+        raise CacheError(
+            f"variant must name one of the build's variants (such as int4), got {variant!r}; "
+            f"leave it out for the manifest's default"
+        )
     folder, onnx_file = _target(name_or_path)
     if onnx_file is not None:
         _check_target(folder, onnx_file, name_or_path)
@@ -540,16 +705,17 @@ def _variant_of_file(folder: Path, manifest: S.Manifest, onnx_file: Path, varian
     target = onnx_file.resolve()
     named = next((v for v, r in manifest.variants.items() if member(folder, r.file).resolve() == target), None)
     if named is None:
-        raise CacheError(f"{onnx_file.name} is not one of {folder.name}'s variants "
-                         f"({', '.join(f'{v}: {r.file}' for v, r in manifest.variants.items()) or 'none'}); "
-                         f"pass one of those files, or the folder with --variant")
+        raise CacheError(
+            f"{onnx_file.name} is not one of {folder.name}'s variants "
+            f"({', '.join(f'{v}: {r.file}' for v, r in manifest.variants.items()) or 'none'}); "
+            f"pass one of those files, or the folder with --variant"
+        )
     if variant is not None and variant != named:
         raise CacheError(f"{onnx_file.name} is the {named} variant, not {variant}: pass one or the other")
     return named
 
 
-def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | None, threads: int,
-          verify: bool) -> Model:
+def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | None, threads: int, verify: bool) -> Model:
     _check_target(folder, onnx_file, name_or_path)
     manifest = None
     if not (folder / S.MANIFEST_FILE).is_file() and _ours(folder, name_or_path):
@@ -557,17 +723,21 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
     if (folder / S.MANIFEST_FILE).is_file():
         manifest = read_checked_manifest(folder)
         if manifest.kind not in ("decoder", "vlm"):
-            raise CacheError(f"{folder.name} is a {manifest.kind} entry, not a decoder build: pass a decoder's name "
-                             f"(a datastore goes to --datastore)")
+            raise CacheError(
+                f"{folder.name} is a {manifest.kind} entry, not a decoder build: pass a decoder's name "
+                f"(a datastore goes to --datastore)"
+            )
         if onnx_file is not None:
             variant = _variant_of_file(folder, manifest, onnx_file, variant)
         variant = variant or manifest.default_variant
         if variant is None or variant not in manifest.variants:
-            raise CacheError(f"{folder.name} has no {variant or 'passing default'} variant "
-                             f"(has: {', '.join(manifest.variants) or 'none'}); build it with "
-                             f"`dejavuu-build quant-only --name {folder.name}`")
+            raise CacheError(
+                f"{folder.name} has no {variant or 'passing default'} variant "
+                f"(has: {', '.join(manifest.variants) or 'none'}); build it with "
+                f"`dejavuu-build quant-only --name {folder.name}`"
+            )
         onnx_path = member(folder, manifest.variants[variant].file)
-        if verify:   # every file this load reads: all but the other variants and the build's references
+        if verify:  # every file this load reads: all but the other variants and the build's references
             others = {r.file for v, r in manifest.variants.items() if v != variant} | {"reference.npz"}
             verify_entry(folder, skip=others)
         sess = make_session(onnx_path, threads)

@@ -28,13 +28,21 @@ class ModelDrafter(Drafter):
 
     name = "draft_model"
 
-    def __init__(self, model: Model, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 max_draft: int = 4):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        max_draft: int = 4,
+    ):
         self.m = model
         self.dec = model.decoder
         self.sampler = Sampler(temperature, top_p, top_k, seed + 7919)
         self.max_draft = max_draft
-        self.kv: Cache | None = None     # made by begin()
+        self.kv: Cache | None = None  # made by begin()
         self.cached: list[int] = []
 
     def begin(self, prompt_ids: Sequence[int]) -> None:

@@ -79,8 +79,9 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / s if s > 0 else p
 
 
-def accept_ratio(p: np.ndarray, q: np.ndarray, token: int, sampler: Sampler, pos: int,
-                 residual_fn=residual) -> tuple[bool, int]:
+def accept_ratio(
+    p: np.ndarray, q: np.ndarray, token: int, sampler: Sampler, pos: int, residual_fn=residual
+) -> tuple[bool, int]:
     """Speculative sampling with a real draft distribution: accept ``token`` with min(1, p/q),
     else draw from the residual. Returns (accepted, token_to_commit)."""
     qx = float(q[token])

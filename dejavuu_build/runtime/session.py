@@ -25,8 +25,14 @@ from ..schema import (
     row_guard_info,
 )
 
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(int32)": "int32",
-              "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16", "tensor(bool)": "bool"}
+_ORT_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16",
+    "tensor(bool)": "bool",
+}
 _KV_PATTERNS = [  # (input regex, output pattern) for ours and common third-party exports
     (re.compile(r"^past_key_values\.(\d+)\.(key|value)$"), "present.{i}.{kv}"),
     (re.compile(r"^past_key_values_(\d+)_(key|value)$"), "present_{i}_{kv}"),
@@ -51,8 +57,9 @@ def make_session(path: str | os.PathLike, threads: int | None = None):
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001
-        raise ContractError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0][:300]}; "
-                            f"the file may be corrupted: rebuild it") from None
+        raise ContractError(
+            f"onnxruntime cannot load {path}: {str(e).splitlines()[0][:300]}; the file may be corrupted: rebuild it"
+        ) from None
 
 
 def _spec(arg) -> TensorSpec:
@@ -72,14 +79,16 @@ def derive_contract(session) -> Contract:
         raise ContractError(f"decoder has neither {INPUT_IDS} nor {INPUTS_EMBEDS} among its inputs {list(ins)}")
     if LOGITS not in outs:
         raise ContractError(f"decoder has no `{LOGITS}` output (outputs: {list(outs)})")
-    found: tuple[str, str, set[int]] | None = None     # (input pattern, output pattern, layers)
+    found: tuple[str, str, set[int]] | None = None  # (input pattern, output pattern, layers)
     for rx, out_pat in _KV_PATTERNS:
         m = [rx.match(n) for n in ins]
         hits = [x for x in m if x]
         if hits:
-            in_pat = {r"^past_key_values\.(\d+)\.(key|value)$": "past_key_values.{i}.{kv}",
-                      r"^past_key_values_(\d+)_(key|value)$": "past_key_values_{i}_{kv}",
-                      r"^past\.(\d+)\.(key|value)$": "past.{i}.{kv}"}[rx.pattern]
+            in_pat = {
+                r"^past_key_values\.(\d+)\.(key|value)$": "past_key_values.{i}.{kv}",
+                r"^past_key_values_(\d+)_(key|value)$": "past_key_values_{i}_{kv}",
+                r"^past\.(\d+)\.(key|value)$": "past.{i}.{kv}",
+            }[rx.pattern]
             found = (in_pat, out_pat, {int(x.group(1)) for x in hits})
             break
     if found is None:
@@ -92,8 +101,11 @@ def derive_contract(session) -> Contract:
         mask_input, mask_kind = ATTENTION_BIAS, "additive_4d"
     elif "attention_mask" in ins:
         mask_input = "attention_mask"
-        mask_kind = "additive_4d" if len(ins["attention_mask"].shape) == 4 and ins["attention_mask"].dtype.startswith("float") \
+        mask_kind = (
+            "additive_4d"
+            if len(ins["attention_mask"].shape) == 4 and ins["attention_mask"].dtype.startswith("float")
             else "padding_2d"
+        )
     logits = outs[LOGITS]
     hidden = outs.get(HIDDEN_STATES)
     # a static past length means the in-place flavour: past and present are one buffer; a write
@@ -109,16 +121,24 @@ def derive_contract(session) -> Contract:
             raise ContractError(f"a rowwise decoder without its {KV_CAPACITY_KEY} metadata: rebuild it") from None
     return Contract(
         primary_input=primary,
-        inputs=list(ins.values()), outputs=list(outs.values()),
-        mask_input=mask_input, mask_kind=mask_kind,
+        inputs=list(ins.values()),
+        outputs=list(outs.values()),
+        mask_input=mask_input,
+        mask_kind=mask_kind,
         position_input=POSITION_IDS if POSITION_IDS in ins else None,
         hidden_output=HIDDEN_STATES if hidden is not None else None,
-        kv_input_pattern=in_pat, kv_output_pattern=kv_out,
+        kv_input_pattern=in_pat,
+        kv_output_pattern=kv_out,
         num_layers=num_layers,
         num_kv_heads=k0.shape[1] if isinstance(k0.shape[1], int) else 0,
         head_dim=k0.shape[3] if isinstance(k0.shape[3], int) else 0,
-        hidden_size=(hidden.shape[-1] if hidden is not None and isinstance(hidden.shape[-1], int) else
-                     ins[primary].shape[-1] if primary == INPUTS_EMBEDS else 0),
+        hidden_size=(
+            hidden.shape[-1]
+            if hidden is not None and isinstance(hidden.shape[-1], int)
+            else ins[primary].shape[-1]
+            if primary == INPUTS_EMBEDS
+            else 0
+        ),
         vocab_size=logits.shape[-1] if isinstance(logits.shape[-1], int) else 0,
         kv_dtype=k0.dtype,
         kv_layout=layout,
@@ -130,9 +150,22 @@ def derive_contract(session) -> Contract:
 def cross_check(derived: Contract, declared: Contract, where: str) -> None:
     """The graph must agree with contract.json on everything the graph can tell."""
     problems = []
-    for f in ("primary_input", "mask_input", "mask_kind", "position_input", "hidden_output",
-              "kv_input_pattern", "kv_output_pattern", "num_layers", "num_kv_heads", "head_dim", "vocab_size",
-              "kv_layout", "kv_capacity", "length_invariant"):
+    for f in (
+        "primary_input",
+        "mask_input",
+        "mask_kind",
+        "position_input",
+        "hidden_output",
+        "kv_input_pattern",
+        "kv_output_pattern",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "vocab_size",
+        "kv_layout",
+        "kv_capacity",
+        "length_invariant",
+    ):
         a, b = getattr(derived, f), getattr(declared, f)
         if a != b:
             problems.append(f"{f}: graph {a!r} vs contract {b!r}")
@@ -142,7 +175,8 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
 
 def empty_past(contract: Contract) -> dict[str, np.ndarray]:
     """The past of an empty context: zero rows, or the whole zeroed buffer of a static layout."""
-    rows = contract.kv_capacity if contract.kv_layout == "static" else 0     # rowwise: grown from 0
+    rows = contract.kv_capacity if contract.kv_layout == "static" else 0  # rowwise: grown from 0
     z = np.zeros((1, contract.num_kv_heads, rows, contract.head_dim), dtype=np.float32)
-    return {contract.kv_input_pattern.format(i=i, kv=kv): z
-            for i in range(contract.num_layers) for kv in ("key", "value")}
+    return {
+        contract.kv_input_pattern.format(i=i, kv=kv): z for i in range(contract.num_layers) for kv in ("key", "value")
+    }

@@ -54,9 +54,10 @@ def stop_fn(tokenizer: TextTokenizer | None, stops: Sequence[str]) -> StopFn:
                 window = tail + piece
                 if any(s in window for s in stops):
                     return i + 1
-                tail = window[len(window) - keep:] if keep else ""
+                tail = window[len(window) - keep :] if keep else ""
         seen = len(new)
         return None
+
     return should_stop
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..errors import CacheError, GenerationError
 
-TEMPLATE_SECONDS = 2.0          # a real chat template renders in milliseconds
-TEMPLATE_MAX_CHARS = 1 << 22    # 4M characters: far more than any model's context holds
+TEMPLATE_SECONDS = 2.0  # a real chat template renders in milliseconds
+TEMPLATE_MAX_CHARS = 1 << 22  # 4M characters: far more than any model's context holds
 
 
 class TextTokenizer:
@@ -60,8 +60,13 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.template:
             raise GenerationError("this model has no chat template: pass a plain prompt instead of --chat/messages")
-        return render_bounded(self.template, messages=messages, add_generation_prompt=add_generation_prompt,
-                              bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return render_bounded(
+            self.template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
@@ -78,8 +83,8 @@ class IncrementalDecoder:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix = 0          # start of the window
-        self.read = 0            # end of what has been emitted
+        self.prefix = 0  # start of the window
+        self.read = 0  # end of what has been emitted
 
     def push(self, ids) -> str:
         self.ids.extend(int(t) for t in ids)
@@ -90,11 +95,11 @@ class IncrementalDecoder:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix :], self.skip)
         if len(now) > len(before) and (final or not now.endswith("\ufffd")):
             self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
+            return now[len(before) :]
         return ""
 
 
@@ -118,15 +123,18 @@ def _check_repeat(a, b) -> None:
             _too_big(len(seq) * max(n, 0))
 
 
-_WIDE = re.compile(r"\d{7,}")   # a width or precision of a million or more
+_WIDE = re.compile(r"\d{7,}")  # a width or precision of a million or more
 
 
 def _check_format(fmt, args=(), kwargs=None) -> None:
     if isinstance(fmt, str) and _WIDE.search(fmt):
         raise _TemplateLimit("formats with a width of millions of characters")
     vals = list(args if isinstance(args, (list, tuple)) else [args]) + list((kwargs or {}).values())
-    if isinstance(fmt, str) and any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > TEMPLATE_MAX_CHARS
-                                    for v in vals) and ("*" in fmt or "{" in fmt):
+    if (
+        isinstance(fmt, str)
+        and any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > TEMPLATE_MAX_CHARS for v in vals)
+        and ("*" in fmt or "{" in fmt)
+    ):
         raise _TemplateLimit("formats with a computed width of millions of characters")
 
 
@@ -158,7 +166,7 @@ def _bounded_env():
         intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         @staticmethod
-        def concat(parts):      # the template's, macros' and call blocks' output
+        def concat(parts):  # the template's, macros' and call blocks' output
             return "".join(_check_join(parts))
 
         def call_binop(self, context, operator, left, right):
@@ -168,15 +176,16 @@ def _bounded_env():
                 _too_big(_size(left) + _size(right))
             elif operator == "%":
                 _check_format(left, right)
-            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                    and right > 1024:
+            elif (
+                operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 1024
+            ):
                 raise _TemplateLimit(f"computes {left} ** {right}")
             out = super().call_binop(context, operator, left, right)
             _too_big(_size(out))
             return out
 
         def call(__self, __context, __obj, *args, **kwargs):
-            target = getattr(__obj, "__wrapped__", __obj)      # str.format comes wrapped by the sandbox
+            target = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
             if isinstance(getattr(target, "__self__", None), str):
                 _check_str_call(target.__self__, getattr(target, "__name__", ""), args, kwargs)
             out = super().call(__context, __obj, *args, **kwargs)
@@ -184,7 +193,7 @@ def _bounded_env():
             return out
 
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals.pop("lipsum", None)                              # generates text of any length
+    env.globals.pop("lipsum", None)  # generates text of any length
 
     def guard(name, check):
         real = env.filters[name]
@@ -197,8 +206,12 @@ def _bounded_env():
         env.filters[name] = filt
 
     guard("center", lambda value, width=80, *a, **k: _too_big(width) if isinstance(width, int) else None)
-    guard("indent", lambda s, width=4, *a, **k: _too_big(
-        len(str(s)) + (str(s).count("\n") + 1) * (len(width) if isinstance(width, str) else int(width))))
+    guard(
+        "indent",
+        lambda s, width=4, *a, **k: _too_big(
+            len(str(s)) + (str(s).count("\n") + 1) * (len(width) if isinstance(width, str) else int(width))
+        ),
+    )
     guard("replace", lambda ctx, s, old, new, *a, **k: _check_str_call(str(s), "replace", (str(old), str(new)), {}))
     guard("join", lambda ctx, value, d="", *a, **k: _check_join(value, d) if isinstance(value, (list, tuple)) else None)
     guard("format", lambda value, *args, **kw: _check_format(value, args, kw))
@@ -214,12 +227,13 @@ def render_bounded(source: str, **context) -> str:
 
     env.globals["raise_exception"] = raise_exception
     try:
-        tmpl = env.from_string(source)        # constant expressions are folded (and bounded) here
+        tmpl = env.from_string(source)  # constant expressions are folded (and bounded) here
     except _TemplateLimit as e:
         raise GenerationError(f"chat template refused: it {e}; pass a plain prompt instead") from None
     except Exception as e:  # noqa: BLE001 - a syntax error in the model's template
-        raise GenerationError(f"chat template does not parse ({type(e).__name__}: {str(e)[:200]}): "
-                              f"pass a plain prompt instead") from None
+        raise GenerationError(
+            f"chat template does not parse ({type(e).__name__}: {str(e)[:200]}): pass a plain prompt instead"
+        ) from None
     # `~` joins through the template's own module globals: bound those joins too.
     g = tmpl.root_render_func.__globals__
     for fn in ("str_join", "markup_join"):
@@ -245,8 +259,9 @@ def render_bounded(source: str, **context) -> str:
     except GenerationError:
         raise
     except Exception as e:  # noqa: BLE001 - the template's own failure (recursion, type errors, ...)
-        raise GenerationError(f"chat template failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
-                              f"pass a plain prompt instead") from None
+        raise GenerationError(
+            f"chat template failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); pass a plain prompt instead"
+        ) from None
     finally:
         sys.settrace(previous)
     return "".join(out)

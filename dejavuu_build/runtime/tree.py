@@ -49,7 +49,7 @@ def row_bias(parents: list[int], past_len: int, length: int) -> tuple[np.ndarray
     n = len(parents)
     bias = np.full((1, 1, n, length), NEG, dtype=np.float32)
     bias[0, 0, :, :past_len] = 0
-    bias[0, 0, :, past_len:past_len + n][ancestors_mask(parents)] = 0
+    bias[0, 0, :, past_len : past_len + n][ancestors_mask(parents)] = 0
     return (past_len + depths(parents))[None].astype(np.int64), bias
 
 
@@ -63,8 +63,9 @@ def with_root(draft_parents: list[int]) -> list[int]:
     return [-1] + [p + 1 for p in draft_parents]
 
 
-def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int = 0,
-                   tile: int | None = None) -> tuple[list[int], list[int]]:
+def aligned_layout(
+    parents: list[int], period: int, max_slots: int, *, past: int = 0, tile: int | None = None
+) -> tuple[list[int], list[int]]:
     """Place step nodes into slots so that every node sits at ``slot ≡ depth (mod period)`` and
     after its parent; returns (slot of each kept node or -1 if pruned, parents per slot with -1
     for pad slots and roots).
@@ -89,7 +90,7 @@ def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int
     slot = [-1] * n
     used: set[int] = set()
     stack = [0]
-    while stack:                       # preorder DFS, first child first
+    while stack:  # preorder DFS, first child first
         u = stack.pop()
         p = parents[u]
         lo = 0 if p < 0 else slot[p] + 1
@@ -98,7 +99,7 @@ def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int
             s += period
         crosses = tile is not None and (past + s) // tile != (past + int(d[u])) // tile
         if s >= max_slots or crosses or (p >= 0 and slot[p] < 0):
-            continue                   # pruned (its subtree too: children see slot[p] < 0)
+            continue  # pruned (its subtree too: children see slot[p] < 0)
         slot[u] = s
         used.add(s)
         stack.extend(reversed(children.get(u, [])))
@@ -108,7 +109,6 @@ def aligned_layout(parents: list[int], period: int, max_slots: int, *, past: int
         if slot[i] >= 0 and parents[i] >= 0:
             slot_parents[slot[i]] = slot[parents[i]]
     return slot, slot_parents
-
 
 
 def slot_tokens(tokens: list[int], slot: list[int], n_slots: int) -> list[int]:

@@ -43,9 +43,9 @@ def load_embedder(folder: Path, threads: int | None = None) -> Callable[[np.ndar
 
 @dataclass
 class VisionParts:
-    session: Any                    # the vision encoder's onnxruntime InferenceSession
+    session: Any  # the vision encoder's onnxruntime InferenceSession
     pre: SmolVLMImagePreprocessor
-    cfg: dict                       # vlm.json: image_token_id, image_seq_len, tokens, ...
+    cfg: dict  # vlm.json: image_token_id, image_seq_len, tokens, ...
 
     @classmethod
     def load(cls, folder: Path, threads: int | None = None) -> "VisionParts":
@@ -56,9 +56,11 @@ class VisionParts:
         for f in (VISION_ONNX, VLM_JSON, PREPROCESSOR_JSON):
             if not (folder / f).is_file():
                 raise CacheError(f"{folder} has no {f}; rebuild it with `dejavuu-build vlm --name {folder.name}`")
-        return cls(make_session(folder / VISION_ONNX, threads),
-                   SmolVLMImagePreprocessor.from_file(folder / PREPROCESSOR_JSON),
-                   json.loads((folder / VLM_JSON).read_text()))
+        return cls(
+            make_session(folder / VISION_ONNX, threads),
+            SmolVLMImagePreprocessor.from_file(folder / PREPROCESSOR_JSON),
+            json.loads((folder / VLM_JSON).read_text()),
+        )
 
     def prompt_text(self, prompt, n_images: int, tokenizer) -> str:
         """The chat-templated text with one image placeholder per image."""
@@ -85,17 +87,24 @@ class VisionParts:
         text = self.prompt_text(prompt, len(images), tokenizer)
         pv, mask, rows, cols = self.pre(list(images))
         c = self.cfg
-        text = expand_image_tokens(text, rows, cols, image_seq_len=c["image_seq_len"],
-                                   image_token=c.get("image_token", "<image>"),
-                                   fake_image_token=c.get("fake_image_token", "<fake_token_around_image>"),
-                                   global_image_token=c.get("global_image_token", "<global-img>"))
+        text = expand_image_tokens(
+            text,
+            rows,
+            cols,
+            image_seq_len=c["image_seq_len"],
+            image_token=c.get("image_token", "<image>"),
+            fake_image_token=c.get("fake_image_token", "<fake_token_around_image>"),
+            global_image_token=c.get("global_image_token", "<global-img>"),
+        )
         ids = tokenizer.encode(text, add_special_tokens=False)
         feats = self.session.run(None, {"pixel_values": pv.astype(np.float32), "pixel_attention_mask": mask})[0]
         arr = np.asarray(ids, dtype=np.int64)
         slots = arr == c["image_token_id"]
         if int(slots.sum()) != feats.shape[0] * feats.shape[1]:
-            raise GenerationError(f"{int(slots.sum())} image-token slots for {feats.shape[0]} tiles × "
-                                  f"{feats.shape[1]} features: the tokenizer does not know the image tokens")
+            raise GenerationError(
+                f"{int(slots.sum())} image-token slots for {feats.shape[0]} tiles × "
+                f"{feats.shape[1]} features: the tokenizer does not know the image tokens"
+            )
         emb = embed(arr[None]).copy()
         emb[0, slots] = feats.reshape(-1, feats.shape[-1])
         return ids, emb

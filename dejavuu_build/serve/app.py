@@ -43,20 +43,28 @@ if TYPE_CHECKING:
     from ..runtime.model import Model
 
 DEFAULT_MAX_TOKENS = 256
-MAX_BODY = 32 << 20          # bytes; a data: URL image fits, a runaway upload does not
+MAX_BODY = 32 << 20  # bytes; a data: URL image fits, a runaway upload does not
 
 
 class APIError(Exception):
     """An error the client caused or should see, with its HTTP status and OpenAI fields."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -73,7 +81,7 @@ class _Body(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -131,8 +139,15 @@ FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: str = "auto", tree: bool = False,
-               memory_key: str | None = None) -> FastAPI:
+def create_app(
+    model: Model,
+    scheduler: Scheduler,
+    *,
+    served_name: str,
+    method: str = "auto",
+    tree: bool = False,
+    memory_key: str | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``model`` through ``scheduler`` under the name ``served_name``."""
     from .metrics import render_metrics
 
@@ -141,8 +156,15 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
     created = int(time.time())
     namespace = memory_key or served_name
     tok = model.tokenizer
-    limits = [x for x in (model.contract.max_positions, model.decoder.capacity,
-                          scheduler.batch.capacity if scheduler.batch else 0) if x]
+    limits = [
+        x
+        for x in (
+            model.contract.max_positions,
+            model.decoder.capacity,
+            scheduler.batch.capacity if scheduler.batch else 0,
+        )
+        if x
+    ]
     limit = min(limits) if limits else 0
     # room for one verify step past the last token: a chain of max_nodes, or a tree's period-aligned slots
     step_rows = 1 + max(scheduler.max_nodes or 16, scheduler.max_depth, 16 * scheduler.width)
@@ -154,8 +176,12 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error",
-                        code="not_found" if e.status_code == 404 else None).response()
+        return APIError(
+            e.status_code,
+            str(e.detail),
+            "invalid_request_error" if e.status_code < 500 else "server_error",
+            code="not_found" if e.status_code == 404 else None,
+        ).response()
 
     @app.exception_handler(Exception)
     async def _bug(_, e: Exception):
@@ -164,13 +190,20 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": served_name, "batched": scheduler.batched,
-                "active": scheduler.active_count(), "queued": scheduler.queue_depth()}
+        return {
+            "status": "ok",
+            "model": served_name,
+            "batched": scheduler.batched,
+            "active": scheduler.active_count(),
+            "queued": scheduler.queue_depth(),
+        }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
-                                            "owned_by": "dejavuu-build"}]}
+        return {
+            "object": "list",
+            "data": [{"id": served_name, "object": "model", "created": created, "owned_by": "dejavuu-build"}],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -182,8 +215,12 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
             raise APIError(413, f"the body is larger than {MAX_BODY >> 20} MiB", code="body_too_large")
         body = await asyncio.to_thread(parse_body, raw, cls)
         if body.model != served_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {served_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         return body
@@ -193,32 +230,54 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
 
         m = body.method or method
         if m not in METHODS:
-            raise APIError(400, f"unknown method {m!r}; choose one of: {', '.join(METHODS)}", param="method",
-                           code="unknown_method")
+            raise APIError(
+                400, f"unknown method {m!r}; choose one of: {', '.join(METHODS)}", param="method", code="unknown_method"
+            )
         mt = max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens is None and limit:
             mt = max(1, min(mt, limit - n_prompt - step_rows))
         if limit and n_prompt + mt + step_rows > limit:
-            raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({mt}) exceeds this model's context "
-                                f"of {limit - step_rows} tokens: shorten the prompt or lower max_tokens",
-                           param="max_tokens" if max_tokens else "messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt ({n_prompt} tokens) plus max_tokens ({mt}) exceeds this model's context "
+                f"of {limit - step_rows} tokens: shorten the prompt or lower max_tokens",
+                param="max_tokens" if max_tokens else "messages",
+                code="context_length_exceeded",
+            )
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        return Params(max_new_tokens=mt, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                      seed=seed, stop=list(body.stop or []), method=m, tree=tree if body.tree is None else body.tree,
-                      namespace=body.memory_key or namespace)
+        return Params(
+            max_new_tokens=mt,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            stop=list(body.stop or []),
+            method=m,
+            tree=tree if body.tree is None else body.tree,
+            namespace=body.memory_key or namespace,
+        )
 
     def too_long(n_chars: int, param: str) -> None:
         """Refuse, before tokenizing, text that cannot fit: every token stands for at most
         ``token_chars`` characters, so more than ``limit`` tokens' worth is over the context."""
         if limit and n_chars > 2 * token_chars * limit + 4096:
-            raise APIError(400, f"the prompt ({n_chars} characters) cannot fit this model's context of {limit} tokens: "
-                                f"shorten it", param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt ({n_chars} characters) cannot fit this model's context of {limit} tokens: shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def encode_chat(body: ChatBody):
         vision = model.vision
         images, msgs, vlm = [], [], vision is not None
-        too_long(sum(len(m.content) if isinstance(m.content, str) else
-                     sum(len(p.text or "") for p in m.content or ()) for m in body.messages), "messages")
+        too_long(
+            sum(
+                len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
+                for m in body.messages
+            ),
+            "messages",
+        )
         for i, msg in enumerate(body.messages):
             if isinstance(msg.content, list):
                 parts = []
@@ -241,7 +300,7 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
                     content = [{"type": "text", "text": content}]
             msgs.append({"role": msg.role, "content": content})
         try:
-            if images and vision is not None:       # (images are refused above without vision)
+            if images and vision is not None:  # (images are refused above without vision)
                 ids, embeds = vision.prefill(msgs, images, tok, model.decoder.embed)
                 return ids, embeds
             return model.encode(msgs), None
@@ -261,8 +320,12 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
                 raise APIError(400, "the prompt is empty", param="prompt")
             V = model.contract.vocab_size
             if limit and len(p) > limit:
-                raise APIError(400, f"the prompt ({len(p)} tokens) exceeds this model's context of {limit} tokens: "
-                                    f"shorten it", param="prompt", code="context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"the prompt ({len(p)} tokens) exceeds this model's context of {limit} tokens: shorten it",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             if any(not isinstance(t, int) or not 0 <= t < V for t in p):
                 raise APIError(400, f"token ids must be in [0, {V})", param="prompt")
             return [int(t) for t in p], None
@@ -275,16 +338,24 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
     async def run(request: HTTPRequest, ids, embeds, prm: Params, kind: str, include_usage: bool, stream: bool):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req = Request(ids, prm, lambda t: loop.call_soon_threadsafe(q.put_nowait, ("tokens", t)),
-                      lambda r: loop.call_soon_threadsafe(q.put_nowait, ("done", r)), prefill_embeds=embeds)
+        req = Request(
+            ids,
+            prm,
+            lambda t: loop.call_soon_threadsafe(q.put_nowait, ("tokens", t)),
+            lambda r: loop.call_soon_threadsafe(q.put_nowait, ("done", r)),
+            prefill_embeds=embeds,
+        )
         try:
             scheduler.submit(req)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            return StreamingResponse(sse(req, q, rid, prm, kind, include_usage, len(ids)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                sse(req, q, rid, prm, kind, include_usage, len(ids)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             while True:
                 try:
@@ -301,19 +372,33 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
             raise
         res = done_result(val)
         text = cut(tok.decode(res.tokens), prm.stop) if tok is not None else ""
-        usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
-                 "total_tokens": res.prompt_tokens + len(res.tokens)}
+        usage = {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": len(res.tokens),
+            "total_tokens": res.prompt_tokens + len(res.tokens),
+        }
         finish = FINISH.get(res.stop_reason, "stop")
         ext = ext_stats(res)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": served_name, "choices": [choice],
-                "usage": usage, "dejavuu": ext}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": served_name,
+            "choices": [choice],
+            "usage": usage,
+            "dejavuu": ext,
+        }
 
     def done_result(val) -> Result:
         if isinstance(val, Result):
@@ -327,9 +412,8 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
         logger.error("generation failed: %r", val)
         raise APIError(500, f"internal error: {type(val).__name__}", "server_error")
 
-    async def sse(req: Request, q: asyncio.Queue, rid: str, prm: Params, kind: str, include_usage: bool,
-                  n_prompt: int):
-        ts = TextStream(tok, prm.stop) if tok is not None else None     # without a tokenizer: no text
+    async def sse(req: Request, q: asyncio.Queue, rid: str, prm: Params, kind: str, include_usage: bool, n_prompt: int):
+        ts = TextStream(tok, prm.stop) if tok is not None else None  # without a tokenizer: no text
         created_ = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -339,8 +423,11 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created_, "model": served_name,
-                                          "choices": [choice]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({"id": rid, "object": obj, "created": created_, "model": served_name, "choices": [choice]})
+                + "\n\n"
+            )
 
         try:
             if kind == "chat":
@@ -354,22 +441,41 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
                 try:
                     res = done_result(val)
                 except APIError as e:
-                    yield "data: " + json.dumps({"error": {"message": e.message, "type": e.type, "param": e.param,
-                                                           "code": e.code}}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+                        )
+                        + "\n\n"
+                    )
                     return
                 if ts is not None and (rest := ts.finish()):
                     yield chunk(rest)
                 yield chunk(None, FINISH.get(res.stop_reason, "stop"))
                 if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created_, "model": served_name,
-                                                 "choices": [], "usage": {
-                                                     "prompt_tokens": n_prompt, "completion_tokens": len(res.tokens),
-                                                     "total_tokens": n_prompt + len(res.tokens)},
-                                                 "dejavuu": ext_stats(res)}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created_,
+                                "model": served_name,
+                                "choices": [],
+                                "usage": {
+                                    "prompt_tokens": n_prompt,
+                                    "completion_tokens": len(res.tokens),
+                                    "total_tokens": n_prompt + len(res.tokens),
+                                },
+                                "dejavuu": ext_stats(res),
+                            }
+                        )
+                        + "\n\n"
+                    )
                 yield "data: [DONE]\n\n"
                 return
         finally:
-            req.cancel()          # no-op once finished; frees the slot at once when the client left
+            req.cancel()  # no-op once finished; frees the slot at once when the client left
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
@@ -378,16 +484,30 @@ def create_app(model: Model, scheduler: Scheduler, *, served_name: str, method: 
             raise APIError(400, f"{served_name} has no tokenizer: use /v1/completions with token ids")
         ids, embeds = await asyncio.to_thread(encode_chat, body)
         prm = params(body, body.max_completion_tokens or body.max_tokens, len(ids))
-        return await run(request, ids, embeds, prm, "chat",
-                         bool(body.stream_options and body.stream_options.include_usage), body.stream)
+        return await run(
+            request,
+            ids,
+            embeds,
+            prm,
+            "chat",
+            bool(body.stream_options and body.stream_options.include_usage),
+            body.stream,
+        )
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await parse(request, CompletionBody)
         ids, embeds = await asyncio.to_thread(encode_prompt, body)
         prm = params(body, body.max_tokens, len(ids))
-        return await run(request, ids, embeds, prm, "completion",
-                         bool(body.stream_options and body.stream_options.include_usage), body.stream)
+        return await run(
+            request,
+            ids,
+            embeds,
+            prm,
+            "completion",
+            bool(body.stream_options and body.stream_options.include_usage),
+            body.stream,
+        )
 
     return app
 
@@ -416,14 +536,21 @@ def parse_body(raw: bytes, cls):
 def longest_token(tok) -> int:
     """The most characters any one token of ``tok`` stands for (decoded, specials included)."""
     vocab = tok.tok.get_vocab(with_added_tokens=True)
-    return max([1] + [len(tok.tok.decode([i], skip_special_tokens=False)) for i in vocab.values()]
-               + [len(t) for t in vocab])
+    return max(
+        [1] + [len(tok.tok.decode([i], skip_special_tokens=False)) for i in vocab.values()] + [len(t) for t in vocab]
+    )
 
 
 def ext_stats(res: Result) -> dict:
     """Our extension beside ``usage``: how the answer was decoded (verify steps, drafts accepted)."""
-    return {"method": res.method, "tree": res.tree, "batched": res.batched, "steps": res.stats.steps,
-            "accepted": res.stats.accepted, "drafted": res.stats.drafted}
+    return {
+        "method": res.method,
+        "tree": res.tree,
+        "batched": res.batched,
+        "steps": res.stats.steps,
+        "accepted": res.stats.accepted,
+        "drafted": res.stats.drafted,
+    }
 
 
 def data_url_image(url: str, param: str):

@@ -31,7 +31,7 @@ from .graph import ensure_batched
 if TYPE_CHECKING:
     from ..runtime.model import Model
 
-Owner = TypeVar("Owner")    # what holds a slot (the scheduler's Request); opaque here
+Owner = TypeVar("Owner")  # what holds a slot (the scheduler's Request); opaque here
 
 
 class BatchUnavailable(GenerationError):
@@ -55,8 +55,10 @@ class BatchDecoder(Generic[Owner]):
     def __init__(self, model: Model, max_batch: int, cache: Path):
         c = model.contract
         if c.kv_layout != "static" or model.manifest is None or c.mask_kind != "additive_4d" or c.mask_input is None:
-            raise BatchUnavailable(f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
-                                   f"`-static` variant (`dejavuu-build tree-decoder --kv-layouts static`)")
+            raise BatchUnavailable(
+                f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
+                f"`-static` variant (`dejavuu-build tree-decoder --kv-layouts static`)"
+            )
         import onnxruntime as ort
 
         from ..runtime.session import make_session
@@ -68,10 +70,12 @@ class BatchDecoder(Generic[Owner]):
         src = model.folder / model.manifest.variants[model.variant].file
         try:
             path = ensure_batched(src, cache)
-        except OSError as e:   # read-only or full cache: serve, one request at a time
-            raise BatchUnavailable(f"the batched graph cannot be written under {cache} "
-                                   f"({getattr(e, 'strerror', None) or e}); make the cache writable or free disk "
-                                   f"space to batch requests") from None
+        except OSError as e:  # read-only or full cache: serve, one request at a time
+            raise BatchUnavailable(
+                f"the batched graph cannot be written under {cache} "
+                f"({getattr(e, 'strerror', None) or e}); make the cache writable or free disk "
+                f"space to batch requests"
+            ) from None
         threads = model.decoder.s.get_session_options().intra_op_num_threads
         self.s = make_session(path, threads)
         self.max_batch = max_batch
@@ -81,9 +85,9 @@ class BatchDecoder(Generic[Owner]):
         # np.zeros maps pages lazily: memory grows with the contexts actually held.
         self.buf = np.zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), dtype=dtype)
         self.lengths = [0] * max_batch
-        self.active = 0                       # slots [0, active) are in use
+        self.active = 0  # slots [0, active) are in use
         self.owners: list[Owner | None] = [None] * max_batch
-        self._bindings: dict[tuple[int, int], Any] = {}     # onnxruntime IOBindings per slot range
+        self._bindings: dict[tuple[int, int], Any] = {}  # onnxruntime IOBindings per slot range
         self.last_run_s = 0.0
 
     # ------------------------------------------------------------------ slots
@@ -130,17 +134,21 @@ class BatchDecoder(Generic[Owner]):
         B = len(rows)
         fed: list[Rows | None] = []
         for r in rows:
-            if r is not None and len(r.tokens) == 1 and r.slots is None:   # as Decoder.forward: one -> two rows
+            if r is not None and len(r.tokens) == 1 and r.slots is None:  # as Decoder.forward: one -> two rows
                 r = Rows(r.tokens * 2, [-1, -1], None if r.embeds is None else np.concatenate([r.embeds] * 2))
             fed.append(r)
-        widths = [0 if r is None else len(r.parents) if r.slots is not None and r.parents is not None else len(r.tokens)
-                  for r in fed]
-        S = max([2] + widths)                 # attention slots per entry (a tree's aligned layout)
+        widths = [
+            0 if r is None else len(r.parents) if r.slots is not None and r.parents is not None else len(r.tokens)
+            for r in fed
+        ]
+        S = max([2] + widths)  # attention slots per entry (a tree's aligned layout)
         lens = [self.lengths[lo + b] for b in range(B)]
         for b, r in enumerate(fed):
             if r is not None and lens[b] + S > self.capacity:
-                raise GenerationError(f"the KV cache holds {self.capacity} positions and this step needs "
-                                      f"{lens[b] + S}: use a shorter prompt or fewer new tokens")
+                raise GenerationError(
+                    f"the KV cache holds {self.capacity} positions and this step needs "
+                    f"{lens[b] + S}: use a shorter prompt or fewer new tokens"
+                )
         width = max(1, max(lens[b] + widths[b] for b in range(B)))
         counts = [len(r.tokens) if r is not None else 0 for r in fed]
         T = sum(counts)
@@ -163,19 +171,28 @@ class BatchDecoder(Generic[Owner]):
             parents = r.parents if r.parents is not None else list(range(-1, n - 1))
             slots = np.arange(n) if r.slots is None else np.asarray(r.slots, np.int64)
             p, m = step_inputs(parents, P)
-            ids[0, o:o + n] = r.tokens
+            ids[0, o : o + n] = r.tokens
             pos[b, :w] = p[0]
-            pad_index[b, :w] = o                   # pad slots read the root row (their keys are masked)
+            pad_index[b, :w] = o  # pad slots read the root row (their keys are masked)
             pad_index[b, slots] = o + np.arange(n)
-            unpad_index[0, o:o + n] = b * S + slots
-            bias[b, 0, :w, :P + w] = m[0, 0]
+            unpad_index[0, o : o + n] = b * S + slots
+            bias[b, 0, :w, : P + w] = m[0, 0]
             seqlens[b], qlens[b] = P + w - 1, w
             if embeds is not None:
-                embeds[0, o:o + n] = r.embeds if r.embeds is not None else self.model.decoder.embeddings(
-                    np.asarray(r.tokens, np.int64)[None])[0]
+                embeds[0, o : o + n] = (
+                    r.embeds
+                    if r.embeds is not None
+                    else self.model.decoder.embeddings(np.asarray(r.tokens, np.int64)[None])[0]
+                )
         bind = self._binding(lo, lo + B)
-        feeds = {GQA_POSITIONS: pos, self.mask_input: bias, SEQLENS_K: seqlens, QUERY_SEQLENS: qlens,
-                 PAD_INDEX: pad_index, UNPAD_INDEX: unpad_index}
+        feeds = {
+            GQA_POSITIONS: pos,
+            self.mask_input: bias,
+            SEQLENS_K: seqlens,
+            QUERY_SEQLENS: qlens,
+            PAD_INDEX: pad_index,
+            UNPAD_INDEX: unpad_index,
+        }
         feeds[self.c.primary_input] = embeds if embeds is not None else ids
         for name, arr in feeds.items():
             bind.bind_cpu_input(name, arr)
@@ -191,8 +208,8 @@ class BatchDecoder(Generic[Owner]):
         self.last_run_s = time.perf_counter() - t0
         out = []
         for b, r in enumerate(rows):
-            o, n = int(offsets[b]), (0 if r is None else len(r.tokens))    # a single token's pad row is dropped
-            out.append((logits[0, o:o + n], hidden[0, o:o + n] if hidden is not None else None))
+            o, n = int(offsets[b]), (0 if r is None else len(r.tokens))  # a single token's pad row is dropped
+            out.append((logits[0, o : o + n], hidden[0, o : o + n] if hidden is not None else None))
         return out
 
     def commit(self, slot: int, n_rows: int, keep: list[int]) -> None:
@@ -201,6 +218,6 @@ class BatchDecoder(Generic[Owner]):
         k = len(keep)
         if keep != list(range(k)):
             src = L + np.asarray(keep, dtype=np.int64)
-            rows = self.buf[:, slot]          # a view: [2 * layers, kv_heads, capacity, head_dim]
-            rows[:, :, L:L + k] = rows[:, :, src]
+            rows = self.buf[:, slot]  # a view: [2 * layers, kv_heads, capacity, head_dim]
+            rows[:, :, L : L + k] = rows[:, :, src]
         self.lengths[slot] = L + k

@@ -53,8 +53,9 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
     raise DejavuuError(f"the server at {url} did not become healthy in {timeout:.0f} s")
 
 
-def start_server(name: str, *extra: str, port: int | None = None, env: dict | None = None,
-                 log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    name: str, *extra: str, port: int | None = None, env: dict | None = None, log_path: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """``dejavuu-build serve NAME`` in a subprocess; returns (process, base URL) once healthy."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "dejavuu_build.build.cli", "serve", name, "--port", str(port), *extra]
@@ -81,9 +82,15 @@ def _prompts(data: str | None, n: int) -> list[str]:
 def _one(client, model: str, messages, method: str, max_tokens: int, key: str) -> dict:
     t0 = time.perf_counter()
     ttft, parts, usage, steps = None, [], None, 0
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"method": method, "memory_key": key})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"method": method, "memory_key": key},
+    )
     for ch in stream:
         if ch.usage is not None:
             usage = ch.usage
@@ -93,8 +100,13 @@ def _one(client, model: str, messages, method: str, max_tokens: int, key: str) -
                 ttft = time.perf_counter() - t0
             parts.append(ch.choices[0].delta.content)
     dt = time.perf_counter() - t0
-    return {"text": "".join(parts), "latency": dt, "ttft": ttft if ttft is not None else dt,
-            "tokens": usage.completion_tokens if usage else 0, "steps": steps}
+    return {
+        "text": "".join(parts),
+        "latency": dt,
+        "ttft": ttft if ttft is not None else dt,
+        "tokens": usage.completion_tokens if usage else 0,
+        "steps": steps,
+    }
 
 
 def load_point(client, model: str, prompts: list[str], method: str, c: int, max_tokens: int, key: str) -> dict:
@@ -107,10 +119,19 @@ def load_point(client, model: str, prompts: list[str], method: str, c: int, max_
     lat = np.array([r["latency"] for r in res])
     ttft = np.array([r["ttft"] for r in res])
     toks = sum(r["tokens"] for r in res)
-    return {"method": method, "concurrency": c, "requests": len(res), "tokens": toks, "wall_s": round(wall, 3),
-            "tok_s": round(toks / wall, 1), "latency_p50": round(float(np.percentile(lat, 50)), 3),
-            "latency_p95": round(float(np.percentile(lat, 95)), 3), "ttft_p50": round(float(np.percentile(ttft, 50)), 4),
-            "ttft_p95": round(float(np.percentile(ttft, 95)), 4), "texts": [r["text"] for r in res]}
+    return {
+        "method": method,
+        "concurrency": c,
+        "requests": len(res),
+        "tokens": toks,
+        "wall_s": round(wall, 3),
+        "tok_s": round(toks / wall, 1),
+        "latency_p50": round(float(np.percentile(lat, 50)), 3),
+        "latency_p95": round(float(np.percentile(lat, 95)), 3),
+        "ttft_p50": round(float(np.percentile(ttft, 50)), 4),
+        "ttft_p95": round(float(np.percentile(ttft, 95)), 4),
+        "texts": [r["text"] for r in res],
+    }
 
 
 def second_turns(client, model: str, data: str | None, n: int, method: str, max_tokens: int) -> dict:
@@ -124,14 +145,17 @@ def second_turns(client, model: str, data: str | None, n: int, method: str, max_
         raise DejavuuError(f"{path} has no two-turn (MT-Bench) questions")
     shared = "bench-mt-shared"
     labels = ("baseline", "without_memory", "with_memory", "repeated_with_memory")
-    out: dict[str, Any] = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "texts": []} for k in labels}   # the JSON report
+    out: dict[str, Any] = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "texts": []} for k in labels}  # the JSON report
     for i, r in enumerate(conv):
         u1, u2 = r["turns"][0], r["turns"][1]
         a1 = _one(client, model, [{"role": "user", "content": u1}], method, max_tokens, shared)["text"]
         msgs = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
-        for label, key, m in (("baseline", f"bench-mt-base-{i}", "baseline"),
-                              ("without_memory", f"bench-mt-none-{i}", method),
-                              ("with_memory", shared, method), ("repeated_with_memory", shared, method)):
+        for label, key, m in (
+            ("baseline", f"bench-mt-base-{i}", "baseline"),
+            ("without_memory", f"bench-mt-none-{i}", method),
+            ("with_memory", shared, method),
+            ("repeated_with_memory", shared, method),
+        ):
             x = _one(client, model, msgs, m, max_tokens, key)
             out[label]["tokens"] += x["tokens"]
             out[label]["seconds"] += x["latency"]
@@ -141,7 +165,7 @@ def second_turns(client, model: str, data: str | None, n: int, method: str, max_
         o = out[label]
         o["seconds"] = round(o["seconds"], 3)
         o["tok_s"] = round(o["tokens"] / o["seconds"], 1) if o["seconds"] else 0.0
-        o["tokens_per_step"] = round(o["tokens"] / o["steps"], 2) if o["steps"] else 0.0   # load-independent
+        o["tokens_per_step"] = round(o["tokens"] / o["steps"], 2) if o["steps"] else 0.0  # load-independent
     base = out["baseline"]["tok_s"] or 1.0
     for label in labels[1:]:
         out[label]["speedup"] = round(out[label]["tok_s"] / base, 3)
@@ -173,9 +197,17 @@ def run_bench(*, url, name, concurrency, methods, n_requests, max_tokens, data, 
                 ref = ref if ref is not None else texts
                 row["identical_to_c1"] = texts == ref
                 rows.append(row)
-                logger.info("%-16s c=%d  %7.1f tok/s  latency p50 %.2f p95 %.2f s  TTFT p50 %.3f p95 %.3f s  %s",
-                            method, c, row["tok_s"], row["latency_p50"], row["latency_p95"], row["ttft_p50"],
-                            row["ttft_p95"], "identical" if row["identical_to_c1"] else "DIFFERENT")
+                logger.info(
+                    "%-16s c=%d  %7.1f tok/s  latency p50 %.2f p95 %.2f s  TTFT p50 %.3f p95 %.3f s  %s",
+                    method,
+                    c,
+                    row["tok_s"],
+                    row["latency_p50"],
+                    row["latency_p95"],
+                    row["ttft_p50"],
+                    row["ttft_p95"],
+                    "identical" if row["identical_to_c1"] else "DIFFERENT",
+                )
         for method in methods:
             mine = [r for r in rows if r["method"] == method]
             one = mine[0]
@@ -200,11 +232,14 @@ def run_bench(*, url, name, concurrency, methods, n_requests, max_tokens, data, 
             proc.wait(timeout=30)
 
 
-
 def _table(rows: list[dict]) -> None:
-    print("| method | clients | tok/s | × 1 client | latency p50 / p95 s | TTFT p50 / p95 s | TTFT p95 × 1 client | identical |")
+    print(
+        "| method | clients | tok/s | × 1 client | latency p50 / p95 s | TTFT p50 / p95 s | TTFT p95 × 1 client | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['concurrency']} | {r['tok_s']} | {r['x_c1_tok_s']} | {r['latency_p50']} / "
-              f"{r['latency_p95']} | {r['ttft_p50']} / {r['ttft_p95']} | {r['x_c1_ttft_p95']} | "
-              f"{'yes' if r['identical_to_c1'] else 'NO'} |")
+        print(
+            f"| {r['method']} | {r['concurrency']} | {r['tok_s']} | {r['x_c1_tok_s']} | {r['latency_p50']} / "
+            f"{r['latency_p95']} | {r['ttft_p50']} / {r['ttft_p95']} | {r['x_c1_ttft_p95']} | "
+            f"{'yes' if r['identical_to_c1'] else 'NO'} |"
+        )

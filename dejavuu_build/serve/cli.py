@@ -41,14 +41,20 @@ class ServeConfig:
 
     def validate(self) -> "ServeConfig":
         """Refuse bounds that would fail later with a traceback (or serve nothing), one line each."""
+
         def integer(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        for flag, v, lo in (("--max-batch", self.max_batch, 1), ("--max-queue", self.max_queue, 0),
-                            ("--memory-tokens", self.memory_tokens, 1)):
+        for flag, v, lo in (
+            ("--max-batch", self.max_batch, 1),
+            ("--max-queue", self.max_queue, 0),
+            ("--memory-tokens", self.memory_tokens, 1),
+        ):
             if not integer(v) or v < lo:
-                raise DejavuuError(f"{flag} must be an integer >= {lo}, got {v!r}"
-                                   + ("; pass --no-memory for no drafter memory" if flag == "--memory-tokens" else ""))
+                raise DejavuuError(
+                    f"{flag} must be an integer >= {lo}, got {v!r}"
+                    + ("; pass --no-memory for no drafter memory" if flag == "--memory-tokens" else "")
+                )
         return self
 
 
@@ -74,19 +80,42 @@ def build_app(cfg: ServeConfig):
     cfg.validate()
     if cfg.method not in METHODS:
         raise DejavuuError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
-    _check_settings(temperature=0.0, top_p=1.0, top_k=0, seed=0, width=cfg.width, max_depth=cfg.max_depth,
-                    max_nodes=cfg.max_nodes, max_new_tokens=1, stop=[])
+    _check_settings(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        width=cfg.width,
+        max_depth=cfg.max_depth,
+        max_nodes=cfg.max_nodes,
+        max_new_tokens=1,
+        stop=[],
+    )
     model = load(cfg.name, variant=cfg.variant, threads=cfg.threads)
     twin = batch_twin(model) if cfg.batch and cfg.variant is None else None
     if twin is not None:
-        logger.info("serving %s: the batched scheduler runs the static KV layout (the default %s decodes one "
-                    "request at a time); pass --variant %s to serve that one", twin, model.variant, model.variant)
+        logger.info(
+            "serving %s: the batched scheduler runs the static KV layout (the default %s decodes one "
+            "request at a time); pass --variant %s to serve that one",
+            twin,
+            model.variant,
+            model.variant,
+        )
         model = load(cfg.name, variant=twin, threads=cfg.threads)
     _ = model.calibration  # measured (or read from its cache) now, not inside the first request
     memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
     ds = load_datastore(cfg.datastore) if cfg.datastore else None
-    sched = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, batch=cfg.batch, memory=memory,
-                      datastore=ds, width=cfg.width, max_depth=cfg.max_depth, max_nodes=cfg.max_nodes)
+    sched = Scheduler(
+        model,
+        max_batch=cfg.max_batch,
+        max_queue=cfg.max_queue,
+        batch=cfg.batch,
+        memory=memory,
+        datastore=ds,
+        width=cfg.width,
+        max_depth=cfg.max_depth,
+        max_nodes=cfg.max_nodes,
+    )
     served = cfg.served_name or model.folder.name
     app = create_app(model, sched, served_name=served, method=cfg.method, tree=cfg.tree, memory_key=cfg.memory_key)
     return app, sched
@@ -101,22 +130,55 @@ def build_app(cfg: ServeConfig):
 @click.option("--variant", default=None, help="Variant to serve [default: the manifest's default].")
 @click.option("--threads", default=None, type=int, help="ORT threads, 1 to the CPU count [default: 2].")
 @click.option("--max-batch", default=8, show_default=True, type=int, help="Requests decoded together.")
-@click.option("--max-queue", default=32, show_default=True, type=int, help="Requests waiting beyond those; more get 429.")
+@click.option(
+    "--max-queue", default=32, show_default=True, type=int, help="Requests waiting beyond those; more get 429."
+)
 @click.option("--no-batch", is_flag=True, help="One request at a time (no batched graph).")
 @click.option("--no-memory", is_flag=True, help="No cross-request drafter memory.")
-@click.option("--memory-tokens", default=2_000_000, show_default=True, type=int, help="Drafter memory bound per namespace.")
+@click.option(
+    "--memory-tokens", default=2_000_000, show_default=True, type=int, help="Drafter memory bound per namespace."
+)
 @click.option("--memory-key", default=None, help="Drafter memory namespace [default: the served name].")
 @click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
 @click.option("--served-name", default=None, help="Model name in the API [default: NAME's folder name].")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (pip install 'dejavuu-build[cluster]').")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: runtime replicas.")
 @friendly
-def serve(name, host, port, method, tree, variant, threads, max_batch, max_queue, no_batch, no_memory, memory_tokens,
-          memory_key, datastore, served_name, use_ray, replicas):
+def serve(
+    name,
+    host,
+    port,
+    method,
+    tree,
+    variant,
+    threads,
+    max_batch,
+    max_queue,
+    no_batch,
+    no_memory,
+    memory_tokens,
+    memory_key,
+    datastore,
+    served_name,
+    use_ray,
+    replicas,
+):
     """Serve NAME over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
-    cfg = ServeConfig(name=name, variant=variant, threads=threads, method=method, tree=tree, max_batch=max_batch,
-                      max_queue=max_queue, batch=not no_batch, memory=not no_memory, memory_tokens=memory_tokens,
-                      memory_key=memory_key, datastore=datastore, served_name=served_name)
+    cfg = ServeConfig(
+        name=name,
+        variant=variant,
+        threads=threads,
+        method=method,
+        tree=tree,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        batch=not no_batch,
+        memory=not no_memory,
+        memory_tokens=memory_tokens,
+        memory_key=memory_key,
+        datastore=datastore,
+        served_name=served_name,
+    )
     if not 0 < port < 65536:
         raise DejavuuError(f"--port must be in 1..65535, got {port}")
     cfg.validate()
@@ -128,12 +190,18 @@ def serve(name, host, port, method, tree, variant, threads, max_batch, max_queue
         run_ray(cfg, host=host, port=port, replicas=replicas)
         return
     uvicorn = need("uvicorn", "serve")
-    sock = listen_socket(host, port)       # before the model loads: a taken port fails at once
+    sock = listen_socket(host, port)  # before the model loads: a taken port fails at once
     try:
         app, sched = build_app(cfg)
-        logger.info("serving %s on http://%s:%d/v1 (%s, method %s%s)", name, host, port,
-                    f"batched, up to {sched.max_batch} requests per forward" if sched.batched else
-                    "one request at a time", method, ", tree" if tree else "")
+        logger.info(
+            "serving %s on http://%s:%d/v1 (%s, method %s%s)",
+            name,
+            host,
+            port,
+            f"batched, up to {sched.max_batch} requests per forward" if sched.batched else "one request at a time",
+            method,
+            ", tree" if tree else "",
+        )
         try:
             uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
         finally:
@@ -152,12 +220,14 @@ def listen_socket(host: str, port: int):
         raise DejavuuError(f"--host {host!r} does not resolve ({e}): pass an address such as 127.0.0.1") from None
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn does: TIME_WAIT is no owner
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no owner
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise DejavuuError(f"cannot listen on {host}:{port} ({e.strerror or e}): another process holds the port or "
-                           f"the address is not this machine's; pass another --port or --host") from None
+        raise DejavuuError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): another process holds the port or "
+            f"the address is not this machine's; pass another --port or --host"
+        ) from None
     return sock
 
 
@@ -165,11 +235,17 @@ def listen_socket(host: str, port: int):
 @click.option("--url", default=None, help="A running server's base URL (http://host:port); else NAME is started.")
 @click.option("--model", "name", default="smollm2-135m", show_default=True, help="Build to serve (without --url).")
 @click.option("--concurrency", default="1,2,4,8", show_default=True, help="Client counts to sweep.")
-@click.option("--methods", default="baseline,suffix_decoding", show_default=True,
-              help="Methods to compare (baseline = plain decoding).")
+@click.option(
+    "--methods",
+    default="baseline,suffix_decoding",
+    show_default=True,
+    help="Methods to compare (baseline = plain decoding).",
+)
 @click.option("--requests", "n_requests", default=16, show_default=True, type=int, help="Requests per point.")
 @click.option("--max-tokens", default=128, show_default=True, type=int)
-@click.option("--data", default=None, type=click.Path(), help="Spec-Bench question.jsonl [default: the workspace copy].")
+@click.option(
+    "--data", default=None, type=click.Path(), help="Spec-Bench question.jsonl [default: the workspace copy]."
+)
 @click.option("--multi-turn", is_flag=True, help="Also measure MT-Bench second turns with and without drafter memory.")
 @click.option("--out", default=None, type=click.Path(), help="Write the rows as JSON here.")
 @friendly
@@ -177,6 +253,14 @@ def bench_serve(url, name, concurrency, methods, n_requests, max_tokens, data, m
     """Throughput, latency and time to first token against concurrency, ours vs plain decoding."""
     from .bench import run_bench
 
-    run_bench(url=url, name=name, concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
-              methods=[m.strip() for m in methods.split(",") if m.strip()], n_requests=n_requests,
-              max_tokens=max_tokens, data=data, multi_turn=multi_turn, out=out)
+    run_bench(
+        url=url,
+        name=name,
+        concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        n_requests=n_requests,
+        max_tokens=max_tokens,
+        data=data,
+        multi_turn=multi_turn,
+        out=out,
+    )

@@ -14,8 +14,8 @@ from pathlib import Path
 from ..export.passes.serve_batch import GRAPH_VERSION, to_serve_batch
 from ..log import logger
 
-RECORD = "batched.json"            # beside the graph: its sha256 and size, written after it
-TMP_MARK = ".tmp"                  # a graph or record being written (a dead writer's, once the lock is held)
+RECORD = "batched.json"  # beside the graph: its sha256 and size, written after it
+TMP_MARK = ".tmp"  # a graph or record being written (a dead writer's, once the lock is held)
 
 
 def batched_graph(src: Path, dst: Path) -> None:
@@ -27,11 +27,11 @@ def batched_graph(src: Path, dst: Path) -> None:
     tmp = dst.with_name(f"{dst.name}{TMP_MARK}{os.getpid()}")
     try:
         onnx.save(m, str(tmp))
-        with open(tmp, "rb+") as f:      # on disk before it is renamed into place
+        with open(tmp, "rb+") as f:  # on disk before it is renamed into place
             os.fsync(f.fileno())
         os.replace(tmp, dst)
     except BaseException:
-        tmp.unlink(missing_ok=True)      # a full disk leaves no half file behind
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
         raise
 
 
@@ -58,8 +58,13 @@ def _intact(path: Path) -> bool:
     kill or a full disk, not edited since it was written."""
     try:
         rec = json.loads((path.parent / RECORD).read_text())
-        return (isinstance(rec, dict) and rec.get("version") == GRAPH_VERSION and path.is_file()
-                and path.stat().st_size == rec.get("bytes") and _sha256(path) == rec.get("sha256"))
+        return (
+            isinstance(rec, dict)
+            and rec.get("version") == GRAPH_VERSION
+            and path.is_file()
+            and path.stat().st_size == rec.get("bytes")
+            and _sha256(path) == rec.get("sha256")
+        )
     except (OSError, ValueError):
         return False
 
@@ -82,6 +87,7 @@ def _locked(folder: Path, wait_s: float = 600.0):
                 yield
             finally:
                 _unlock(fh)
+
     return hold()
 
 
@@ -110,15 +116,15 @@ def ensure_batched(src: Path, cache: Path) -> Path:
     every use and rewritten when missing or wrong, atomically, under a lock; a dead writer's temp
     files are removed. Raises OSError when it cannot be written (a read-only or full cache)."""
     path = batched_path(src, cache)
-    if _intact(path):          # the common case reads only: a read-only cache with a good graph serves batched
+    if _intact(path):  # the common case reads only: a read-only cache with a good graph serves batched
         _sweep(path.parent)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent):
-        for p in path.parent.iterdir():        # no other writer holds the lock: these are a killed one's
+        for p in path.parent.iterdir():  # no other writer holds the lock: these are a killed one's
             if TMP_MARK in p.name:
                 p.unlink(missing_ok=True)
-        if _intact(path):                      # written by another server while we waited
+        if _intact(path):  # written by another server while we waited
             return path
         (path.parent / RECORD).unlink(missing_ok=True)
         logger.info("writing the batched flavour of %s to %s", src.name, path)

@@ -19,14 +19,16 @@ class _Collector:
         yield req
         yield CounterMetricFamily("dejavuu_prompt_tokens", "Prompt tokens admitted", value=m.prompt_tokens)
         yield CounterMetricFamily("dejavuu_completion_tokens", "Tokens generated", value=m.completion_tokens)
-        yield GaugeMetricFamily("dejavuu_tokens_per_second", "Tokens generated per second over the last 10 s",
-                                value=m.tokens_per_s())
+        yield GaugeMetricFamily(
+            "dejavuu_tokens_per_second", "Tokens generated per second over the last 10 s", value=m.tokens_per_s()
+        )
         yield GaugeMetricFamily("dejavuu_queue_depth", "Requests waiting for a batch slot", value=s.queue_depth())
         yield GaugeMetricFamily("dejavuu_active_requests", "Requests being decoded", value=s.active_count())
         yield CounterMetricFamily("dejavuu_forwards", "Decoder forwards run", value=m.forwards)
         yield CounterMetricFamily("dejavuu_forward_seconds", "Seconds inside the decoder's forwards", value=m.forward_s)
-        yield CounterMetricFamily("dejavuu_shared_forwards", "Forwards that verified two or more requests at once",
-                                  value=m.shared_forwards)
+        yield CounterMetricFamily(
+            "dejavuu_shared_forwards", "Forwards that verified two or more requests at once", value=m.shared_forwards
+        )
         yield CounterMetricFamily("dejavuu_forward_rows", "Request rows fed to the decoder", value=m.batch_rows)
         drafted = CounterMetricFamily("dejavuu_drafted_tokens", "Draft tokens verified, by method", labels=["method"])
         accepted = CounterMetricFamily("dejavuu_accepted_tokens", "Draft tokens accepted, by method", labels=["method"])
@@ -39,10 +41,12 @@ class _Collector:
         yield accepted
         yield rate
         if s.memory is not None:
-            yield GaugeMetricFamily("dejavuu_memory_tokens", "Tokens held by the cross-request drafter memory",
-                                    value=s.memory.tokens())
-            yield CounterMetricFamily("dejavuu_memory_evicted_tokens", "Tokens evicted from the drafter memory",
-                                      value=s.memory.evicted_tokens)
+            yield GaugeMetricFamily(
+                "dejavuu_memory_tokens", "Tokens held by the cross-request drafter memory", value=s.memory.tokens()
+            )
+            yield CounterMetricFamily(
+                "dejavuu_memory_evicted_tokens", "Tokens evicted from the drafter memory", value=s.memory.evicted_tokens
+            )
 
 
 def render_metrics(scheduler) -> str:

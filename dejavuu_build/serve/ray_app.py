@@ -51,14 +51,19 @@ def deployment(cfg: ServeConfig, replicas: int):
     if replicas < 1:
         raise DejavuuError(f"--replicas must be >= 1, got {replicas}")
     dep = serve.deployment(
-        DejavuuReplica, name="dejavuu", num_replicas=replicas,
+        DejavuuReplica,
+        name="dejavuu",
+        num_replicas=replicas,
         # the scheduler queues and answers 429 itself; Ray only needs to let that many through
         max_ongoing_requests=cfg.max_batch + cfg.max_queue + 1,
         # threads are onnxruntime's (cfg.threads); a CPU reservation would only block small machines
         ray_actor_options={"num_cpus": 0},
         # ray declares request_router_class as Union[str, Callable], which its pydantic model hides from mypy
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER,  # type: ignore[arg-type]
-                                                  request_router_kwargs={"num_fallback_replicas": 0}))
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER,  # type: ignore[arg-type]
+            request_router_kwargs={"num_fallback_replicas": 0},
+        ),
+    )
     # ray annotates deployment() as the decorator form only; given the class it returns the Deployment
     return dep.bind(cfg.to_json())  # type: ignore[attr-defined]
 
@@ -68,16 +73,23 @@ def run_ray(cfg: ServeConfig, *, host: str, port: int, replicas: int) -> None:
     ray = need("ray", "cluster")
     from ray import serve
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False, configure_logging=False
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(cfg, replicas), name="dejavuu", route_prefix="/")
-        logger.info("serving %s through Ray Serve on http://%s:%d/v1 (%d replicas, session affinity on the "
-                    "x-session-id header)", cfg.name, host, port, replicas)
+        logger.info(
+            "serving %s through Ray Serve on http://%s:%d/v1 (%d replicas, session affinity on the "
+            "x-session-id header)",
+            cfg.name,
+            host,
+            port,
+            replicas,
+        )
         stop.wait()
     finally:
         serve.shutdown()

@@ -76,8 +76,14 @@ class Request:
 
     _ids = itertools.count()
 
-    def __init__(self, ids: list[int], params: Params, on_tokens: Callable[[list[int]], object],
-                 on_done: Callable[[Result | BaseException], object], prefill_embeds: np.ndarray | None = None):
+    def __init__(
+        self,
+        ids: list[int],
+        params: Params,
+        on_tokens: Callable[[list[int]], object],
+        on_done: Callable[[Result | BaseException], object],
+        prefill_embeds: np.ndarray | None = None,
+    ):
         self.id = next(self._ids)
         self.ids, self.params = ids, params
         self.on_tokens, self.on_done = on_tokens, on_done
@@ -109,11 +115,11 @@ class Metrics:
         self.forwards = 0
         self.forward_s = 0.0
         self.batch_rows = 0
-        self.shared_forwards = 0       # forwards that verified two or more requests at once
+        self.shared_forwards = 0  # forwards that verified two or more requests at once
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.steps: dict[str, int] = {}
-        self.recent: deque[tuple[float, int]] = deque()     # (time, tokens) for tokens/s over 10 s
+        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s over 10 s
 
     def add_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -130,9 +136,20 @@ class Metrics:
 
 
 class Scheduler:
-    def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64, batch: bool = True,
-                 memory: Memory | None = None, datastore=None, cache: Path | None = None,
-                 width: int = 2, max_depth: int = 8, max_nodes: int | None = None):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        batch: bool = True,
+        memory: Memory | None = None,
+        datastore=None,
+        cache: Path | None = None,
+        width: int = 2,
+        max_depth: int = 8,
+        max_nodes: int | None = None,
+    ):
         from ..cache import cache_root
 
         if max_batch < 1 or max_queue < 0:
@@ -215,9 +232,19 @@ class Scheduler:
     def _make_job(self, req: Request) -> Job:
         """The request as a Job, set up by Model.plan exactly as `generate` sets it up."""
         m, p = self.model, req.params
-        plan = m.plan(p.method, tree=p.tree, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                      stop=p.stop, datastore=self.datastore, width=self.width, max_nodes=self.max_nodes,
-                      max_depth=self.max_depth)
+        plan = m.plan(
+            p.method,
+            tree=p.tree,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            stop=p.stop,
+            datastore=self.datastore,
+            width=self.width,
+            max_nodes=self.max_nodes,
+            max_depth=self.max_depth,
+        )
         drafter = plan.drafter
         if self.memory is not None and p.method in MEMORY_METHODS:
             drafter = with_memory(p.method, drafter, self.memory.index(p.namespace), self.datastore)
@@ -226,10 +253,21 @@ class Scheduler:
             self.metrics.add_tokens(len(ids))
             req.on_tokens(ids)
 
-        return Job(req.ids, drafter=drafter, sampler=plan.sampler, max_new_tokens=p.max_new_tokens,
-                   budget=plan.budget, period=plan.period, tile=plan.tile, eos_ids=m.eos_ids,
-                   should_stop=plan.should_stop, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds,
-                   capacity=self.batch.capacity if self.batch else 0, fill=plan.fill)
+        return Job(
+            req.ids,
+            drafter=drafter,
+            sampler=plan.sampler,
+            max_new_tokens=p.max_new_tokens,
+            budget=plan.budget,
+            period=plan.period,
+            tile=plan.tile,
+            eos_ids=m.eos_ids,
+            should_stop=plan.should_stop,
+            on_tokens=on_tokens,
+            prefill_embeds=req.prefill_embeds,
+            capacity=self.batch.capacity if self.batch else 0,
+            fill=plan.fill,
+        )
 
     def _admit(self, batch: BatchDecoder[Request]) -> None:
         while True:
@@ -254,7 +292,7 @@ class Scheduler:
             self._release(r)
             self._finish_error(r, Cancelled("the client went away"))
         for r in [r for r in self._active if r.running.prefilling]:
-            (logits, hidden), = batch.forward(r.slot, [r.running.prefill_rows()])
+            ((logits, hidden),) = batch.forward(r.slot, [r.running.prefill_rows()])
             self._count_forward(1)
             r.running.after_prefill(partial(batch.commit, r.slot), logits, hidden)
             if r.running.done:
@@ -272,7 +310,7 @@ class Scheduler:
             return
         decoding = [r for r, _ in planned]
         rows: list[Rows | None] = [None] * batch.active
-        for r, x in planned:          # slots are read after any release above moved them
+        for r, x in planned:  # slots are read after any release above moved them
             rows[r.slot] = x
         t0 = time.perf_counter()
         outs = batch.forward(0, rows)
@@ -313,7 +351,7 @@ class Scheduler:
         if self.memory is not None:
             self.memory.add(r.params.namespace, job.tokens)
         self.metrics.requests["ok"] += 1
-        assert job.reason is not None     # _complete is called for finished jobs only
+        assert job.reason is not None  # _complete is called for finished jobs only
         r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.budget.tree, True))
 
     def _fail(self, r: Request, e: BaseException) -> None:
@@ -346,14 +384,32 @@ class Scheduler:
 
             drafter: str | Drafter = p.method
             if self.memory is not None and p.method in MEMORY_METHODS:
-                own = self.model.plan(p.method, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                      seed=p.seed, datastore=self.datastore).drafter
+                own = self.model.plan(
+                    p.method,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                    datastore=self.datastore,
+                ).drafter
                 drafter = with_memory(p.method, own, self.memory.index(p.namespace), self.datastore)
-            res = self.model.generate(req.ids, method=drafter, tree=p.tree, max_new_tokens=p.max_new_tokens,
-                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                                      stop=p.stop, datastore=self.datastore, width=self.width,
-                                      max_depth=self.max_depth, max_nodes=self.max_nodes, on_tokens=on_tokens,
-                                      prefill_embeds=req.prefill_embeds)
+            res = self.model.generate(
+                req.ids,
+                method=drafter,
+                tree=p.tree,
+                max_new_tokens=p.max_new_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,
+                stop=p.stop,
+                datastore=self.datastore,
+                width=self.width,
+                max_depth=self.max_depth,
+                max_nodes=self.max_nodes,
+                on_tokens=on_tokens,
+                prefill_embeds=req.prefill_embeds,
+            )
             if self.memory is not None:
                 self.memory.add(p.namespace, list(req.ids) + res.tokens)
             self.metrics.requests["ok"] += 1
@@ -395,15 +451,19 @@ def check_exact(model: Model, batch: BatchDecoder[Any]) -> bool:
     slots = [batch.acquire(None) for _ in prompts]
     try:
         for s, p in zip(slots, prompts):
-            (lg, _), = batch.forward(s, [Rows(p, None)])
+            ((lg, _),) = batch.forward(s, [Rows(p, None)])
             batch.commit(s, len(p), list(range(len(p))))
         for j in range(3):
             rows = [Rows(want[b][j][0], None) for b in range(k)]
             outs = batch.forward(slots[0], rows)
             for b in range(k):
                 if not np.array_equal(outs[b][0], want[b][j][1]):
-                    logger.debug("batched row mismatch: request %d step %d, max diff %.3g", b, j,
-                                 float(np.abs(outs[b][0] - want[b][j][1]).max()))
+                    logger.debug(
+                        "batched row mismatch: request %d step %d, max diff %.3g",
+                        b,
+                        j,
+                        float(np.abs(outs[b][0] - want[b][j][1]).max()),
+                    )
                     return False
                 batch.commit(slots[b], len(rows[b].tokens), list(range(len(rows[b].tokens))))
         return True

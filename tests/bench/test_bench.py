@@ -59,9 +59,10 @@ def test_end_to_end_writes_results_and_passes_gate(tiny_llama, data, tmp_path, c
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads((out / "results.json").read_text())
     assert res["gate"]["passed"] and res["gate"]["generations"] == 3 * (2 + 4)
-    assert res["prompts"] == {"qa": ["1", "2"], "mt_bench": ["81", "121"]}   # MT-Bench sources take turns
+    assert res["prompts"] == {"qa": ["1", "2"], "mt_bench": ["81", "121"]}  # MT-Bench sources take turns
     assert {(r["category"], r["method"]) for r in res["rows"]} == {
-        (c, m) for c in (*CATS, "overall") for m in ("baseline", "pld", "rest")}
+        (c, m) for c in (*CATS, "overall") for m in ("baseline", "pld", "rest")
+    }
     assert all(r["match_pct"] == 100.0 for r in res["rows"])
     assert report.row("overall", "baseline").speedup == pytest.approx(1.0)
     assert report.row("mt_bench", "pld").generations == 4 and report.row("mt_bench", "pld").prompts == 2
@@ -102,18 +103,18 @@ def test_resume_skips_finished_prompts(tiny_llama, data, tmp_path, calls):
     with pytest.raises(BenchError, match="max_new_tokens was 16"):
         run_bench(cfg_for(tiny_llama, data, per_category=2, max_new_tokens=8), out, resume=True)
     with (out / RECORDS_FILE).open("a") as f:
-        f.write('{"qid": "2", "turn": 1, "meth')   # a crash mid-write
+        f.write('{"qid": "2", "turn": 1, "meth')  # a crash mid-write
     calls.clear()
     report = run_bench(cfg_for(tiny_llama, data, per_category=2), out, resume=True)
-    assert len(calls) == 1 + 2 * (1 + 2)   # warm-up + only the two new prompts (qa 2, mt_bench 121)
+    assert len(calls) == 1 + 2 * (1 + 2)  # warm-up + only the two new prompts (qa 2, mt_bench 121)
     assert report.row("qa", "pld").prompts == 2 and report.row("mt_bench", "pld").prompts == 2
     calls.clear()
     run_bench(cfg_for(tiny_llama, data, per_category=2), out, resume=True)
-    assert calls == []   # nothing left, not even a warm-up
+    assert calls == []  # nothing left, not even a warm-up
 
 
 def test_select_maps_and_interleaves_spec_bench():
-    spec_bench = default_data_path()   # ../shared/data/spec_bench/question.jsonl next to the checkout
+    spec_bench = default_data_path()  # ../shared/data/spec_bench/question.jsonl next to the checkout
     if spec_bench is None:
         pytest.skip("Spec-Bench question.jsonl not present")
     prompts = read_prompts(spec_bench)
@@ -122,7 +123,8 @@ def test_select_maps_and_interleaves_spec_bench():
     picked = select(prompts, ("mt_bench", "translation"), 8)
     assert len({p.source for p in picked if p.category == "mt_bench"}) == 8
     assert [p.qid for p in picked if p.category == "translation"] == [
-        p.qid for p in prompts if p.category == "translation"][:8]
+        p.qid for p in prompts if p.category == "translation"
+    ][:8]
     with pytest.raises(BenchError, match="no prompts for category nope"):
         select(prompts, ("nope",), 1)
 
@@ -138,8 +140,23 @@ def _cli():
 
 def test_cli(tiny_llama, data, tmp_path):
     out = tmp_path / "cli-run"
-    args = ["bench", "--model", str(tiny_llama), "--data", str(data), "--categories", ",".join(CATS),
-            "--per-category", "1", "--max-new-tokens", "8", "--methods", "pld", "--threads", "1"]
+    args = [
+        "bench",
+        "--model",
+        str(tiny_llama),
+        "--data",
+        str(data),
+        "--categories",
+        ",".join(CATS),
+        "--per-category",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--methods",
+        "pld",
+        "--threads",
+        "1",
+    ]
     r = CliRunner().invoke(_cli(), [*args, "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "overall" in r.output and (out / "speedup.png").is_file()
@@ -161,8 +178,14 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
 
     if default_data_path() is None:
         pytest.skip("Spec-Bench question.jsonl not present")
-    cfg = BenchConfig(model=str(tiny_llama), methods=("baseline", "baseline_n1", "pld"), categories=("qa",),
-                      per_category=1, max_new_tokens=8, data=str(default_data_path()))
+    cfg = BenchConfig(
+        model=str(tiny_llama),
+        methods=("baseline", "baseline_n1", "pld"),
+        categories=("qa",),
+        per_category=1,
+        max_new_tokens=8,
+        data=str(default_data_path()),
+    )
     run_bench(cfg, tmp_path / "out")
     recs = [_json.loads(line) for line in open(tmp_path / "out" / "records.jsonl")]
     raw = [r for r in recs if r["method"] == "baseline_n1"]
@@ -184,6 +207,8 @@ def test_methods_decode_as_generate_does(tiny_llama, data, tmp_path, monkeypatch
         return original(self, prompt, **kw)
 
     monkeypatch.setattr(Model, "generate", spy)
-    run_bench(cfg_for(tiny_llama, data, methods=("baseline_n1", "pld"), categories=("qa",), per_category=1,
-                      variant=variant), tmp_path / "run")
-    assert seen[1:] == [pad, False, pad]          # after the warm-up: baseline, baseline_n1, pld
+    run_bench(
+        cfg_for(tiny_llama, data, methods=("baseline_n1", "pld"), categories=("qa",), per_category=1, variant=variant),
+        tmp_path / "run",
+    )
+    assert seen[1:] == [pad, False, pad]  # after the warm-up: baseline, baseline_n1, pld

@@ -19,9 +19,14 @@ from dejavuu_build.bench.report import aggregate, write_outputs
 from dejavuu_build.bench.runner import Prompt, peer_record, select_next
 from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
 
-TEXTS = ["The cat sat on the mat.", "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.",
-         "def add(a, b):\n    return a + b",
-         "A" * 300, "Short.", "Translate to German: the weather is nice today, isn't it?"]
+TEXTS = [
+    "The cat sat on the mat.",
+    "Ünïcödé — text, with multi-byte characters: ∑ ≠ ∞.",
+    "def add(a, b):\n    return a + b",
+    "A" * 300,
+    "Short.",
+    "Translate to German: the weather is nice today, isn't it?",
+]
 
 
 def _cli():
@@ -42,7 +47,7 @@ def test_sweep_prompt_has_exactly_n_ids_of_the_joined_text(n):
     encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
     ids = sweep_prompt(encode, TEXTS, n)
     assert len(ids) == n
-    assert ids == encode("\n\n".join(TEXTS))[:n]   # a prefix of the whole text's own tokenization
+    assert ids == encode("\n\n".join(TEXTS))[:n]  # a prefix of the whole text's own tokenization
 
 
 def test_sweep_prompt_refuses_too_little_text():
@@ -61,8 +66,14 @@ def test_sweep_prompt_on_spec_bench_with_a_real_tokenizer():
     from dejavuu_build.cache import cache_root
 
     data = default_data_path()
-    folder = next((p for p in (cache_root() / "smollm2-135m", Path.home() / ".cache/dejavuu/smollm2-135m")
-                   if (p / "tokenizer.json").is_file()), None)
+    folder = next(
+        (
+            p
+            for p in (cache_root() / "smollm2-135m", Path.home() / ".cache/dejavuu/smollm2-135m")
+            if (p / "tokenizer.json").is_file()
+        ),
+        None,
+    )
     if data is None or folder is None:
         pytest.skip("needs Spec-Bench and a SmolLM2 tokenizer")
     from dejavuu_build.runtime.tokenizer import TextTokenizer
@@ -75,11 +86,32 @@ def test_sweep_prompt_on_spec_bench_with_a_real_tokenizer():
 
 # ---------------------------------------------------------------------------------- × genai math
 def _rec(qid, cat, method, tokens, decode_s, turn=1):
-    return {"qid": qid, "category": cat, "source": cat, "turn": turn, "method": method, "prompt_tokens": 10,
-            "tokens": tokens, "steps": tokens - 1, "drafted": 0, "accepted": 0, "prefill_s": 0.01,
-            "decode_s": decode_s, "draft_s": 0.0, "verify_s": decode_s, "kv_s": 0.0, "overhead_s": 0.0,
-            "total_s": decode_s + 0.01, "stop_reason": "length", "match": True, "common_prefix": tokens,
-            "compared": tokens, "first_mismatch": None, "gated": method != "genai", "ids": []}
+    return {
+        "qid": qid,
+        "category": cat,
+        "source": cat,
+        "turn": turn,
+        "method": method,
+        "prompt_tokens": 10,
+        "tokens": tokens,
+        "steps": tokens - 1,
+        "drafted": 0,
+        "accepted": 0,
+        "prefill_s": 0.01,
+        "decode_s": decode_s,
+        "draft_s": 0.0,
+        "verify_s": decode_s,
+        "kv_s": 0.0,
+        "overhead_s": 0.0,
+        "total_s": decode_s + 0.01,
+        "stop_reason": "length",
+        "match": True,
+        "common_prefix": tokens,
+        "compared": tokens,
+        "first_mismatch": None,
+        "gated": method != "genai",
+        "ids": [],
+    }
 
 
 def _gm(xs):
@@ -93,12 +125,19 @@ def _prefix(a, b):
 def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
     # decode tokens = tokens - 1 = 100, so rate = 100 / decode_s
     recs = [
-        _rec("1", "qa", "baseline", 101, 1.0), _rec("1", "qa", "pld", 101, 0.5), _rec("1", "qa", "genai", 101, 0.8),
-        _rec("2", "qa", "baseline", 101, 2.0), _rec("2", "qa", "pld", 101, 0.4), _rec("2", "qa", "genai", 101, 1.0),
+        _rec("1", "qa", "baseline", 101, 1.0),
+        _rec("1", "qa", "pld", 101, 0.5),
+        _rec("1", "qa", "genai", 101, 0.8),
+        _rec("2", "qa", "baseline", 101, 2.0),
+        _rec("2", "qa", "pld", 101, 0.4),
+        _rec("2", "qa", "genai", 101, 1.0),
         # a two-turn prompt: its turns pool into one rate per method (200 tokens over the summed time)
-        _rec("3", "mt_bench", "baseline", 101, 1.0), _rec("3", "mt_bench", "baseline", 101, 3.0, turn=2),
-        _rec("3", "mt_bench", "pld", 101, 1.0), _rec("3", "mt_bench", "pld", 101, 1.0, turn=2),
-        _rec("3", "mt_bench", "genai", 101, 1.0), _rec("3", "mt_bench", "genai", 101, 1.0, turn=2),
+        _rec("3", "mt_bench", "baseline", 101, 1.0),
+        _rec("3", "mt_bench", "baseline", 101, 3.0, turn=2),
+        _rec("3", "mt_bench", "pld", 101, 1.0),
+        _rec("3", "mt_bench", "pld", 101, 1.0, turn=2),
+        _rec("3", "mt_bench", "genai", 101, 1.0),
+        _rec("3", "mt_bench", "genai", 101, 1.0, turn=2),
     ]
     methods = ("baseline", "pld", "genai")
     rep = aggregate(recs, methods, ("qa", "mt_bench"))
@@ -109,7 +148,7 @@ def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
     assert rep.row("qa", "pld").x_genai == pytest.approx(qa_pld)
     assert rep.row("mt_bench", "baseline").x_genai == pytest.approx(mt_base)
     assert rep.row("mt_bench", "pld").x_genai == pytest.approx(mt_pld)
-    assert rep.row("overall", "baseline").x_genai == pytest.approx(_gm([qa_base, mt_base]))   # geo-mean of categories
+    assert rep.row("overall", "baseline").x_genai == pytest.approx(_gm([qa_base, mt_base]))  # geo-mean of categories
     assert rep.row("overall", "pld").x_genai == pytest.approx(_gm([qa_pld, mt_pld]))
     assert all(rep.row(c, "genai").x_genai == pytest.approx(1.0) for c in ("qa", "mt_bench", "overall"))
     # the speedup over our baseline is unchanged by the peer's presence
@@ -121,8 +160,9 @@ def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
     write_outputs(rep, out, {"model_folder": "m", "model_variant": "int4"})
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert "x_genai" in rows[0]
-    assert float(next(r for r in rows if r["category"] == "overall" and r["method"] == "pld")["x_genai"]) == \
-        pytest.approx(_gm([qa_pld, mt_pld]))
+    assert float(
+        next(r for r in rows if r["category"] == "overall" and r["method"] == "pld")["x_genai"]
+    ) == pytest.approx(_gm([qa_pld, mt_pld]))
     assert json.loads((out / "results.json").read_text())["rows"][0]["x_genai"] == pytest.approx(qa_base)
 
     plain = aggregate([r for r in recs if r["method"] != "genai"], ("baseline", "pld"), ("qa", "mt_bench"))
@@ -131,14 +171,32 @@ def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
 
 def test_sweep_summary_medians_and_x_genai():
     def rec(system, rep, decode_s, forward_s, host):
-        return {"context": 256, "system": system, "repeat": rep, "prompt_tokens": 256, "tokens": 11, "steps": 10,
-                "prefill_s": 0.1, "decode_s": decode_s, "decode_tok_s": 10 / decode_s,
-                "forward_ms_per_step": None if forward_s is None else 1e3 * forward_s / 10,
-                "host_ms_per_step": host, "match_pct": 50.0, "note": ""}
+        return {
+            "context": 256,
+            "system": system,
+            "repeat": rep,
+            "prompt_tokens": 256,
+            "tokens": 11,
+            "steps": 10,
+            "prefill_s": 0.1,
+            "decode_s": decode_s,
+            "decode_tok_s": 10 / decode_s,
+            "forward_ms_per_step": None if forward_s is None else 1e3 * forward_s / 10,
+            "host_ms_per_step": host,
+            "match_pct": 50.0,
+            "note": "",
+        }
 
-    rows = summarize([rec("baseline", 0, 0.2, 0.15, 5.0), rec("baseline", 1, 0.1, 0.08, 2.0),
-                      rec("baseline", 2, 0.4, 0.3, 10.0), rec("genai", 0, 0.1, 0.09, 1.0),
-                      rec("genai", 1, 0.1, 0.09, 1.0), rec("genai", 2, 0.1, None, None)])
+    rows = summarize(
+        [
+            rec("baseline", 0, 0.2, 0.15, 5.0),
+            rec("baseline", 1, 0.1, 0.08, 2.0),
+            rec("baseline", 2, 0.4, 0.3, 10.0),
+            rec("genai", 0, 0.1, 0.09, 1.0),
+            rec("genai", 1, 0.1, 0.09, 1.0),
+            rec("genai", 2, 0.1, None, None),
+        ]
+    )
     ours, g = rows
     assert (ours.system, g.system, ours.runs) == ("baseline", "genai", 3)
     assert ours.decode_tok_s == pytest.approx(50.0) and ours.step_ms == pytest.approx(20.0)
@@ -149,14 +207,15 @@ def test_sweep_summary_medians_and_x_genai():
 
 # ---------------------------------------------------------------------------------- the missing package
 def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)   # import onnxruntime_genai -> ImportError
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import onnxruntime_genai -> ImportError
     for extra in ([], ["--contexts", "256"]):
-        r = CliRunner().invoke(_cli(), ["bench", "--model", "no-such-build", "--compare", "genai",
-                                        "--out", str(tmp_path / "x"), *extra])
+        r = CliRunner().invoke(
+            _cli(), ["bench", "--model", "no-such-build", "--compare", "genai", "--out", str(tmp_path / "x"), *extra]
+        )
         assert r.exit_code == 2, r.output
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), r.output
-        assert "onnxruntime-genai" in lines[0] and '.[compare]' in lines[0]
+        assert "onnxruntime-genai" in lines[0] and ".[compare]" in lines[0]
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--compare", "llamacpp"])
     assert r.exit_code == 2 and "unknown --compare llamacpp" in r.output
@@ -187,7 +246,7 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     rec = json.loads((folder / G.PEER_FILE).read_text())
     assert rec["onnxruntime_genai"] == __import__("onnxruntime_genai").__version__ and rec["precision"] == "int4"
     assert {"model.onnx", "genai_config.json"} <= set(rec["files"])
-    assert not [p for p in folder.iterdir() if p.name.startswith(".")]   # no HF copy, builder cache or log left
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no HF copy, builder cache or log left
     assert not [p for p in folder.parent.iterdir() if ".staging" in p.name]
     G.check_peer(folder)
 
@@ -195,18 +254,27 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
         raise AssertionError("the peer was rebuilt")
 
     monkeypatch.setattr(G, "_run_builder", no_rebuild)
-    assert G.ensure_genai_model(manifest) == folder   # a second run reuses it
+    assert G.ensure_genai_model(manifest) == folder  # a second run reuses it
 
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    cfg = BenchConfig(model=str(tiny_llama), methods=("pld",), categories=("qa", "mt_bench"), per_category=1,
-                      max_new_tokens=12, threads=1, data=str(data), compare=("genai",))
+    cfg = BenchConfig(
+        model=str(tiny_llama),
+        methods=("pld",),
+        categories=("qa", "mt_bench"),
+        per_category=1,
+        max_new_tokens=12,
+        threads=1,
+        data=str(data),
+        compare=("genai",),
+    )
     report = run_bench(cfg, tmp_path / "run")
     recs = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     peer = [r for r in recs if r["method"] == "genai"]
-    assert len(peer) == 3 and not any(r["gated"] for r in peer)        # 1 + 2 turns, never gated
+    assert len(peer) == 3 and not any(r["gated"] for r in peer)  # 1 + 2 turns, never gated
     assert {r["prompt_tokens"] for r in peer if r["turn"] == 1} == {
-        r["prompt_tokens"] for r in recs if r["method"] == "baseline" and r["turn"] == 1}   # the same ids
+        r["prompt_tokens"] for r in recs if r["method"] == "baseline" and r["turn"] == 1
+    }  # the same ids
     assert all(r["tokens"] >= 1 and r["steps"] == r["tokens"] - 1 for r in peer)
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["gate"]["passed"] and "genai" in res["peers"]
@@ -230,17 +298,22 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
         assert r["genai_common_prefix"] == _prefix(r["ids"], g) and r["genai_match"] == (r["ids"] == g)
         assert r["genai_compared"] == max(len(r["ids"]), len(g))
     row = report.row("overall", "genai-ngram")
-    assert row.match_genai_pct == pytest.approx(100.0 * sum(r["genai_common_prefix"] for r in ngram)
-                                                / sum(r["genai_compared"] for r in ngram))
+    assert row.match_genai_pct == pytest.approx(
+        100.0 * sum(r["genai_common_prefix"] for r in ngram) / sum(r["genai_compared"] for r in ngram)
+    )
     assert report.row("overall", "genai").match_genai_pct is None
     assert res["peers"]["genai-ngram"]["vs_genai"] == {
-        "generations": 3, "identical": sum(r["genai_match"] for r in ngram), "match_pct": row.match_genai_pct}
+        "generations": 3,
+        "identical": sum(r["genai_match"] for r in ngram),
+        "match_pct": row.match_genai_pct,
+    }
     assert "genai-ngram" in res["gate"]["not_gated"]
     # the sweep: on the next prompts of each category, every config recorded, the fastest over genai plain chosen
     sweep_rec = json.loads((tmp_path / "run" / NGRAM.SWEEP_FILE).read_text())
     assert sweep_rec["prompts"] == ["2", "82"] and not set(sweep_rec["prompts"]) & {r["qid"] for r in recs}
-    assert [[r["ngram_size"], r["max_draft_tokens"]] for r in sweep_rec["results"]] == \
-        [list(c) for c in NGRAM.SWEEP_CONFIGS]
+    assert [[r["ngram_size"], r["max_draft_tokens"]] for r in sweep_rec["results"]] == [
+        list(c) for c in NGRAM.SWEEP_CONFIGS
+    ]
     best = max(sweep_rec["results"], key=lambda r: r["x_genai"])
     chosen = {"ngram_size": best["ngram_size"], "max_draft_tokens": best["max_draft_tokens"]}
     assert sweep_rec["chosen"] == chosen == res["peers"]["genai-ngram"]["speculative"]
@@ -263,14 +336,18 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     gen = G.GenaiPeer(folder, 1).generate(ids, 8, ignore_eos=True)
     logits = G.GenaiReplay(folder, 1).logits(ids + gen.tokens[:-1])
     assert logits.shape[0] == len(ids) + len(gen.tokens) - 1
-    assert sum(int(a == b) for a, b in zip(logits[len(ids) - 1:].argmax(-1), gen.tokens)) >= len(gen.tokens) - 1
+    assert sum(int(a == b) for a, b in zip(logits[len(ids) - 1 :].argmax(-1), gen.tokens)) >= len(gen.tokens) - 1
 
-    sweep = run_sweep(BenchConfig(model=str(tiny_llama), max_new_tokens=10, threads=1, compare=("genai",),
-                                  contexts=(16, 48), data=str(data)), tmp_path / "sweep")
+    sweep = run_sweep(
+        BenchConfig(
+            model=str(tiny_llama), max_new_tokens=10, threads=1, compare=("genai",), contexts=(16, 48), data=str(data)
+        ),
+        tmp_path / "sweep",
+    )
     for c in (16, 48):
         ours, g = sweep.row(c, "baseline"), sweep.row(c, "genai")
         assert ours.prompt_tokens == g.prompt_tokens == c
-        assert ours.tokens == g.tokens == 10                        # EOS ignored: a fixed number of steps
+        assert ours.tokens == g.tokens == 10  # EOS ignored: a fixed number of steps
         assert ours.host_ms_per_step is not None and ours.forward_ms_per_step > 0
         assert g.forward_ms_per_step > 0 and g.host_ms_per_step is not None
         assert g.x_genai == pytest.approx(1.0)
@@ -290,14 +367,18 @@ def test_sweep_verify_rows_probe_runs_exactly_r_rows(tiny_llama, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     new = 12
-    sweep = run_sweep(BenchConfig(model=str(tiny_llama), max_new_tokens=new, threads=1, contexts=(16, 40),
-                                  verify_rows=(2, 5), data=str(data)), tmp_path / "sweep")
+    sweep = run_sweep(
+        BenchConfig(
+            model=str(tiny_llama), max_new_tokens=new, threads=1, contexts=(16, 40), verify_rows=(2, 5), data=str(data)
+        ),
+        tmp_path / "sweep",
+    )
     recs = [json.loads(x) for x in (tmp_path / "sweep" / SWEEP_FILES["records"]).read_text().splitlines()]
     for c in (16, 40):
         plain = next(r for r in recs if r["context"] == c and r["system"] == "baseline")
         for n in (2, 5):
             probe = next(r for r in recs if r["context"] == c and r["system"] == VERIFY and r["rows"] == n)
-            assert probe["ids"] == plain["ids"]                          # lossless, as every drafter
+            assert probe["ids"] == plain["ids"]  # lossless, as every drafter
             # every step drafts n-1 tokens but the last (at most n-1) ones, cut to what is left
             full = probe["steps"] - (n - 1)
             assert probe["drafted"] >= full * (n - 1) and probe["drafted"] <= probe["steps"] * (n - 1)
@@ -322,9 +403,14 @@ def test_verify_rows_needs_contexts_and_two_rows():
 
 # ---------------------------------------------------------------------------------- genai's n-gram decoding
 def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
-    recs = [_rec("1", "qa", "baseline", 101, 1.0), _rec("1", "qa", "genai", 101, 0.8),
-            _rec("1", "qa", "genai-ngram", 101, 0.5), _rec("2", "qa", "baseline", 101, 2.0),
-            _rec("2", "qa", "genai", 101, 1.0), _rec("2", "qa", "genai-ngram", 101, 1.25)]
+    recs = [
+        _rec("1", "qa", "baseline", 101, 1.0),
+        _rec("1", "qa", "genai", 101, 0.8),
+        _rec("1", "qa", "genai-ngram", 101, 0.5),
+        _rec("2", "qa", "baseline", 101, 2.0),
+        _rec("2", "qa", "genai", 101, 1.0),
+        _rec("2", "qa", "genai-ngram", 101, 1.25),
+    ]
     recs[2].update(genai_match=False, genai_common_prefix=40, genai_compared=101)
     recs[5].update(genai_match=True, genai_common_prefix=101, genai_compared=101)
     rep = aggregate(recs, ("baseline", "genai", "genai-ngram"), ("qa",))
@@ -339,8 +425,9 @@ def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
     out.mkdir()
     write_outputs(rep, out, {"model_folder": "m", "model_variant": "int4"})
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert float(next(r for r in rows if r["method"] == "baseline" and r["category"] == "overall")["x_genai_ngram"]) \
-        == pytest.approx(_gm([0.5, 0.625]))
+    assert float(
+        next(r for r in rows if r["method"] == "baseline" and r["category"] == "overall")["x_genai_ngram"]
+    ) == pytest.approx(_gm([0.5, 0.625]))
     qa_ngram = json.loads((out / "results.json").read_text())["rows"][2]
     assert qa_ngram["method"] == "genai-ngram" and qa_ngram["match_genai_pct"] == pytest.approx(100.0 * 141 / 202)
     no_ngram = aggregate([r for r in recs if r["method"] != "genai-ngram"], ("baseline", "genai"), ("qa",))
@@ -349,12 +436,19 @@ def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
 
 def test_peer_record_matches_ngram_with_genai_plain_not_our_baseline():
     p = Prompt("7", "qa", "qa", ("x",))
-    res = PeerResult([1, 2, 9, 4], 10, 0.01, 0.02, [0.003] * 3, forwards=2,
-                     speculative={"draft_tokens_evaluated": 5, "draft_tokens_accepted": 3, "target_forward_passes": 3})
+    res = PeerResult(
+        [1, 2, 9, 4],
+        10,
+        0.01,
+        0.02,
+        [0.003] * 3,
+        forwards=2,
+        speculative={"draft_tokens_evaluated": 5, "draft_tokens_accepted": 3, "target_forward_passes": 3},
+    )
     rec = peer_record(p, 1, res, [1, 2, 3, 4], "genai-ngram", genai_ids=[1, 2, 9, 9, 9])
-    assert (rec["method"], rec["common_prefix"], rec["match"]) == ("genai-ngram", 2, False)   # vs ours
+    assert (rec["method"], rec["common_prefix"], rec["match"]) == ("genai-ngram", 2, False)  # vs ours
     assert (rec["genai_common_prefix"], rec["genai_compared"], rec["genai_match"]) == (3, 5, False)
-    assert (rec["steps"], rec["drafted"], rec["accepted"]) == (2, 5, 3)   # genai's forwards and counts
+    assert (rec["steps"], rec["drafted"], rec["accepted"]) == (2, 5, 3)  # genai's forwards and counts
     assert "genai_common_prefix" not in peer_record(p, 1, res, [1, 2, 3, 4])
 
 
@@ -368,10 +462,15 @@ class _FakeGenai:
         self.calls.append(speculative)
         toks = self.tokens.get(speculative, [5] * max_new_tokens)
         decode_s = (len(toks) - 1) / self.speeds[speculative]
-        return PeerResult(list(toks), len(ids), 0.01, 0.01 + decode_s, [0.001] * (len(toks) - 1),
-                          forwards=None if speculative is None else 4,
-                          speculative=None if speculative is None else {"draft_tokens_evaluated": 4,
-                                                                        "draft_tokens_accepted": 2})
+        return PeerResult(
+            list(toks),
+            len(ids),
+            0.01,
+            0.01 + decode_s,
+            [0.001] * (len(toks) - 1),
+            forwards=None if speculative is None else 4,
+            speculative=None if speculative is None else {"draft_tokens_evaluated": 4, "draft_tokens_accepted": 2},
+        )
 
 
 def test_ngram_sweep_records_every_config_and_picks_the_fastest_over_genai_plain():
@@ -381,11 +480,11 @@ def test_ngram_sweep_records_every_config_and_picks_the_fastest_over_genai_plain
     genai = _FakeGenai(speeds, {(3, 8): [5, 5, 7, 7, 7, 7, 7, 7]})
     prompts = [Prompt("a", "qa", "qa", ("x",)), Prompt("b", "rag", "rag", ("y", "z"))]
     rec = NGRAM.run_ngram_sweep(model, genai, prompts, 8, configs)
-    assert genai.calls == [None, (2, 4), (3, 8), (4, 16), None, (3, 8), (4, 16), (2, 4)]   # plain first, rotated
+    assert genai.calls == [None, (2, 4), (3, 8), (4, 16), None, (3, 8), (4, 16), (2, 4)]  # plain first, rotated
     by = {(r["ngram_size"], r["max_draft_tokens"]): r for r in rec["results"]}
     assert by[3, 8]["x_genai"] == pytest.approx(1.5) and by[2, 4]["x_genai"] == pytest.approx(0.9)
     assert rec["chosen"] == {"ngram_size": 3, "max_draft_tokens": 8}
-    assert by[3, 8]["match_pct"] == pytest.approx(25.0) and by[3, 8]["identical"] == 0   # against genai plain
+    assert by[3, 8]["match_pct"] == pytest.approx(25.0) and by[3, 8]["identical"] == 0  # against genai plain
     assert by[4, 16]["match_pct"] == 100.0 and by[4, 16]["identical"] == 2
     assert by[2, 4]["acceptance_rate"] == pytest.approx(0.5) and by[2, 4]["tokens_per_forward"] == pytest.approx(7 / 4)
     assert rec["prompts"] == ["a", "b"] and len(rec["per_prompt"]) == 2
@@ -402,38 +501,57 @@ def test_ngram_options_fixed_resumed_or_refused(tmp_path, monkeypatch):
     assert fixed.genai_ngram == "4,16" and fixed.timed[-2:] == ("genai", "genai-ngram")
     peer = NGRAM.ngram_peer(None, genai, fixed, tmp_path, [], [], lambda p: True, resume=False)
     assert (peer.options, peer.chosen_by, peer.name) == ((4, 16), "--genai-ngram", "genai-ngram")
-    (tmp_path / NGRAM.SWEEP_FILE).write_text(json.dumps({"chosen": {"ngram_size": 2, "max_draft_tokens": 8},
-                                                         "results": [], "per_prompt": []}))
-    resumed = NGRAM.ngram_peer(None, genai, BenchConfig(model="m", compare=("genai",)), tmp_path, [], [],
-                               lambda p: True, resume=True)
+    (tmp_path / NGRAM.SWEEP_FILE).write_text(
+        json.dumps({"chosen": {"ngram_size": 2, "max_draft_tokens": 8}, "results": [], "per_prompt": []})
+    )
+    resumed = NGRAM.ngram_peer(
+        None, genai, BenchConfig(model="m", compare=("genai",)), tmp_path, [], [], lambda p: True, resume=True
+    )
     assert (resumed.options, resumed.chosen_by, resumed.sweep["file"]) == ((2, 8), "sweep", NGRAM.SWEEP_FILE)
     with pytest.raises(BenchError, match="outside the measured set"):
-        NGRAM.sweep_prompts([Prompt("1", "qa", "qa", ("x",))], BenchConfig(model="m", categories=("qa",)),
-                            [Prompt("1", "qa", "qa", ("x",))], lambda p: True)
+        NGRAM.sweep_prompts(
+            [Prompt("1", "qa", "qa", ("x",))],
+            BenchConfig(model="m", categories=("qa",)),
+            [Prompt("1", "qa", "qa", ("x",))],
+            lambda p: True,
+        )
 
 
 def test_sweep_prompts_are_the_next_of_each_category():
-    ps = [Prompt(str(i), c, s, ("t",)) for i, (c, s) in enumerate(
-        [("qa", "qa"), ("qa", "qa"), ("qa", "qa"), ("mt_bench", "writing"), ("mt_bench", "writing"),
-         ("mt_bench", "roleplay"), ("mt_bench", "roleplay")])]
+    ps = [
+        Prompt(str(i), c, s, ("t",))
+        for i, (c, s) in enumerate(
+            [
+                ("qa", "qa"),
+                ("qa", "qa"),
+                ("qa", "qa"),
+                ("mt_bench", "writing"),
+                ("mt_bench", "writing"),
+                ("mt_bench", "roleplay"),
+                ("mt_bench", "roleplay"),
+            ]
+        )
+    ]
     from dejavuu_build.bench.runner import select
 
     measured = select(ps, ("qa", "mt_bench"), 2)
-    assert [p.qid for p in measured] == ["0", "1", "3", "5"]                 # sources take turns
+    assert [p.qid for p in measured] == ["0", "1", "3", "5"]  # sources take turns
     assert [p.qid for p in select_next(ps, ("qa", "mt_bench"), measured, 1)] == ["2", "4"]
     assert [p.qid for p in select_next(ps, ("qa", "mt_bench"), measured, 5, lambda p: p.qid != "4")] == ["2", "6"]
 
 
 def test_genai_ngram_flags():
-    assert BenchConfig(model="m").genai_ngram == "off"                          # no genai to run it beside
+    assert BenchConfig(model="m").genai_ngram == "off"  # no genai to run it beside
     assert BenchConfig(model="m", compare=("genai",)).genai_ngram == "sweep"
     assert BenchConfig(model="m", compare=("genai",), contexts=(64,)).genai_ngram == "off"
     assert "genai-ngram" not in BenchConfig(model="m", compare=("genai",), genai_ngram="off").timed
-    for argv, msg in ((["--genai-ngram", "3,8"], "add --compare genai"),
-                      (["--compare", "genai", "--genai-ngram", "1,8"], "ngram_size 2..16"),
-                      (["--compare", "genai", "--genai-ngram", "3,17"], "max_draft_tokens 1..16"),
-                      (["--compare", "genai", "--genai-ngram", "3"], "NGRAM_SIZE,MAX_DRAFT_TOKENS"),
-                      (["--compare", "genai", "--genai-ngram", "3,8", "--no-genai-ngram"], "contradict"),
-                      (["--compare", "genai", "--genai-ngram", "3,8", "--contexts", "64"], "context sweep")):
+    for argv, msg in (
+        (["--genai-ngram", "3,8"], "add --compare genai"),
+        (["--compare", "genai", "--genai-ngram", "1,8"], "ngram_size 2..16"),
+        (["--compare", "genai", "--genai-ngram", "3,17"], "max_draft_tokens 1..16"),
+        (["--compare", "genai", "--genai-ngram", "3"], "NGRAM_SIZE,MAX_DRAFT_TOKENS"),
+        (["--compare", "genai", "--genai-ngram", "3,8", "--no-genai-ngram"], "contradict"),
+        (["--compare", "genai", "--genai-ngram", "3,8", "--contexts", "64"], "context sweep"),
+    ):
         r = CliRunner().invoke(_cli(), ["bench", "--model", "m", *argv])
         assert r.exit_code == 2 and msg in r.output, (argv, r.output)

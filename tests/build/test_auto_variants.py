@@ -34,7 +34,7 @@ def test_auto_writes_fp32_and_the_int4_flavours(auto_build):
     files = {p.name for p in auto_build.folder.iterdir()}
     assert not any(f.startswith(("decoder_int8", "decoder_fp32-")) for f in files), files
     assert all(m.variants[v].passed for v in INT4) and m.default_variant in INT4[1:]
-    names = [n for n, _ in m.steps]                    # where the time went, in order
+    names = [n for n, _ in m.steps]  # where the time went, in order
     assert names[0].startswith("load ") and names[1].startswith("export fp32")
     assert any(n.startswith("validate int4") for n in names)
     assert all(sec >= 0 for _, sec in m.steps)
@@ -48,9 +48,12 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
     assert "validate int8" in names and "validate int8-rowwise" in names, names
     assert not any(n in names for n in ("validate fp32", "validate int4", "validate int4-rowwise")), names
     for v in INT4:
-        assert after.variants[v].gates == before.variants[v].gates and after.variants[v].sha256 == before.variants[v].sha256
+        assert (
+            after.variants[v].gates == before.variants[v].gates
+            and after.variants[v].sha256 == before.variants[v].sha256
+        )
     assert after.variants["int8"].passed and "quality" in after.variants["int8"].gates
-    assert after.build_config["variants"] == ["fp32", "int8", "int4"]        # no longer what auto builds
+    assert after.build_config["variants"] == ["fp32", "int8", "int4"]  # no longer what auto builds
     # int4 again: the deterministic quantizer rewrites the same bytes, whose gates hold
     again = quant_only("auto-llama", variants=("int4",), timing=False).manifest
     names = [n for n, _ in again.steps]
@@ -60,7 +63,7 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
     # a changed file is gated again: make the recorded int4 differ from what the quantizer writes
     m = S.read_manifest(auto_build.folder)
     m.variants["int4"].sha256 = "0" * 64
-    m.files[m.variants["int4"].file]["sha256"] = "0" * 64     # quant-only never reads what it redoes
+    m.files[m.variants["int4"].file]["sha256"] = "0" * 64  # quant-only never reads what it redoes
     S.write_json(auto_build.folder / S.MANIFEST_FILE, m.to_json())
     third = quant_only("auto-llama", variants=("int4",), timing=False).manifest
     names = [n for n, _ in third.steps]

@@ -42,8 +42,8 @@ def test_default_variants_are_auto():
 def test_bad_input_gets_one_line_errors(tmp_path, cache_dir):
     cases = [
         ("tree-decoder", "--model", str(tmp_path / "missing.gguf")),
-        ("tree-decoder", "--model", str(tmp_path)),                      # folder without config.json
-        ("tree-decoder", "--variants", "int4"),                          # no fp32
+        ("tree-decoder", "--model", str(tmp_path)),  # folder without config.json
+        ("tree-decoder", "--variants", "int4"),  # no fp32
         ("verify", "no-such-build"),
         ("quant-only", "--name", "no-such-build"),
         ("inspect", str(tmp_path / "nothing.onnx")),
@@ -82,11 +82,31 @@ def test_verify_inspect_and_quant_only(cache_dir):
 def test_real_subprocess(cache_dir):
     build_tiny("llama", cache_dir, name="sub-llama", variants=("fp32", "int4"))
     env = dict(os.environ, DEJAVUU_CACHE=str(cache_dir))
-    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "verify", "sub-llama"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "dejavuu_build.build.cli", "verify", "sub-llama"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "generate", "sub-llama", "abc",
-                          "--max-new-tokens", "5", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dejavuu_build.build.cli",
+            "generate",
+            "sub-llama",
+            "abc",
+            "--max-new-tokens",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["stats"]["tokens"] == 5
 
@@ -104,8 +124,21 @@ def test_datastore_and_generate_with_it(cache_dir, tmp_path):
     assert run("verify", "ds-test").exit_code == 0
     base = json.loads(run("generate", "tiny-llama", "abcabc abc", "--max-new-tokens", "16", "--json").output)
     for m in ("rest", "sam_decoding", "asam"):
-        out = json.loads(run("generate", "tiny-llama", "abcabc abc", "--method", m, "--datastore", "ds-test",
-                             "--max-new-tokens", "16", "--json", "--tree").output)
+        out = json.loads(
+            run(
+                "generate",
+                "tiny-llama",
+                "abcabc abc",
+                "--method",
+                m,
+                "--datastore",
+                "ds-test",
+                "--max-new-tokens",
+                "16",
+                "--json",
+                "--tree",
+            ).output
+        )
         assert out["tokens"] == base["tokens"]
     r = CliRunner().invoke(main, ["generate", "tiny-llama", "abc", "--method", "rest", "--datastore", "nope"])
     assert r.exit_code == 2 and "dejavuu-build datastore" in r.output
@@ -134,16 +167,18 @@ def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_di
     q = tmp_path / "q.jsonl"
     q.write_text('{"turns": ["abc abc abc"]}\n')
     for extra in ([], ["--force"]):
-        r = CliRunner().invoke(main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama",
-                                      "--name", "victim", *extra])
+        r = CliRunner().invoke(
+            main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "victim", *extra]
+        )
         _one_line_error(r, "victim is a decoder build")
     assert (victim / S.MANIFEST_FILE).read_text() == before
     cache.verify_entry(victim)
     results = cache_dir / "bench" / "smollm2-run"
     results.mkdir(parents=True, exist_ok=True)
     (results / "records.jsonl").write_text("{}\n")
-    r = CliRunner().invoke(main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "bench",
-                                  "--force"])
+    r = CliRunner().invoke(
+        main, ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "bench", "--force"]
+    )
     _one_line_error(r, "not a cache entry")
     assert (results / "records.jsonl").is_file()
     # An existing datastore: identical input is a hit, other input needs --force.
@@ -153,8 +188,9 @@ def test_datastore_refuses_to_replace_what_it_did_not_build(tiny_llama, cache_di
     q2.write_text('{"turns": ["xyz xyz"]}\n')
     r = CliRunner().invoke(main, ["datastore", "--from", str(q2), "--tokenizer", "tiny-llama", "--name", "ds-once"])
     _one_line_error(r, "--force")
-    assert run("datastore", "--from", str(q2), "--tokenizer", "tiny-llama", "--name", "ds-once",
-               "--force").exit_code == 0
+    assert (
+        run("datastore", "--from", str(q2), "--tokenizer", "tiny-llama", "--name", "ds-once", "--force").exit_code == 0
+    )
 
 
 # ---------------------------------------------------------------- item 3: a corrupted entry neither verifies nor runs
@@ -170,19 +206,30 @@ def test_verify_and_generate_refuse_an_emptied_manifest(tiny_llama):
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     _one_line_error(CliRunner().invoke(main, ["verify", "emptied"]), "not listed")
-    _one_line_error(CliRunner().invoke(main, ["generate", "emptied", "abc", "--variant", "int4",
-                                              "--max-new-tokens", "2"]), "not listed")
+    _one_line_error(
+        CliRunner().invoke(main, ["generate", "emptied", "abc", "--variant", "int4", "--max-new-tokens", "2"]),
+        "not listed",
+    )
 
 
 # ---------------------------------------------------------------- item 5: every bad input is one line and exit 2
 def test_bad_generation_input_is_one_line_and_exit_2(tiny_llama):
     cpus = str((os.cpu_count() or 1) + 1)
     cases = [
-        (["--threads", "10000"], "threads"), (["--threads", cpus], "threads"), (["--threads", "0"], "threads"),
-        (["--temperature", "nan"], "temperature"), (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"), (["--top-p", "2"], "top_p"), (["--top-k", "-1"], "top_k"),
-        (["--width", "0"], "width"), (["--max-depth", "0"], "max_depth"), (["--max-nodes", "0"], "max_nodes"),
-        (["--seed", "-3"], "seed"), (["--stop", ""], "stop"), (["--chat", "hi"], "not both"),
+        (["--threads", "10000"], "threads"),
+        (["--threads", cpus], "threads"),
+        (["--threads", "0"], "threads"),
+        (["--temperature", "nan"], "temperature"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "2"], "top_p"),
+        (["--top-k", "-1"], "top_k"),
+        (["--width", "0"], "width"),
+        (["--max-depth", "0"], "max_depth"),
+        (["--max-nodes", "0"], "max_nodes"),
+        (["--seed", "-3"], "seed"),
+        (["--stop", ""], "stop"),
+        (["--chat", "hi"], "not both"),
     ]
     for extra, needle in cases:
         r = CliRunner().invoke(main, ["generate", "tiny-llama", "abc", "--max-new-tokens", "2", *extra])
@@ -194,9 +241,13 @@ def test_bad_generation_input_is_one_line_and_exit_2(tiny_llama):
 def test_a_newline_in_a_name_is_refused(tmp_path):
     q = tmp_path / "q.jsonl"
     q.write_text('{"turns": ["abc"]}\n')
-    for args in (["tree-decoder", "--name", "evil\n", "--dry-run"], ["tree-decoder", "--name", "a\nb"],
-                 ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "ds\n"],
-                 ["quant-only", "--name", "x\n"], ["vlm", "--model", "x/y", "--name", "v\n"]):
+    for args in (
+        ["tree-decoder", "--name", "evil\n", "--dry-run"],
+        ["tree-decoder", "--name", "a\nb"],
+        ["datastore", "--from", str(q), "--tokenizer", "tiny-llama", "--name", "ds\n"],
+        ["quant-only", "--name", "x\n"],
+        ["vlm", "--model", "x/y", "--name", "v\n"],
+    ):
         _one_line_error(CliRunner().invoke(main, args), "invalid cache name")
 
 
@@ -221,8 +272,10 @@ def test_every_command_is_registered_and_the_runtime_owns_generate():
     assert all(main.get_command(None, c) is not None for c in expected)
     assert main.get_command(None, "generate").callback.__module__ == "dejavuu_build.runtime.cli"
     for first in ("dejavuu_build.bench.cli", "dejavuu_build.runtime.cli", "dejavuu_build.build.cli"):
-        code = (f"import {first}\nfrom dejavuu_build.cli import main\n"
-                "print(sorted(c for c in main.list_commands(None) if main.get_command(None, c)))\n")
+        code = (
+            f"import {first}\nfrom dejavuu_build.cli import main\n"
+            "print(sorted(c for c in main.list_commands(None) if main.get_command(None, c)))\n"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, (first, out.stderr)
         assert all(c in out.stdout for c in expected), (first, out.stdout)
@@ -230,20 +283,41 @@ def test_every_command_is_registered_and_the_runtime_owns_generate():
 
 def test_a_broken_command_module_is_a_loud_import_error():
     for mod in ("dejavuu_build.runtime.cli", "dejavuu_build.bench.cli"):
-        code = (f"import sys\nsys.modules[{mod!r}] = None\n"
-                "try:\n    from dejavuu_build.cli import main\n    main.get_command(None, 'bench')\n"
-                "    main.get_command(None, 'generate')\n"
-                "except ImportError as e:\n    print('LOUD', e)\nelse:\n    print('SILENT')\n")
+        code = (
+            f"import sys\nsys.modules[{mod!r}] = None\n"
+            "try:\n    from dejavuu_build.cli import main\n    main.get_command(None, 'bench')\n"
+            "    main.get_command(None, 'generate')\n"
+            "except ImportError as e:\n    print('LOUD', e)\nelse:\n    print('SILENT')\n"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert "LOUD" in out.stdout, (mod, out.stdout, out.stderr)
 
 
 def test_real_subprocess_bad_input(tiny_llama, cache_dir):
     env = dict(os.environ, DEJAVUU_CACHE=str(cache_dir))
-    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "generate", "tiny-llama", b"ab\xffc",
-                          "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dejavuu_build.build.cli",
+            "generate",
+            "tiny-llama",
+            b"ab\xffc",
+            "--max-new-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "UTF-8" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "generate", "tiny-llama", "abc",
-                          "--threads", "100000"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dejavuu_build.build.cli", "generate", "tiny-llama", "abc", "--threads", "100000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 2 and "threads" in out.stderr.strip().splitlines()[-1]

@@ -43,10 +43,12 @@ def test_spec_bench_rows_of_the_gates_set_are_left_out(tmp_path):
 
 
 def test_quality_bad_input_is_one_line(tiny_llama, tmp_path):
-    for args, said in [(["--variant", "int9"], "pick a quantized variant"),
-                       (["--variant", "fp32"], "pick a quantized variant"),
-                       (["--texts", str(tmp_path / "none.txt")], "no such file"),
-                       (["--exactness"], "not both")]:
+    for args, said in [
+        (["--variant", "int9"], "pick a quantized variant"),
+        (["--variant", "fp32"], "pick a quantized variant"),
+        (["--texts", str(tmp_path / "none.txt")], "no such file"),
+        (["--exactness"], "not both"),
+    ]:
         r = run("inspect", str(tiny_llama), "--quality", *args)
         assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, (args, r.output)
     r = run("inspect", "no-such-entry", "--quality")

@@ -6,56 +6,82 @@ from dejavuu_build.schema import Manifest, VariantRecord
 
 
 def _rec(rounds, mb, passed=True, layout="concat"):
-    return VariantRecord(file="x", bytes=int(mb * 1e6), passed=passed, kv_layout=layout,
-                         timing_rounds_ms=list(rounds or []))
+    return VariantRecord(
+        file="x", bytes=int(mb * 1e6), passed=passed, kv_layout=layout, timing_rounds_ms=list(rounds or [])
+    )
 
 
 def test_the_smallest_passing_variant_wins_a_difference_within_the_margin():
     # int8-static is 5% faster in every round: under MIN_SPEEDUP, so the smaller int4 stays default
-    m = Manifest(variants={"int4": _rec([10.0] * 5, 97), "int4-static": _rec([9.6] * 5, 99, layout="static"),
-                           "int8-static": _rec([9.1] * 5, 152, layout="static")})
+    m = Manifest(
+        variants={
+            "int4": _rec([10.0] * 5, 97),
+            "int4-static": _rec([9.6] * 5, 99, layout="static"),
+            "int8-static": _rec([9.1] * 5, 152, layout="static"),
+        }
+    )
     name, why = _choose_default(m)
     assert name == "int4-static" and why["preferred"] == "int4-static" and why["clearly_faster"] == []
     assert why["margin"] == MIN_SPEEDUP and why["rounds"] == 5
 
 
 def test_a_variant_faster_in_every_round_by_more_than_the_margin_wins():
-    m = Manifest(variants={"int4-static": _rec([10, 10.2, 9.9], 99, layout="static"),
-                           "int8-static": _rec([6, 6.1, 6.0], 152, layout="static"),
-                           "fp32": _rec([4, 4, 4], 538, passed=False)})
+    m = Manifest(
+        variants={
+            "int4-static": _rec([10, 10.2, 9.9], 99, layout="static"),
+            "int8-static": _rec([6, 6.1, 6.0], 152, layout="static"),
+            "fp32": _rec([4, 4, 4], 538, passed=False),
+        }
+    )
     name, why = _choose_default(m)
-    assert name == "int8-static" and why["clearly_faster"] == ["int8-static"]   # fp32 failed its gates
+    assert name == "int8-static" and why["clearly_faster"] == ["int8-static"]  # fp32 failed its gates
 
 
 def test_noise_raises_the_margin():
     # int8 looks 25-30% faster, but a loaded round shows the timings swing by 40%: keep the preferred
-    noisy = Manifest(variants={"int4-static": _rec([10, 14, 10], 99, layout="static"),
-                               "int8-static": _rec([7, 10, 7.5], 152, layout="static")})
+    noisy = Manifest(
+        variants={
+            "int4-static": _rec([10, 14, 10], 99, layout="static"),
+            "int8-static": _rec([7, 10, 7.5], 152, layout="static"),
+        }
+    )
     name, why = _choose_default(noisy)
     assert why["noise"] == 0.4 and why["margin"] == 1.2 and name == "int4-static"
 
 
 def test_quality_floors_come_first():
-    m = Manifest(variants={"int4-static": _rec([5] * 3, 99, passed=False, layout="static"),
-                           "int8-static": _rec([7] * 3, 152, layout="static")})
+    m = Manifest(
+        variants={
+            "int4-static": _rec([5] * 3, 99, passed=False, layout="static"),
+            "int8-static": _rec([7] * 3, 152, layout="static"),
+        }
+    )
     assert _pick_default(m) == "int8-static"
-    assert _choose_default(Manifest(variants={"int4": _rec([5], 97, passed=False)})) == \
-        (None, {"rule": "no variant passed its gates"})
+    assert _choose_default(Manifest(variants={"int4": _rec([5], 97, passed=False)})) == (
+        None,
+        {"rule": "no variant passed its gates"},
+    )
 
 
 def test_untimed_builds_pick_the_smallest_passing_file():
-    m = Manifest(variants={"int4": _rec(None, 97), "int4-static": _rec(None, 99, layout="static"),
-                           "int8": _rec(None, 150)})
+    m = Manifest(
+        variants={"int4": _rec(None, 97), "int4-static": _rec(None, 99, layout="static"), "int8": _rec(None, 150)}
+    )
     name, why = _choose_default(m)
     assert name == "int4" and why["timing"].startswith("not timed")
 
 
 def test_rowwise_is_preferred_at_equal_precision_and_only_timing_displaces_it():
-    m = Manifest(variants={"int4": _rec([10] * 3, 97), "int4-static": _rec([9.5] * 3, 99, layout="static"),
-                           "int4-rowwise": _rec([9.8] * 3, 99, layout="rowwise")})
+    m = Manifest(
+        variants={
+            "int4": _rec([10] * 3, 97),
+            "int4-static": _rec([9.5] * 3, 99, layout="static"),
+            "int4-rowwise": _rec([9.8] * 3, 99, layout="rowwise"),
+        }
+    )
     name, why = _choose_default(m)
     assert name == "int4-rowwise" and why["preferred"] == "int4-rowwise" and why["clearly_faster"] == []
-    m.variants["int4-static"].timing_rounds_ms = [7.0] * 3                  # > 10% faster in every round
+    m.variants["int4-static"].timing_rounds_ms = [7.0] * 3  # > 10% faster in every round
     assert _pick_default(m) == "int4-static"
 
 
@@ -67,12 +93,16 @@ def _quality(rec, top1, kl):
 def test_a_default_keeps_the_answers_whatever_its_size_or_speed():
     """int4 passes its own gate (0.77 top-1) but is under the default floors (0.95 / 0.02): the
     larger int8 that keeps the answers is the default, even where int4 times faster."""
-    m = Manifest(variants={"int4-rowwise": _quality(_rec([5] * 3, 97, layout="rowwise"), 0.77, 0.28),
-                           "int8-rowwise": _quality(_rec([9] * 3, 152, layout="rowwise"), 0.97, 0.004),
-                           "fp32": _rec([20] * 3, 538)})
+    m = Manifest(
+        variants={
+            "int4-rowwise": _quality(_rec([5] * 3, 97, layout="rowwise"), 0.77, 0.28),
+            "int8-rowwise": _quality(_rec([9] * 3, 152, layout="rowwise"), 0.97, 0.004),
+            "fp32": _rec([20] * 3, 538),
+        }
+    )
     name, why = _choose_default(m)
     assert name == "int8-rowwise" and why["below_default_floors"] == ["int4-rowwise"]
-    m.variants["int4-rowwise"].gates["quality"].update(top1=0.973, mean_kl=0.0039)     # an exact GGUF carry
+    m.variants["int4-rowwise"].gates["quality"].update(top1=0.973, mean_kl=0.0039)  # an exact GGUF carry
     assert _pick_default(m) == "int4-rowwise"
-    m.variants["int4-rowwise"].gates["quality"].update(top1=0.96, mean_kl=0.03)        # KL over its floor
+    m.variants["int4-rowwise"].gates["quality"].update(top1=0.96, mean_kl=0.03)  # KL over its floor
     assert _pick_default(m) == "int8-rowwise"

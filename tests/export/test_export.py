@@ -31,10 +31,10 @@ def test_tree_nodes_equal_their_paths_run_as_chains(recipe, cache_dir):
     folder = build_tiny(recipe, cache_dir)
     r = _runner(folder)
     rng = np.random.default_rng(0)
-    past_ids = rng.integers(3, 200, 20)           # past 20 > the tiny Gemma window (8)
-    parents = [-1, -1, -1, 0, 0, 1, 3, 6, 6]      # 3 siblings, deep branch, best path not first child
+    past_ids = rng.integers(3, 200, 20)  # past 20 > the tiny Gemma window (8)
+    parents = [-1, -1, -1, 0, 0, 1, 3, 6, 6]  # 3 siblings, deep branch, best path not first child
     toks = rng.integers(3, 200, len(parents))
-    for i, p in enumerate(parents):                # siblings distinct
+    for i, p in enumerate(parents):  # siblings distinct
         while any(toks[j] == toks[i] for j in range(i) if parents[j] == p):
             toks[i] = rng.integers(3, 200)
     _, _, past = r.prefill(past_ids)
@@ -60,7 +60,7 @@ def test_sibling_leak_would_be_detected(tiny_llama):
     pos, bias = step_inputs(parents, 10)
     good, _, _ = r.forward(toks, pos, bias, past)
     bias_leak = bias.copy()
-    bias_leak[0, 0, 1, 10] = 0.0                   # node 1 sees its sibling (node 0 at past+0)
+    bias_leak[0, 0, 1, 10] = 0.0  # node 1 sees its sibling (node 0 at past+0)
     bad, _, _ = r.forward(toks, pos, bias_leak, past)
     assert np.abs(good[1] - bad[1]).max() > 1e-3
 
@@ -84,16 +84,17 @@ def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     from dejavuu_build.runtime.session import empty_past
     from dejavuu_build.schema import read_manifest
 
-    full = AutoModelForCausalLM.from_pretrained(read_manifest(folder).source["path"], dtype=torch.float32,
-                                                sliding_window=1 << 16).eval()
+    full = AutoModelForCausalLM.from_pretrained(
+        read_manifest(folder).source["path"], dtype=torch.float32, sliding_window=1 << 16
+    ).eval()
     with torch.no_grad():
         no_window = full(torch.tensor(np.asarray(ref.chain_ids)[None])).logits[0].numpy()
     r = _runner(folder)
     n = len(ref.chain_ids)
     pos, bias = causal_inputs(n, 0)
     lg, _, _ = r.forward(ref.chain_ids, pos, bias, empty_past(r.c))
-    assert np.abs(lg - ref.chain_logits).max() < 1e-3               # the graph keeps the window
-    assert np.abs(no_window - ref.chain_logits).max() > 1e-2        # dropping it would fail the gate
+    assert np.abs(lg - ref.chain_logits).max() < 1e-3  # the graph keeps the window
+    assert np.abs(no_window - ref.chain_logits).max() > 1e-2  # dropping it would fail the gate
     assert np.abs(lg - no_window).max() > 1e-2
     assert read_contract(folder).sliding_window == [8, None, 8, None]
 

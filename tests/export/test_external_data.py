@@ -17,9 +17,18 @@ def big(tmp_path_factory):
     from dejavuu_build.recipes import registered
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1_100_000, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"], eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=1_100_000,
+        hidden_size=256,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        eos_token_id=2,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu")
@@ -60,9 +69,11 @@ def test_record_verify_load_and_generate(big):
     contract.max_positions, contract.eos_token_ids = 256, [2]
     S.write_json(folder / S.CONTRACT_FILE, contract.to_json())
     f = folder / S.variant_file("fp32")
-    m = S.Manifest(name="big", variants={"fp32": S.VariantRecord(file=f.name, bytes=f.stat().st_size,
-                                                               sha256=S.sha256_file(f), passed=True)},
-                   default_variant="fp32")
+    m = S.Manifest(
+        name="big",
+        variants={"fp32": S.VariantRecord(file=f.name, bytes=f.stat().st_size, sha256=S.sha256_file(f), passed=True)},
+        default_variant="fp32",
+    )
     record_files(folder, m)
     S.write_json(folder / S.MANIFEST_FILE, m.to_json())
     assert f.name + ".data" in m.files
@@ -71,7 +82,7 @@ def test_record_verify_load_and_generate(big):
     logits, _, _ = model.decoder.forward(ids, None, model.decoder.new_cache())
     np.testing.assert_allclose(logits, ref, atol=1e-4)
     data = folder / (f.name + ".data")
-    with open(data, "r+b") as fh:                 # a flipped byte in the external data is drift
+    with open(data, "r+b") as fh:  # a flipped byte in the external data is drift
         fh.seek(1_000_000)
         b = fh.read(1)
         fh.seek(1_000_000)

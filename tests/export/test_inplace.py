@@ -31,7 +31,7 @@ def test_static_graph_computes_what_the_concat_graph_computes(recipe, cache_dir)
     ps = matches_concat(concat, static)
     for v in ps.values():
         assert v.shape[2] == static.c.kv_capacity
-        assert not v[:, :, 21:].any()                          # nothing written past the new rows
+        assert not v[:, :, 21:].any()  # nothing written past the new rows
 
 
 def matches_concat(concat, other, atol=2e-5):
@@ -63,8 +63,8 @@ def test_static_graph_shape(tiny_llama):
     ops = collections.Counter(n.op_type for n in g.graph.node)
     layers = sum(1 for i in src.graph.input if i.name.endswith(".key"))
     assert ops["GroupQueryAttention"] == layers and "Attention" not in ops and "Concat" not in ops
-    assert "RotaryEmbedding" not in ops                         # in the kernel (do_rotary)
-    assert ops["MatMulNBits"] == 4 * layers + 1                 # qkv, o, gate_up, down per layer + lm-head
+    assert "RotaryEmbedding" not in ops  # in the kernel (do_rotary)
+    assert ops["MatMulNBits"] == 4 * layers + 1  # qkv, o, gate_up, down per layer + lm-head
     gqa = next(n for n in g.graph.node if n.op_type == "GroupQueryAttention")
     assert {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}["do_rotary"] == 1
     used = {x for n in g.graph.node for x in n.input}
@@ -100,6 +100,6 @@ def test_capacity_bounds_positions(tiny_llama, tmp_path):
     m = load(tmp_path / "d.onnx")
     assert m.contract.kv_capacity == 64 and m.decoder.static
     with pytest.raises(GenerationError, match="max-context"):
-        m.generate(list(range(3, 60)), max_new_tokens=8)         # 57 + 8 + 1 > 64
-    r = m.generate(list(range(3, 58)), max_new_tokens=8)         # 55 + 8 + 1 = 64
+        m.generate(list(range(3, 60)), max_new_tokens=8)  # 57 + 8 + 1 > 64
+    r = m.generate(list(range(3, 58)), max_new_tokens=8)  # 55 + 8 + 1 = 64
     assert len(r.tokens) == 8

@@ -23,12 +23,16 @@ def _graph(quantize: dict | None) -> onnx.ModelProto:
     w1 = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
     w2 = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
     g = helper.make_graph(
-        [helper.make_node("MatMul", [S.INPUTS_EMBEDS, "w1"], ["h"], name="/up/MatMul"),
-         helper.make_node("Relu", ["h"], ["r"], name="/act"),
-         helper.make_node("MatMul", ["r", "w2"], ["y"], name="/down/MatMul")],
-        "g", [helper.make_tensor_value_info(S.INPUTS_EMBEDS, TensorProto.FLOAT, [1, "rows", K])],
+        [
+            helper.make_node("MatMul", [S.INPUTS_EMBEDS, "w1"], ["h"], name="/up/MatMul"),
+            helper.make_node("Relu", ["h"], ["r"], name="/act"),
+            helper.make_node("MatMul", ["r", "w2"], ["y"], name="/down/MatMul"),
+        ],
+        "g",
+        [helper.make_tensor_value_info(S.INPUTS_EMBEDS, TensorProto.FLOAT, [1, "rows", K])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "rows", K])],
-        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
     if quantize is None:
         return m
@@ -45,14 +49,16 @@ def _rows(model, x):
     s = _session(model, 2)
     name = s.get_inputs()[0].name
     among = s.run(None, {name: x})[0][0]
-    alone = np.stack([s.run(None, {name: x[:, r:r + 1]})[0][0, 0] for r in range(x.shape[1])])
+    alone = np.stack([s.run(None, {name: x[:, r : r + 1]})[0][0, 0] for r in range(x.shape[1])])
     return among, alone
 
 
-CASES = {"fp32": None,
-         "int4 block 32 acc 4": {"bits": 4, "block_size": 32, "accuracy_level": 4},
-         "int4 block 16 acc 4": {"bits": 4, "block_size": 16, "accuracy_level": 4},
-         "int8 block 32 acc 4": {"bits": 8, "block_size": 32, "accuracy_level": 4}}
+CASES = {
+    "fp32": None,
+    "int4 block 32 acc 4": {"bits": 4, "block_size": 32, "accuracy_level": 4},
+    "int4 block 16 acc 4": {"bits": 4, "block_size": 16, "accuracy_level": 4},
+    "int8 block 32 acc 4": {"bits": 8, "block_size": 32, "accuracy_level": 4},
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -62,20 +68,28 @@ def test_probe_verdicts_are_what_the_ops_do_and_the_guard_makes_rows_exact(case)
     assert len(rep.probes) == 2 and all(p.rows == 35 for p in rep.probes)
     assert {p.verdict for p in rep.probes} <= {"invariant", "guardable"}, [p.to_json() for p in rep.probes]
     x = np.random.default_rng(1).standard_normal((1, 9, K)).astype(np.float32)
-    for p in rep.probes:        # the verdict agrees with the op cut out by hand, fed other rows
+    for p in rep.probes:  # the verdict agrees with the op cut out by hand, fed other rows
         node = next(n for n in m.graph.node if n.name == p.nodes[0])
         width = K if p.signature.endswith(f"N={N}") else N
-        one = helper.make_graph([node], "one", [helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, [1, "r", width])],
-                                [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
-                                [t for t in m.graph.initializer if t.name in node.input])
+        one = helper.make_graph(
+            [node],
+            "one",
+            [helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, [1, "r", width])],
+            [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+            [t for t in m.graph.initializer if t.name in node.input],
+        )
         among, alone = _rows(helper.make_model(one, opset_imports=list(m.opset_import)), x[..., :width])
         assert (p.verdict == "guardable") == (not np.array_equal(among, alone)), p.to_json()
-    guarded = guard_rows(onnx.load_from_string(m.SerializeToString()), rep.guard_nodes(), length_invariant=True,
-                         record={"machine": rep.machine})
+    guarded = guard_rows(
+        onnx.load_from_string(m.SerializeToString()),
+        rep.guard_nodes(),
+        length_invariant=True,
+        record={"machine": rep.machine},
+    )
     among, alone = _rows(guarded, x)
     assert np.array_equal(among, alone)
     ref, _ = _rows(m, x)
-    assert np.array_equal(among, ref)            # the guard changes no multi-row result
+    assert np.array_equal(among, ref)  # the guard changes no multi-row result
     meta = S.row_guard_info({p.key: p.value for p in guarded.metadata_props})
     assert meta["length_invariant"] is True and meta["nodes"] == len(rep.guard_nodes())
 

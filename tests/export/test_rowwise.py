@@ -39,14 +39,14 @@ def test_rowwise_graph_shape(tiny_llama):
     assert ops["Attention"] == layers and ops["TensorScatter"] == 2 * layers
     assert "GroupQueryAttention" not in ops and "Concat" not in ops
     before = collections.Counter(n.op_type for n in src.graph.node)
-    assert ops["Transpose"] == before["Transpose"] - 2 * layers    # one for q/k/v and one out (of four)
+    assert ops["Transpose"] == before["Transpose"] - 2 * layers  # one for q/k/v and one out (of four)
     att = next(n for n in g.graph.node if n.op_type == "Attention")
     assert {a.name: onnx.helper.get_attribute_value(a) for a in att.attribute}["scale"] == 1.0
-    assert not [n for n in g.graph.node if n.name.endswith("kv_rowwise/q_scale")]   # folded into the weights
+    assert not [n for n in g.graph.node if n.name.endswith("kv_rowwise/q_scale")]  # folded into the weights
     meta = {p.key: p.value for p in g.metadata_props}
     assert meta["dejavuu.kv_layout"] == "rowwise" and meta["dejavuu.kv_capacity"] == "96"
     names = {i.name for i in g.graph.input}
-    assert S.KV_WRITE_INDEX in names and S.SLOT_ROWS not in names     # chains only: no slot layout
+    assert S.KV_WRITE_INDEX in names and S.SLOT_ROWS not in names  # chains only: no slot layout
     past = next(i for i in g.graph.input if i.name == "past_key_values.0.key")
     assert past.type.tensor_type.shape.dim[2].dim_param == "kv_len"
     used = {x for n in g.graph.node for x in n.input}
@@ -60,7 +60,7 @@ def test_rowwise_variants_recorded_and_gated(tiny_llama):
         assert rec.kv_layout == "rowwise" and rec.kv_capacity == 512 and rec.passed
         gate = rec.gates["batched_vs_incremental"]
         assert gate["logits_maxdiff"] == 0.0 and gate["mismatches"] == 0 and 250 in gate["pasts"]
-        assert gate["raw_single_row_maxdiff"] == 0.0        # the one-row path IS the runtime's path
+        assert gate["raw_single_row_maxdiff"] == 0.0  # the one-row path IS the runtime's path
         declared = S.variant_contract(S.read_contract(tiny_llama), rec)
         assert derive_contract(make_session(tiny_llama / rec.file, threads=1)).kv_capacity == declared.kv_capacity
 
@@ -89,8 +89,8 @@ def test_one_token_is_one_row_and_bit_identical_to_a_batched_verify(tiny_llama):
             kv.commit(pres, 1, [0])
             singles.append(lg[0])
         del dec._row_feeds
-        assert [f.ids.shape for f in fed] == [(1, 1)] * len(toks)   # the graph's input_ids: one row
-        assert kv.size == 2 * ROWWISE_TILE                      # grew on the way
+        assert [f.ids.shape for f in fed] == [(1, 1)] * len(toks)  # the graph's input_ids: one row
+        assert kv.size == 2 * ROWWISE_TILE  # grew on the way
         kv.truncate(len(ids))
         batched, _, _ = dec.forward(toks, None, kv)
         np.testing.assert_array_equal(batched, np.stack(singles))
@@ -115,8 +115,8 @@ def test_growth_keeps_the_cache_and_capacity_bounds_positions(tiny_llama, tmp_pa
     small = load(tmp_path / "d.onnx")
     assert small.contract.kv_layout == "rowwise" and small.contract.kv_capacity == 64
     with pytest.raises(GenerationError, match="max-context"):
-        small.generate(list(range(3, 60)), max_new_tokens=8)     # 57 + 8 > 64
-    assert len(small.generate(list(range(3, 57)), max_new_tokens=8).tokens) == 8    # 56 + 8 = 64
+        small.generate(list(range(3, 60)), max_new_tokens=8)  # 57 + 8 > 64
+    assert len(small.generate(list(range(3, 57)), max_new_tokens=8).tokens) == 8  # 56 + 8 = 64
 
 
 def test_a_graph_that_shapes_its_own_mask_has_no_rowwise_flavour(cache_dir):

@@ -24,8 +24,11 @@ def graphs(tiny_vlm, tmp_path_factory):
         "trained": export_vision(tiny_vlm, d / "vision_trained.onnx", position_ids="trained"),
         "embed": export_embeddings(tiny_vlm, d / "embed_tokens.onnx"),
     }
-    paths = {"transformers": d / "vision_transformers.onnx", "trained": d / "vision_trained.onnx",
-             "embed": d / "embed_tokens.onnx"}
+    paths = {
+        "transformers": d / "vision_transformers.onnx",
+        "trained": d / "vision_trained.onnx",
+        "embed": d / "embed_tokens.onnx",
+    }
     return paths, infos
 
 
@@ -42,8 +45,8 @@ def _batch(seed=1):
     mask = torch.ones(5, 32, 32, dtype=torch.bool)
     pv[1] = 0
     mask[1] = False
-    mask[2, 20:, :] = False      # rows 0..19 -> patch rows 0..2 (row 16..19 makes patch row 2 real)
-    mask[2, :, 12:] = False      # cols 0..11 -> patch cols 0..1
+    mask[2, 20:, :] = False  # rows 0..19 -> patch rows 0..2 (row 16..19 makes patch row 2 real)
+    mask[2, :, 12:] = False  # cols 0..11 -> patch cols 0..1
     pv[2][:, ~mask[2]] = 0
     mask[4, 8:, :] = False
     pv[4][:, ~mask[4]] = 0
@@ -86,7 +89,7 @@ def test_vision_parity_with_padding_and_masks(tiny_vlm, graphs, mode):
     pv, mask = _batch()
     ref = _torch_features(tiny_vlm, pv, mask, mode)
     out = sess.run(None, {"pixel_values": pv.numpy(), "pixel_attention_mask": mask.numpy()})[0]
-    assert ref.shape == out.shape == (4, 4, 64)      # the all-zero tile is dropped
+    assert ref.shape == out.shape == (4, 4, 64)  # the all-zero tile is dropped
     assert np.abs(ref - out).max() < 1e-4
     # A batch of one image, and the modes really differ (a dropped (1 - 1e-6) factor would hide).
     one = sess.run(None, {"pixel_values": pv[:1].numpy(), "pixel_attention_mask": mask[:1].numpy()})[0]
@@ -101,8 +104,9 @@ def test_vision_all_padding_keeps_first_image(tiny_vlm, graphs):
     mask = torch.zeros(2, 32, 32, dtype=torch.bool)
     mask[0] = True
     ref = _torch_features(tiny_vlm, pv, mask, "transformers")
-    out = _session(paths["transformers"]).run(None, {"pixel_values": pv.numpy(),
-                                                     "pixel_attention_mask": mask.numpy()})[0]
+    out = _session(paths["transformers"]).run(None, {"pixel_values": pv.numpy(), "pixel_attention_mask": mask.numpy()})[
+        0
+    ]
     assert ref.shape == out.shape == (1, 4, 64)
     assert np.abs(ref - out).max() < 1e-4
 
@@ -120,8 +124,15 @@ def test_vision_graph_io_and_info(tiny_vlm, graphs):
     info = infos["transformers"]
     assert info["nodes"] == len(m.graph.node) and info["seconds"] > 0 and info["position_ids"] == "transformers"
     dims = vision_dims(tiny_vlm.config)
-    assert dims == {"image_size": 32, "patch_size": 8, "scale_factor": 2, "image_seq_len": 4,
-                    "image_token_id": 250, "text_hidden_size": 64, "vision_hidden_size": 32}
+    assert dims == {
+        "image_size": 32,
+        "patch_size": 8,
+        "scale_factor": 2,
+        "image_seq_len": 4,
+        "image_token_id": 250,
+        "text_hidden_size": 64,
+        "vision_hidden_size": 32,
+    }
     assert info["image_seq_len"] == tiny_vlm.model.image_seq_len == 4
 
 

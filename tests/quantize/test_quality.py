@@ -25,7 +25,7 @@ def test_top1_and_kl_are_what_they_say():
     ref = rng.standard_normal((6, 11)).astype(np.float32) * 3
     near = ref + rng.standard_normal(ref.shape).astype(np.float32) * 0.3
     far = rng.standard_normal(ref.shape).astype(np.float32) * 3
-    qs = QualitySet([np.arange(4)], [np.arange(6)], "t")       # 4 prompt ids, 6 continuation positions
+    qs = QualitySet([np.arange(4)], [np.arange(6)], "t")  # 4 prompt ids, 6 continuation positions
     res = gate_quality(_Fixed(ref), {"int8": _Fixed(near), "int4": _Fixed(far)}, qs, {"int8": 0.5, "int4": 0.9})
     for name, lg in (("int8", near), ("int4", far)):
         top1 = float((lg.argmax(-1) == ref.argmax(-1)).mean())
@@ -41,7 +41,7 @@ def test_every_quantized_variant_records_its_quality(tiny_llama):
     q = {v: r.gates["quality"] for v, r in m.variants.items() if v != "fp32"}
     assert set(q) == {p + layout for p in ("fp32", "int8", "int4") for layout in ("", "-static", "-rowwise")} - {"fp32"}
     assert {g["positions"] for g in q.values()} == {len(TEXTS) * QUALITY_TOKENS}
-    assert len({g["set_sha256"] for g in q.values()}) == 1            # one text set for all
+    assert len({g["set_sha256"] for g in q.values()}) == 1  # one text set for all
     for v in ("fp32-static", "fp32-rowwise"):
         assert q[v]["top1"] >= 0.99 and q[v]["mean_kl"] < 1e-4
     assert q["int8"]["mean_kl"] < q["int4"]["mean_kl"]

@@ -29,7 +29,9 @@ def test_int4_body_int8_head_tied_table_shared(tiny_llama):
     # Tied: the head reads the embedding's table through a Reshape view, no second copy.
     view = nodes["/lm_head/MatMul_ViewTied"]
     assert view.input[0] == emb.input[0] and head.input[2] == emb.input[2]
-    big_float = [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and np.prod(i.dims) >= 256 * 64]
+    big_float = [
+        i for i in m.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and np.prod(i.dims) >= 256 * 64
+    ]
     assert not big_float, "no fp32 embedding table may remain"
     assert not any(n.op_type.startswith("Q") and n.op_type != "QuickGelu" for n in m.graph.node)
     assert sum(n.op_type == "Attention" for n in m.graph.node) == 2
@@ -39,7 +41,7 @@ def test_int4_body_int8_head_tied_table_shared(tiny_llama):
 
 
 def test_untied_model_keeps_two_tables(cache_dir):
-    folder = build_tiny("qwen2", cache_dir)   # tie_word_embeddings=False
+    folder = build_tiny("qwen2", cache_dir)  # tie_word_embeddings=False
     m, nodes = _nodes(folder / variant_file("int4"))
     head, emb = nodes["/lm_head/MatMulNBits"], nodes["/model/embed_tokens/GatherBlockQuantized"]
     assert head.input[1] != emb.input[0]
@@ -57,32 +59,36 @@ def test_quantized_matmul_equals_its_dequantized_weights(tmp_path):
     emb_w = rng.standard_normal((10, k)).astype(np.float32)
     head_w = rng.standard_normal((n, 7)).astype(np.float32)
     g = helper.make_graph(
-        [helper.make_node("Gather", ["E", "input_ids"], ["e"], name="/model/embed_tokens/Gather"),
-         helper.make_node("MatMul", ["e", "W"], ["h"], name="/model/layers.0/mlp/MatMul"),
-         helper.make_node("MatMul", ["h", "H"], ["logits"], name="/lm_head/MatMul")],
-        "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
+        [
+            helper.make_node("Gather", ["E", "input_ids"], ["e"], name="/model/embed_tokens/Gather"),
+            helper.make_node("MatMul", ["e", "W"], ["h"], name="/model/layers.0/mlp/MatMul"),
+            helper.make_node("MatMul", ["h", "H"], ["logits"], name="/lm_head/MatMul"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(emb_w, "E"), numpy_helper.from_array(w, "W"),
-         numpy_helper.from_array(head_w, "H")])
+        [numpy_helper.from_array(emb_w, "E"), numpy_helper.from_array(w, "W"), numpy_helper.from_array(head_w, "H")],
+    )
     src = tmp_path / "m.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), str(src))
     for bits in (4, 8):
         for sym in (True, False):
-            plan = QuantPlan(body_bits=bits, body_block=32, lm_head_bits=8, lm_head_block=16, accuracy_level=0,
-                             symmetric=sym)
+            plan = QuantPlan(
+                body_bits=bits, body_block=32, lm_head_bits=8, lm_head_block=16, accuracy_level=0, symmetric=sym
+            )
             out = tmp_path / f"q{bits}{sym}.onnx"
             rep = quantize_model(src, out, plan)
             assert rep["tied_embeddings"] is False and rep["quantized_nodes"] == 3
             deq_w = _quantize_rows(w.T, bits, 32, symmetric=sym or bits == 8).dequantize().T
             deq_e = _quantize_rows(emb_w, 8, 32).dequantize()
-            deq_h = _quantize_rows(head_w.T, 8, 16).dequantize().T          # the lm-head: 8 bits, block 16
+            deq_h = _quantize_rows(head_w.T, 8, 16).dequantize().T  # the lm-head: 8 bits, block 16
             ids = np.array([[1, 4, 9]])
             h_ref = deq_e[ids[0]] @ deq_w
             # Compare the body output through an extra output: run a graph cut at "h".
             mq = onnx.load(str(out))
             mq.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, None))
             body = next(n for n in mq.graph.node if n.name == "/model/layers.0/mlp/MatMulNBits")
-            assert (len(body.input) == 4) == (bits == 4 and not sym)      # a zero point per block when asymmetric
+            assert (len(body.input) == 4) == (bits == 4 and not sym)  # a zero point per block when asymmetric
             sess = ort.InferenceSession(mq.SerializeToString())
             logits, h = sess.run(None, {"input_ids": ids})
             np.testing.assert_allclose(h[0], h_ref, rtol=1e-4, atol=1e-4)
@@ -95,7 +101,9 @@ def test_asymmetric_rounding_beats_symmetric_on_shifted_weights():
     """Weights whose blocks are not centred on zero (what a zero point is for)."""
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((64, 128)) * 0.1 + rng.uniform(-0.3, 0.3, (64, 4)).repeat(32, axis=1)).astype(np.float32)
-    err = {sym: float(np.square(_quantize_rows(w, 4, 32, symmetric=sym).dequantize() - w).mean()) for sym in (True, False)}
+    err = {
+        sym: float(np.square(_quantize_rows(w, 4, 32, symmetric=sym).dequantize() - w).mean()) for sym in (True, False)
+    }
     assert err[False] < 0.7 * err[True]
 
 
@@ -112,5 +120,5 @@ def test_quantizing_twice_gives_the_same_bytes(tiny_llama, tmp_path):
         quantize_model(tiny_llama / variant_file("fp32"), out, PLANS["int4"], tied=True)
     assert sha256_file(a) == sha256_file(b)
     rec = read_manifest(tiny_llama).variants["int4"]
-    if not getattr(rec, "row_guard", None):            # a row-guarded variant is rewritten after quantizing
+    if not getattr(rec, "row_guard", None):  # a row-guarded variant is rewritten after quantizing
         assert sha256_file(a) == rec.sha256

@@ -18,14 +18,34 @@ def _with(recipe, **attrs):
 
 REFUSED = [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
-    ("llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                "original_max_position_embeddings": 64}}, "rope_scaling.rope_type='longrope'"),
+    (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        "rope_scaling.rope_type='longrope'",
+    ),
     ("llama", {"sliding_window": 16}, "sliding_window=16"),
     ("llama", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
     ("mistral", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-    ("mistral", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
-     "rope_scaling.rope_type='llama3'"),
+    (
+        "mistral",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        "rope_scaling.rope_type='llama3'",
+    ),
     ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ("phi3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
@@ -37,7 +57,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("recipe,attrs,named", REFUSED, ids=[f"{r}-{n}" for r, _, n in REFUSED])
 def test_unmapped_attention_attribute_is_refused_by_name(recipe, attrs, named):
-    assert recipe_for(registered()[recipe]().tiny_config()).name == recipe      # the plain config is fine
+    assert recipe_for(registered()[recipe]().tiny_config()).name == recipe  # the plain config is fine
     with pytest.raises(UnsupportedArchitecture) as e:
         recipe_for(_with(recipe, **attrs))
     msg = str(e.value)
@@ -78,10 +98,12 @@ def test_config_windows_follow_transformers_rules():
     assert config_windows(MistralConfig(num_hidden_layers=3, sliding_window=7)) == [7, 7, 7]
     assert config_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
     assert config_windows(Qwen2Config(num_hidden_layers=2, sliding_window=7, use_sliding_window=False)) == [None] * 2
-    assert config_windows(Qwen2Config(num_hidden_layers=3, sliding_window=7, use_sliding_window=True,
-                                      max_window_layers=1)) == [None, 7, 7]
-    s = SmolLM3Config(num_hidden_layers=4, sliding_window=7, use_sliding_window=False,
-                      layer_types=["sliding_attention"] * 4)
+    assert config_windows(
+        Qwen2Config(num_hidden_layers=3, sliding_window=7, use_sliding_window=True, max_window_layers=1)
+    ) == [None, 7, 7]
+    s = SmolLM3Config(
+        num_hidden_layers=4, sliding_window=7, use_sliding_window=False, layer_types=["sliding_attention"] * 4
+    )
     assert config_windows(s) == [None] * 4
     # what the model itself does with that config: no window on any layer
     from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
@@ -100,8 +122,10 @@ def test_cli_recipes_and_readme_table_list_what_each_family_supports():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for name, cls in registered().items():
         s = cls().supports()
-        row = f"| {name} | {', '.join(cls.architectures)} | {s['tree']} | {s['sliding_window']} | {s['rope']} | " \
-              f"{s['other']} | {s['vlm']} |"
+        row = (
+            f"| {name} | {', '.join(cls.architectures)} | {s['tree']} | {s['sliding_window']} | {s['rope']} | "
+            f"{s['other']} | {s['vlm']} |"
+        )
         assert row in readme, f"README model table out of date for {name}: {row}"
         line = next(x for x in out.splitlines() if x.startswith(name + " "))
         assert all(v in line for v in s.values()), (line, s)

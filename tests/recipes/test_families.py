@@ -46,8 +46,9 @@ def build_case(recipe: str, case: str, cache_dir):
         src = cache_dir.parent / f"src-{name}"
         model.save_pretrained(src)
         tiny_tokenizer(cfg.vocab_size).save_pretrained(src)
-        _built[name] = build_tree_decoder(TreeDecoderConfig(model=str(src), name=name, variants=("fp32", "int4"),
-                                                            timing=False, reference_tokens=12)).folder
+        _built[name] = build_tree_decoder(
+            TreeDecoderConfig(model=str(src), name=name, variants=("fp32", "int4"), timing=False, reference_tokens=12)
+        ).folder
     return _built[name]
 
 
@@ -88,7 +89,7 @@ def test_parity_past_window_and_rope_length(recipe, case, cache_dir):
     m = S.read_manifest(folder)
     ref = Reference.load(folder / REFERENCE_FILE)
     for span in _spans(cfg):
-        assert ref.chain_split > span, (span, ref.chain_split)     # the tree's past alone crosses it
+        assert ref.chain_split > span, (span, ref.chain_split)  # the tree's past alone crosses it
     for v in ("fp32", "fp32-static"):
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)
@@ -98,7 +99,7 @@ def test_parity_past_window_and_rope_length(recipe, case, cache_dir):
     for v in ("int4", "int4-static"):
         assert m.variants[v].gates["batched_vs_incremental"]["passed"], (v, m.variants[v].gates)
     rope = _rope_layers(cfg)
-    assert m.export["op_counts"].get("RotaryEmbedding", 0) == 2 * rope        # q and k per RoPE layer
+    assert m.export["op_counts"].get("RotaryEmbedding", 0) == 2 * rope  # q and k per RoPE layer
     g = onnx.load(str(folder / S.variant_file("fp32-static")), load_external_data=False).graph
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
     rotary = [next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "do_rotary"), 0) for n in gqa]
@@ -111,7 +112,7 @@ def _hf_model(recipe: str, folder):
 
     src = S.read_manifest(folder).source["path"]
     cls = SmolVLMForConditionalGeneration if getattr(registered()[recipe], "vlm", False) else AutoModelForCausalLM
-    return cls.from_pretrained(src, dtype=torch.float32).eval()   # fresh: nothing of ours patched in
+    return cls.from_pretrained(src, dtype=torch.float32).eval()  # fresh: nothing of ours patched in
 
 
 @pytest.mark.parametrize("recipe,case", CASES, ids=[f"{r}-{c or 'base'}" for r, c in CASES])
@@ -124,15 +125,20 @@ def test_runtime_greedy_equals_transformers_generate(recipe, case, cache_dir):
 
     folder = build_case(recipe, case, cache_dir)
     hf = _hf_model(recipe, folder)
-    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 200, 10)] * 2     # repeats: pld drafts
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 200, 10)] * 2  # repeats: pld drafts
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, num_beams=1,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    want = [int(t) for t in out[0, len(prompt):]]
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            num_beams=1,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    want = [int(t) for t in out[0, len(prompt) :]]
     assert len(prompt) + len(want) > max(_spans(registered()[recipe]().tiny_cases()[case]) or [0])
     for variant, kw in (("fp32", {}), ("fp32-static", {"method": "pld", "tree": True})):
         got = load(folder, variant=variant, threads=1).generate(prompt, max_new_tokens=32, **kw).tokens
-        assert got == want[:len(got)] and (len(got) == 32 or len(got) == len(want)), (variant, got, want)
+        assert got == want[: len(got)] and (len(got) == 32 or len(got) == len(want)), (variant, got, want)
 
 
 def test_longrope_is_capped_at_its_original_length(cache_dir):
@@ -218,7 +224,9 @@ def _without(feature: str, cfg) -> dict | None:
 FEATURE_CASES = [(r, c, f) for r, c in CASES for f in attention_features(registered()[r]().tiny_cases()[c])]
 
 
-@pytest.mark.parametrize("recipe,case,feature", FEATURE_CASES, ids=[f"{r}-{c or 'base'}-{f}" for r, c, f in FEATURE_CASES])
+@pytest.mark.parametrize(
+    "recipe,case,feature", FEATURE_CASES, ids=[f"{r}-{c or 'base'}-{f}" for r, c, f in FEATURE_CASES]
+)
 def test_each_feature_matters_at_the_parity_length(recipe, case, feature, cache_dir):
     """The parity cases are sensitive to what they claim to test: transformers without the
     feature (window, RoPE variant, NoPE, local RoPE base) is far from the reference the export

@@ -26,10 +26,12 @@ def test_invalid_records_are_measured_again(tiny_llama, cache_dir, caplog):
     key = C.calibration_key(m.manifest.variants["int4"].sha256, 2)
     f = cache_dir / ".runtime" / f"calibration-{key}.json"
     f.parent.mkdir(parents=True, exist_ok=True)
-    for bad in ({"version": C.CALIBRATION_VERSION, "chain_exact": True, "period": 0, "tile": None},
-                {"version": C.CALIBRATION_VERSION, "chain_exact": "yes", "period": 16, "tile": None},
-                {"version": C.CALIBRATION_VERSION, "chain_exact": True, "period": 16, "tile": 40},
-                "not json {"):
+    for bad in (
+        {"version": C.CALIBRATION_VERSION, "chain_exact": True, "period": 0, "tile": None},
+        {"version": C.CALIBRATION_VERSION, "chain_exact": "yes", "period": 16, "tile": None},
+        {"version": C.CALIBRATION_VERSION, "chain_exact": True, "period": 16, "tile": 40},
+        "not json {",
+    ):
         f.write_text(bad if isinstance(bad, str) else json.dumps(bad))
         m = load(tiny_llama, variant="int4")
         with caplog.at_level(logging.WARNING, logger="dejavuu"):
@@ -73,8 +75,9 @@ def test_the_build_measured_it_and_the_first_load_measures_nothing(tiny_llama, c
     key = C.calibration_key(rec.sha256, 2)
     assert rec.calibration["key"] == key and rec.calibration["chain_exact"] is True
     stored = json.loads((cache_dir / ".runtime" / f"calibration-{key}.json").read_text())
-    assert {k: stored[k] for k in ("chain_exact", "period", "tile")} == \
-        {k: rec.calibration[k] for k in ("chain_exact", "period", "tile")}
+    assert {k: stored[k] for k in ("chain_exact", "period", "tile")} == {
+        k: rec.calibration[k] for k in ("chain_exact", "period", "tile")
+    }
 
     def boom(dec):
         raise AssertionError("measured again")

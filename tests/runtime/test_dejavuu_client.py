@@ -20,17 +20,19 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow      # a build (~2 min on 2 cores) and, once, a pip install
+pytestmark = pytest.mark.slow  # a build (~2 min on 2 cores) and, once, a pip install
 
 PACKAGE = "dejavuu==0.2.0"
-VARIANTS = ("fp32", "int8", "int4")             # the concat variants the provenance view lists
+VARIANTS = ("fp32", "int8", "int4")  # the concat variants the provenance view lists
 METHODS = ("pld", "suffix_decoding")
 MAX_NEW = 40
-PROMPTS = ["the cat sat on the mat. the cat sat on the mat. the cat",
-           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "abc abc abc abc abc abc"]
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the mat. the cat",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "abc abc abc abc abc abc",
+]
 
-CLIENT = r'''
+CLIENT = r"""
 import json, sys, traceback
 from pathlib import Path
 
@@ -64,14 +66,15 @@ for v in args["variants"]:
     except Exception:
         rec["error"] = traceback.format_exc(limit=4)
 print(json.dumps(out))
-'''
+"""
 
 
 # ------------------------------------------------------------------------------ the interpreter
 def _version_of(python: str) -> tuple[int, int] | None:
     try:
-        r = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
-                           text=True, timeout=30)
+        r = subprocess.run(
+            [python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True, timeout=30
+        )
         return tuple(int(x) for x in r.stdout.split()) if r.returncode == 0 else None
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
@@ -98,13 +101,19 @@ def client_python(request) -> str:
     """The scratch venv's python with dejavuu==0.2.0, kept in pytest's cache across sessions."""
     py, tried = find_python313()
     if py is None:
-        pytest.skip("no Python >= 3.13 found (the dejavuu package requires it); looked at "
-                    + ("; ".join(tried) or "PATH and pyenv: nothing") + ". Set DEJAVUU_CLIENT_PYTHON.")
+        pytest.skip(
+            "no Python >= 3.13 found (the dejavuu package requires it); looked at "
+            + ("; ".join(tried) or "PATH and pyenv: nothing")
+            + ". Set DEJAVUU_CLIENT_PYTHON."
+        )
     ver = ".".join(map(str, _version_of(py)))
     venv = Path(request.config.cache.mkdir("dejavuu-client")) / f"py{ver}-{PACKAGE.replace('==', '-')}"
     vpy = venv / "bin" / "python"
-    check = [str(vpy), "-c", f"import importlib.metadata as m, dejavuu.api; "
-                             f"assert m.version('dejavuu') == {PACKAGE.split('==')[1]!r}"]
+    check = [
+        str(vpy),
+        "-c",
+        f"import importlib.metadata as m, dejavuu.api; assert m.version('dejavuu') == {PACKAGE.split('==')[1]!r}",
+    ]
     if vpy.exists() and subprocess.run(check, capture_output=True, timeout=120).returncode == 0:
         return str(vpy)
     tmp = venv.with_name(venv.name + f".tmp{os.getpid()}")
@@ -112,14 +121,19 @@ def client_python(request) -> str:
     r = subprocess.run([py, "-m", "venv", str(tmp)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         pytest.skip(f"{py} could not make a venv: {(r.stderr or r.stdout)[-500:]}")
-    r = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
-                        "--disable-pip-version-check", PACKAGE], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", PACKAGE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if r.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        pytest.skip(f"pip could not install {PACKAGE} into a {ver} venv (PyPI unreachable?): "
-                    f"{(r.stderr or r.stdout)[-800:]}")
+        pytest.skip(
+            f"pip could not install {PACKAGE} into a {ver} venv (PyPI unreachable?): {(r.stderr or r.stdout)[-800:]}"
+        )
     shutil.rmtree(venv, ignore_errors=True)
-    os.replace(tmp, venv)         # the venv's scripts name tmp's path: call its python by path only
+    os.replace(tmp, venv)  # the venv's scripts name tmp's path: call its python by path only
     vpy = venv / "bin" / "python"
     r = subprocess.run(check, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"the fresh client venv {venv} does not import dejavuu: {r.stderr[-800:]}"
@@ -151,8 +165,16 @@ def client_entry(cache_dir) -> Path:
     src.mkdir(exist_ok=True)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval().save_pretrained(src)
     tiny_tokenizer(cfg.vocab_size).save_pretrained(src)
-    return build_tree_decoder(TreeDecoderConfig(model=str(src), name="client-llama", variants=VARIANTS,
-                                                kv_layouts=("concat",), timing=False, reference_tokens=12)).folder
+    return build_tree_decoder(
+        TreeDecoderConfig(
+            model=str(src),
+            name="client-llama",
+            variants=VARIANTS,
+            kv_layouts=("concat",),
+            timing=False,
+            reference_tokens=12,
+        )
+    ).folder
 
 
 # ------------------------------------------------------------------------------ one client run
@@ -168,20 +190,35 @@ def client_run(client_python, client_entry, tmp_path_factory):
         ours[v] = [model.generate(ids, method="baseline", max_new_tokens=MAX_NEW).tokens for ids in prompts]
     d = tmp_path_factory.mktemp("dejavuu-client")
     (d / "client.py").write_text(CLIENT)
-    (d / "args.json").write_text(json.dumps({"entry": str(client_entry), "variants": list(VARIANTS),
-                                             "methods": list(METHODS), "prompts": prompts, "texts": PROMPTS,
-                                             "max_new": MAX_NEW}))
+    (d / "args.json").write_text(
+        json.dumps(
+            {
+                "entry": str(client_entry),
+                "variants": list(VARIANTS),
+                "methods": list(METHODS),
+                "prompts": prompts,
+                "texts": PROMPTS,
+                "max_new": MAX_NEW,
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([client_python, str(d / "client.py"), str(d / "args.json")], capture_output=True,
-                       text=True, timeout=900, cwd=d, env=env)
+    r = subprocess.run(
+        [client_python, str(d / "client.py"), str(d / "args.json")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=d,
+        env=env,
+    )
     assert r.returncode == 0, f"the client script failed:\n{r.stderr[-3000:]}"
     return {"ours": ours, "prompts": prompts, "client": json.loads(r.stdout.strip().splitlines()[-1])}
 
 
 def _first_diff(a: list[int], b: list[int]) -> str:
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"first difference at position {i} (of {len(a)} vs {len(b)}): {a[i:i + 4]} vs {b[i:i + 4]}"
+    return f"first difference at position {i} (of {len(a)} vs {len(b)}): {a[i : i + 4]} vs {b[i : i + 4]}"
 
 
 def _variant(client_run, v: str) -> dict:
@@ -205,9 +242,11 @@ def test_the_package_opens_each_variant_through_the_manifest(client_run, client_
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_package_baseline_equals_our_plain_decoding(client_run, variant):
     rec = _variant(client_run, variant)
-    bad = [f"prompt {i}: {_first_diff(rec['runs'][f'{i}/baseline/chain']['tokens'], ours)}"
-           for i, ours in enumerate(client_run["ours"][variant])
-           if rec["runs"][f"{i}/baseline/chain"]["tokens"] != ours]
+    bad = [
+        f"prompt {i}: {_first_diff(rec['runs'][f'{i}/baseline/chain']['tokens'], ours)}"
+        for i, ours in enumerate(client_run["ours"][variant])
+        if rec["runs"][f"{i}/baseline/chain"]["tokens"] != ours
+    ]
     assert not bad, f"{variant}: the package's plain decoding differs from ours: " + "; ".join(bad)
 
 
@@ -221,9 +260,11 @@ def test_package_drafted_decoding_is_lossless(client_run, variant, method, shape
     for i, ours in enumerate(client_run["ours"][variant]):
         run = rec["runs"][f"{i}/{method}/{shape}"]
         if run["tokens"] != rec["runs"][f"{i}/baseline/chain"]["tokens"] or run["tokens"] != ours:
-            bad.append(f"prompt {i} ({run['accepted']}/{run['drafted']} drafts accepted): vs its baseline "
-                       f"{_first_diff(run['tokens'], rec['runs'][f'{i}/baseline/chain']['tokens'])}; vs ours "
-                       f"{_first_diff(run['tokens'], ours)}")
+            bad.append(
+                f"prompt {i} ({run['accepted']}/{run['drafted']} drafts accepted): vs its baseline "
+                f"{_first_diff(run['tokens'], rec['runs'][f'{i}/baseline/chain']['tokens'])}; vs ours "
+                f"{_first_diff(run['tokens'], ours)}"
+            )
     drafted = sum(rec["runs"][f"{i}/{method}/{shape}"]["drafted"] for i in range(len(PROMPTS)))
     assert drafted > 0, f"{method} {shape} drafted nothing: the test proves nothing"
     assert not bad, f"{variant} {method} {shape}: " + "; ".join(bad)

@@ -20,22 +20,26 @@ def tiny(tiny_llama):
 @pytest.fixture(scope="module")
 def by_layout(tiny, tiny_llama):
     """The concat-layout int4 and its in-place KV twins."""
-    return {"int4": tiny, "int4-static": load(tiny_llama, variant="int4-static"),
-            "int4-rowwise": load(tiny_llama, variant="int4-rowwise")}
+    return {
+        "int4": tiny,
+        "int4-static": load(tiny_llama, variant="int4-static"),
+        "int4-rowwise": load(tiny_llama, variant="int4-rowwise"),
+    }
 
 
 @pytest.mark.parametrize("variant", ["int4", "int4-static", "int4-rowwise"])
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_lossless(by_layout, variant, method):
     m = by_layout[variant]
-    trees = variant != "int4-rowwise"         # rowwise verifies chains only (tree requests fall back)
+    trees = variant != "int4-rowwise"  # rowwise verifies chains only (tree requests fall back)
     assert (m.tree_period is not None) == trees
     for prompt in PROMPTS:
         for temp in (0.0, 0.9):
             base = m.generate(prompt, max_new_tokens=40, temperature=temp, seed=11)
             for tree in (False, True):
-                r = m.generate(prompt, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=11,
-                               validate_drafts=True)
+                r = m.generate(
+                    prompt, method=method, tree=tree, max_new_tokens=40, temperature=temp, seed=11, validate_drafts=True
+                )
                 assert r.tokens == base.tokens, (variant, method, tree, temp, prompt)
                 assert r.stats.tokens == len(r.tokens) and r.tree == (tree and trees)
 
@@ -57,7 +61,7 @@ class OracleTree(Drafter):
 
     def propose(self, context, budget):
         n = len(context) - self.start
-        nxt = self.truth[n:n + 3]
+        nxt = self.truth[n : n + 3]
         if len(nxt) < 3:
             return Draft()
         w0, w1 = (nxt[0] + 1) % 256, (nxt[1] + 7) % 256
@@ -97,17 +101,28 @@ def test_kv_cache_stays_the_committed_length(tiny, monkeypatch):
     ids = tiny.encode(PROMPTS[2])
     for tree in (False, True):
         commits.clear()
-        eng = Engine(tiny.decoder, tree_capable=True, period=tiny.tree_period if tree else None,
-                     tile=tiny.calibration.tile if tree else None)
+        eng = Engine(
+            tiny.decoder,
+            tree_capable=True,
+            period=tiny.tree_period if tree else None,
+            tile=tiny.calibration.tile if tree else None,
+        )
         committed, checks = [0], []
 
         def on_tokens(toks, committed=committed, checks=checks):
             committed[0] += len(toks)
             checks.append((commits[-1][0], len(ids) + committed[0] - 1))
 
-        new, st, _ = eng.generate(ids, drafter=make_drafter("pld"), sampler=Sampler(), max_new_tokens=30,
-                                  tree=tree, eos_ids=[], on_tokens=on_tokens)
-        assert st.accepted > 0 and len(checks) == st.steps + 1          # drafts were verified, every step seen
+        new, st, _ = eng.generate(
+            ids,
+            drafter=make_drafter("pld"),
+            sampler=Sampler(),
+            max_new_tokens=30,
+            tree=tree,
+            eos_ids=[],
+            on_tokens=on_tokens,
+        )
+        assert st.accepted > 0 and len(checks) == st.steps + 1  # drafts were verified, every step seen
         assert all(length == shape for length, shape in commits)
         assert all(have == want for have, want in checks), checks
         assert commits[-1][0] == len(ids) + len(new) - 1
@@ -116,19 +131,19 @@ def test_kv_cache_stays_the_committed_length(tiny, monkeypatch):
 def test_stop_conditions(tiny):
     base = tiny.generate(PROMPTS[0], max_new_tokens=20)
     assert base.stop_reason == "max_new_tokens" and len(base.tokens) == 20
-    kw = dict(max_new_tokens=30, temperature=1.0, seed=3)     # seeded sampling: varied text
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=3)  # seeded sampling: varied text
     sampled = tiny.generate(PROMPTS[0], **kw)
     text = sampled.text
-    stop = next((text[k:k + 3] for k in range(3, len(text) - 3) if text.index(text[k:k + 3]) == k), None)
+    stop = next((text[k : k + 3] for k in range(3, len(text) - 3) if text.index(text[k : k + 3]) == k), None)
     assert stop is not None, text
     r = tiny.generate(PROMPTS[0], stop=[stop], method="pld", **kw)
-    assert r.stop_reason == "stop_string" and r.text == text[:text.index(stop)] != ""
-    assert r.tokens == sampled.tokens[:len(r.tokens)] and len(r.tokens) < len(sampled.tokens)
+    assert r.stop_reason == "stop_string" and r.text == text[: text.index(stop)] != ""
+    assert r.tokens == sampled.tokens[: len(r.tokens)] and len(r.tokens) < len(sampled.tokens)
     eos = base.tokens[5]
     tiny.eos_ids = [eos]
     try:
         r = tiny.generate(PROMPTS[0], max_new_tokens=20, method="pld", tree=True)
-        assert r.stop_reason == "eos" and r.tokens[-1] == eos and r.tokens == base.tokens[:base.tokens.index(eos) + 1]
+        assert r.stop_reason == "eos" and r.tokens[-1] == eos and r.tokens == base.tokens[: base.tokens.index(eos) + 1]
     finally:
         tiny.eos_ids = [2]
 
@@ -155,13 +170,24 @@ def test_chat_template(tiny):
 
 
 # ---------------------------------------------------------------- item 5: bad generation settings are refused
-@pytest.mark.parametrize("kw, what", [
-    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_p": float("nan")}, "top_p"), ({"top_k": -1}, "top_k"), ({"width": 0}, "width"),
-    ({"max_depth": 0}, "max_depth"), ({"max_nodes": 0}, "max_nodes"), ({"seed": -1}, "seed"),
-    ({"stop": [""]}, "stop"), ({"max_new_tokens": 0}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, what",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"width": 0}, "width"),
+        ({"max_depth": 0}, "max_depth"),
+        ({"max_nodes": 0}, "max_nodes"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
 def test_bad_settings_are_refused(tiny, kw, what):
     with pytest.raises(GenerationError, match=what):
         tiny.generate("abc", max_new_tokens=kw.pop("max_new_tokens", 4), **kw)
@@ -204,15 +230,15 @@ def test_decoding_cost_is_linear_in_the_tokens(tiny, how):
 
 
 def test_stream_with_stop_strings_equals_generate(tiny):
-    kw = dict(max_new_tokens=40, method="pld", temperature=1.0, seed=3)   # seeded sampling: varied text
+    kw = dict(max_new_tokens=40, method="pld", temperature=1.0, seed=3)  # seeded sampling: varied text
     text = tiny.generate(PROMPTS[1], **kw).text
     # a stop string whose first occurrence is past the start, so a non-empty prefix streams
-    stop = next((text[k:k + 3] for k in range(3, len(text) - 3) if text.index(text[k:k + 3]) == k), None)
+    stop = next((text[k : k + 3] for k in range(3, len(text) - 3) if text.index(text[k : k + 3]) == k), None)
     assert stop is not None, text
     r = tiny.generate(PROMPTS[1], stop=[stop, "\x00never"], **kw)
     pieces = list(tiny.stream(PROMPTS[1], stop=[stop, "\x00never"], **kw))
     assert r.stop_reason == "stop_string" and stop not in r.text
-    assert "".join(pieces) == r.text == text[:text.index(stop)] != ""
+    assert "".join(pieces) == r.text == text[: text.index(stop)] != ""
 
 
 class Silent(Drafter):
@@ -228,10 +254,10 @@ def test_empty_drafts_fill_the_pad_row_losslessly(by_layout, temp):
             base = m.generate(prompt, max_new_tokens=40, temperature=temp, seed=5)
             r = m.generate(prompt, method=Silent(), max_new_tokens=40, temperature=temp, seed=5)
             assert r.tokens == base.tokens
-            assert base.stats.filled == 0 and base.stats.steps == 39   # plain decoding stays plain
-            assert r.stats.filled > 0         # rowwise: in a row of its own, while it pays (FillPolicy)
+            assert base.stats.filled == 0 and base.stats.steps == 39  # plain decoding stays plain
+            assert r.stats.filled > 0  # rowwise: in a row of its own, while it pays (FillPolicy)
             bare = m.generate(prompt, method=Drafter(), max_new_tokens=40, temperature=temp, seed=5)
-            assert bare.stats.filled == 0 and bare.stats.steps == 39   # ... also as the bench passes it
+            assert bare.stats.filled == 0 and bare.stats.steps == 39  # ... also as the bench passes it
 
 
 def test_fill_policy_fills_while_a_row_pays():
@@ -240,18 +266,19 @@ def test_fill_policy_fills_while_a_row_pays():
     from dejavuu_build.runtime.job import FillPolicy
 
     f = FillPolicy(explore=4)
-    assert f.pays(0, 0)                                # prior: p = 1/2 against a 1.25x second row
+    assert f.pays(0, 0)  # prior: p = 1/2 against a 1.25x second row
     f.observe(1, 1.0e-2)
-    f.observe(2, 1.6e-2)                               # a second row costs 60% more
-    assert f.pays(8, 6)                                # p = 0.7
-    assert [f.pays(10, 1) for _ in range(8)] == [False, False, False, True] * 2   # p = 1/6
-    f.observe(3, 9.9)                                  # other row counts do not enter
+    f.observe(2, 1.6e-2)  # a second row costs 60% more
+    assert f.pays(8, 6)  # p = 0.7
+    assert [f.pays(10, 1) for _ in range(8)] == [False, False, False, True] * 2  # p = 1/6
+    f.observe(3, 9.9)  # other row counts do not enter
     assert f.t == {1: 1.0e-2, 2: 1.6e-2}
 
 
 def test_paid_fills_are_not_the_drafters_cost(by_layout):
     """On rowwise, a filled step's row is the engine's: the drafter hears a lone token's rows and
     no verify time (its cost fit would otherwise learn that drafting nothing costs two rows)."""
+
     class Recording(Silent):
         def __init__(self):
             self.fbs = []
@@ -263,7 +290,7 @@ def test_paid_fills_are_not_the_drafters_cost(by_layout):
     d = Recording()
     r = m.generate(PROMPTS[2], method=d, max_new_tokens=40)
     assert r.stats.fill_accepted > 0
-    filled = [fb for fb in d.fbs[1:] if fb.drafted == 0 and len(fb.committed) > 1]   # accepted guesses
+    filled = [fb for fb in d.fbs[1:] if fb.drafted == 0 and len(fb.committed) > 1]  # accepted guesses
     assert len(filled) == r.stats.fill_accepted
     assert all(fb.rows == 1 and fb.verify_seconds == 0.0 for fb in filled)
     assert all(fb.verify_seconds > 0 for fb in d.fbs[1:] if fb.drafted)
@@ -282,6 +309,7 @@ def test_feedback_reports_the_rows_each_step_ran(by_layout, variant, single):
     """Feedback.rows is what cost-aware sizers fit verify time against: a step with no draft is
     one row on a length-invariant decoder (rowwise, and the row-guarded concat graph) and two (its
     runtime pad row) on the static one; a k-token chain is k+1 rows."""
+
     class Every3rd(Drafter):
         name = "every3rd"
 
@@ -290,14 +318,14 @@ def test_feedback_reports_the_rows_each_step_ran(by_layout, variant, single):
 
         def propose(self, context, budget):
             self.step += 1
-            return Draft.chain([5, 6, 7][:budget.max_depth]) if self.step % 3 == 0 else Draft()
+            return Draft.chain([5, 6, 7][: budget.max_depth]) if self.step % 3 == 0 else Draft()
 
         def feedback(self, fb):
             self.seen.append((fb.drafted, fb.rows))
 
     d = Every3rd()
     by_layout[variant].generate(PROMPTS[0], method=d, max_new_tokens=20)
-    assert d.seen[0] == (0, 0)                  # the prompt's first token: no verify step
+    assert d.seen[0] == (0, 0)  # the prompt's first token: no verify step
     d.seen = d.seen[1:]
     assert {rows for drafted, rows in d.seen if drafted == 0} == {single}
     chains = [(drafted, rows) for drafted, rows in d.seen if drafted]

@@ -18,9 +18,14 @@ hf_ip = pytest.importorskip("transformers.models.smolvlm.image_processing_smolvl
 CONFIGS = {
     "split": dict(size={"longest_edge": 96}, max_image_size={"longest_edge": 32}),
     "nosplit": dict(size={"longest_edge": 96}, max_image_size={"longest_edge": 32}, do_image_splitting=False),
-    "one-tile": dict(size={"longest_edge": 32}, max_image_size={"longest_edge": 32}),   # rows = cols = 0
-    "odd": dict(size={"longest_edge": 70}, max_image_size={"longest_edge": 24}, image_mean=[0.48, 0.45, 0.4],
-                image_std=[0.26, 0.26, 0.27], resample=3),
+    "one-tile": dict(size={"longest_edge": 32}, max_image_size={"longest_edge": 32}),  # rows = cols = 0
+    "odd": dict(
+        size={"longest_edge": 70},
+        max_image_size={"longest_edge": 24},
+        image_mean=[0.48, 0.45, 0.4],
+        image_std=[0.26, 0.26, 0.27],
+        resample=3,
+    ),
 }
 
 
@@ -30,8 +35,10 @@ def _rgb(w, h, seed):
 
 def _images():
     rng = np.random.default_rng(7)
-    ims = {f"rgb{w}x{h}": _rgb(w, h, w * 1000 + h) for w, h in [(100, 150), (150, 100), (31, 200), (64, 64),
-                                                                (20, 20), (33, 97)]}
+    ims = {
+        f"rgb{w}x{h}": _rgb(w, h, w * 1000 + h)
+        for w, h in [(100, 150), (150, 100), (31, 200), (64, 64), (20, 20), (33, 97)]
+    }
     ims["gray"] = Image.fromarray(rng.integers(0, 256, (50, 70), dtype=np.uint8), mode="L")
     ims["rgba"] = Image.fromarray(rng.integers(0, 256, (90, 40, 4), dtype=np.uint8), mode="RGBA")
     pal = Image.fromarray(rng.integers(0, 256, (45, 61, 3), dtype=np.uint8)).convert("P", palette=Image.ADAPTIVE)
@@ -47,8 +54,12 @@ def _compare(cfg, images, hf_images=None):
     ours = SmolVLMImagePreprocessor.from_dict(hf.to_dict())
     # channels_last: transformers infers the layout from the first image *before* adding the channel
     # axis of 2-D (L / P) images, and raises on a grayscale first image without this hint.
-    ref = hf(hf_images if hf_images is not None else images, return_tensors="np", return_row_col_info=True,
-             input_data_format="channels_last")
+    ref = hf(
+        hf_images if hf_images is not None else images,
+        return_tensors="np",
+        return_row_col_info=True,
+        input_data_format="channels_last",
+    )
     pv, mask, rows, cols = ours(images)
     assert pv.dtype == np.float32 and mask.dtype == bool
     assert pv.shape == ref["pixel_values"].shape[1:]
@@ -69,7 +80,7 @@ def test_matches_transformers_several_images(cfg):
     ims = [IMAGES["rgb100x150"], IMAGES["gray"], IMAGES["rgb20x20"], IMAGES["rgba"]]
     pv, _, rows, cols = _compare(CONFIGS[cfg], ims)
     if cfg == "split":
-        assert rows == [3, 3, 3, 3] and cols == [2, 3, 3, 2]   # 100x150, 70x50, 20x20 (upscaled), 40x90
+        assert rows == [3, 3, 3, 3] and cols == [2, 3, 3, 2]  # 100x150, 70x50, 20x20 (upscaled), 40x90
         assert pv.shape[0] == sum(r * c + 1 for r, c in zip(rows, cols))
     else:
         assert rows == cols == [0, 0, 0, 0] and pv.shape[0] == 4
@@ -79,25 +90,36 @@ def test_arrays_and_paths_match_transformers(tmp_path):
     rng = np.random.default_rng(3)
     hwc = rng.integers(0, 256, (40, 55, 3), dtype=np.uint8)
     _compare(CONFIGS["split"], [hwc])
-    _compare(CONFIGS["split"], [hwc.astype(np.float32) / 255.0])     # floats in [0, 1]
+    _compare(CONFIGS["split"], [hwc.astype(np.float32) / 255.0])  # floats in [0, 1]
     # Paths: transformers loads them with EXIF transpose + convert("RGB") (alpha dropped, not composited).
     rgba_png = tmp_path / "a.png"
     IMAGES["rgba"].save(rgba_png)
     exif = Image.Exif()
-    exif[0x0112] = 6                                                    # rotate 90 on display
+    exif[0x0112] = 6  # rotate 90 on display
     jpg = tmp_path / "b.jpg"
     _rgb(60, 30, 1).save(jpg, exif=exif)
     _, _, rows, cols = _compare(CONFIGS["split"], [rgba_png, str(jpg)], hf_images=[str(rgba_png), str(jpg)])
-    assert (rows, cols) == ([3, 3], [2, 2])                            # the JPEG is portrait once rotated
+    assert (rows, cols) == ([3, 3], [2, 2])  # the JPEG is portrait once rotated
 
 
 def test_from_dict_of_a_saved_config():
-    cfg = {"do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True,
-           "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
-           "image_processor_type": "SmolVLMImageProcessor", "image_std": [0.5, 0.5, 0.5],
-           "max_image_size": {"longest_edge": 512}, "processor_class": "SmolVLMProcessor", "resample": 1,
-           "rescale_factor": 0.00392156862745098, "size": {"longest_edge": 2048},
-           "video_sampling": {"fps": 1, "max_frames": 64}}
+    cfg = {
+        "do_convert_rgb": True,
+        "do_image_splitting": True,
+        "do_normalize": True,
+        "do_pad": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "SmolVLMImageProcessor",
+        "image_std": [0.5, 0.5, 0.5],
+        "max_image_size": {"longest_edge": 512},
+        "processor_class": "SmolVLMProcessor",
+        "resample": 1,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 2048},
+        "video_sampling": {"fps": 1, "max_frames": 64},
+    }
     p = SmolVLMImagePreprocessor.from_dict(cfg)
     assert p.size == {"longest_edge": 2048} and p.max_image_size == {"longest_edge": 512} and p.resample == 1
     hf = hf_ip.SmolVLMImageProcessor(**{k: v for k, v in cfg.items() if k != "video_sampling"})
@@ -150,24 +172,35 @@ def _processor_functions():
 
 def test_prompt_expansion_matches_processor_source():
     ns = _processor_functions()
-    self = SimpleNamespace(image_seq_len=4, image_token="<image>", fake_image_token="<fake_token_around_image>",
-                           global_image_token="<global-img>")
+    self = SimpleNamespace(
+        image_seq_len=4,
+        image_token="<image>",
+        fake_image_token="<fake_token_around_image>",
+        global_image_token="<global-img>",
+    )
     text = "User:<image>What is in these<image> two? And<image><end_of_utterance>\nAssistant:"
     rows, cols = [3, 0, 1], [2, 0, 4]
     ref = ns["expand_text_with_image_tokens"](self, [text], image_rows=[rows], image_cols=[cols])[0]
     assert expand_image_tokens(text, rows, cols, image_seq_len=4) == ref
     for r, c in [(0, 0), (1, 1), (2, 3), (4, 4)]:
-        ref = ns["get_image_prompt_string"](r, c, 64, fake_token_around_image="<F>", image_token="<I>",
-                                            global_image_token="<G>")
-        assert expand_image_tokens("<I>", [r], [c], image_seq_len=64, image_token="<I>",
-                                   fake_image_token="<F>", global_image_token="<G>") == ref
+        ref = ns["get_image_prompt_string"](
+            r, c, 64, fake_token_around_image="<F>", image_token="<I>", global_image_token="<G>"
+        )
+        assert (
+            expand_image_tokens(
+                "<I>", [r], [c], image_seq_len=64, image_token="<I>", fake_image_token="<F>", global_image_token="<G>"
+            )
+            == ref
+        )
 
 
 def test_prompt_expansion_hand_checked():
     got = expand_image_tokens("A<image>B", [2], [1], image_seq_len=2)
-    assert got == ("A<fake_token_around_image><row_1_col_1><image><image>\n"
-                   "<fake_token_around_image><row_2_col_1><image><image>\n"
-                   "\n<fake_token_around_image><global-img><image><image><fake_token_around_image>B")
+    assert got == (
+        "A<fake_token_around_image><row_1_col_1><image><image>\n"
+        "<fake_token_around_image><row_2_col_1><image><image>\n"
+        "\n<fake_token_around_image><global-img><image><image><fake_token_around_image>B"
+    )
     got = expand_image_tokens("<image>x", [0], [0], image_seq_len=3)
     assert got == "<fake_token_around_image><global-img><image><image><image><fake_token_around_image>x"
     assert expand_image_tokens("no images", [], [], image_seq_len=3) == "no images"
@@ -177,9 +210,11 @@ def test_prompt_expansion_hand_checked():
 
 
 def test_module_is_torch_free():
-    code = ("import sys, dejavuu_build.runtime.image as m; "
-            "bad = [k for k in ('torch', 'transformers', 'onnx') if k in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, dejavuu_build.runtime.image as m; "
+        "bad = [k for k in ('torch', 'transformers', 'onnx') if k in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

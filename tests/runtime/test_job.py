@@ -26,14 +26,16 @@ def test_accept_path_follows_the_branch_the_target_picks():
 
 
 def test_accept_path_stops_at_the_first_disagreement():
-    committed, path = accept_path([9, 4, 5], [-1, 0, 1], Draft.chain([4, 5]), _logits([3, 5, 1]), Sampler(), 0,
-                                  residual)
-    assert path == [0] and committed == [3]          # the target's own token, no draft node
+    committed, path = accept_path(
+        [9, 4, 5], [-1, 0, 1], Draft.chain([4, 5]), _logits([3, 5, 1]), Sampler(), 0, residual
+    )
+    assert path == [0] and committed == [3]  # the target's own token, no draft node
 
 
 def test_accept_path_uses_a_given_argmax_over_the_logits():
-    committed, path = accept_path([9, 4], [-1, 0], Draft.chain([4]), _logits([1, 2]), Sampler(), 0, residual,
-                                  argmax=np.array([4, 8]))
+    committed, path = accept_path(
+        [9, 4], [-1, 0], Draft.chain([4]), _logits([1, 2]), Sampler(), 0, residual, argmax=np.array([4, 8])
+    )
     assert path == [0, 1] and committed == [4, 8]
 
 
@@ -41,6 +43,7 @@ def test_cut_step_reasons():
     assert cut_step([1, 2], [3, 4], set(), 10, None) == ([3, 4], None)
     assert cut_step([1, 2], [3, 0, 4], {0}, 10, None) == ([3, 0], "eos")
     assert cut_step([1, 2], [3, 4, 5], set(), 4, None) == ([3, 4], "max_new_tokens")
+
     # a stop string ending with generated token 4 (prefix length 4 of [1, 2, 3, 4, 5])
     def stop(ids):
         return 4 if len(ids) >= 4 else None

@@ -23,9 +23,15 @@ def test_runtime_never_imports_torch(tiny_llama, cache_dir):
         "assert r.stats.tokens >= 1\n"
         "bad = [k for k in sys.modules if k == 'torch' or k.startswith(('torch.', 'transformers', 'onnx.'))]\n"
         "print('IMPORTED', bad)\n"
-        "assert not bad, bad\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)))
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
+    )
     assert out.returncode == 0, out.stderr + out.stdout
     assert "IMPORTED []" in out.stdout
 
@@ -35,9 +41,9 @@ def test_default_variant_and_names(tiny_llama):
     man = S.read_manifest(tiny_llama)
     assert m.variant == man.default_variant and man.variants[m.variant].passed
     passing = {v: r.bytes for v, r in man.variants.items() if r.passed}
-    assert man.default_variant == min(passing, key=passing.get)   # untimed build: the smallest passing
-    assert load(tiny_llama.name).folder == tiny_llama                       # by cache name
-    assert load(tiny_llama / S.variant_file("int8")).variant == "int8"       # by .onnx path
+    assert man.default_variant == min(passing, key=passing.get)  # untimed build: the smallest passing
+    assert load(tiny_llama.name).folder == tiny_llama  # by cache name
+    assert load(tiny_llama / S.variant_file("int8")).variant == "int8"  # by .onnx path
 
 
 def test_drift_and_missing_artifacts_are_clear(cache_dir):
@@ -48,9 +54,12 @@ def test_drift_and_missing_artifacts_are_clear(cache_dir):
         load("nothing-here")
     f = folder / S.variant_file("int4")
     f.write_bytes(f.read_bytes()[:-10] + b"0123456789")
-    with pytest.raises(IntegrityError, match=r"decoder_int4\.onnx.*rebuild it with `dejavuu-build tree-decoder --name drift-llama --force`"):
+    with pytest.raises(
+        IntegrityError,
+        match=r"decoder_int4\.onnx.*rebuild it with `dejavuu-build tree-decoder --name drift-llama --force`",
+    ):
         load(folder, variant="int4")
-    assert load(folder, variant="fp32").variant == "fp32"            # the other files are fine
+    assert load(folder, variant="fp32").variant == "fp32"  # the other files are fine
 
 
 def test_contract_mismatch_is_refused(cache_dir):
@@ -70,8 +79,7 @@ def test_optimum_export_runs_in_chain_mode(tmp_path, caplog):
 
     src = save_tiny("llama", tmp_path / "src")
     out = tmp_path / "optimum"
-    main_export(str(src), output=str(out), task="text-generation-with-past", no_post_process=True,
-                do_validation=False)
+    main_export(str(src), output=str(out), task="text-generation-with-past", no_post_process=True, do_validation=False)
     m = load(out / "model.onnx")
     assert m.contract.mask_kind == "padding_2d" and not m.tree_capable
     base = m.generate("abcabcabcabc", max_new_tokens=20)
@@ -122,12 +130,12 @@ def test_a_cache_name_is_not_shadowed_by_a_folder_here(tiny_llama, tmp_path, mon
     import shutil
 
     here = tmp_path / "cwd"
-    shutil.copytree(tiny_llama, here / tiny_llama.name)           # a same-named folder in the current directory
+    shutil.copytree(tiny_llama, here / tiny_llama.name)  # a same-named folder in the current directory
     (here / tiny_llama.name / S.variant_file("int4")).write_bytes(b"not a model")
     monkeypatch.chdir(here)
     m = load(tiny_llama.name, variant="int4")
-    assert m.folder == tiny_llama                                   # the cache entry, not ./tiny-llama
-    with pytest.raises(IntegrityError):                             # ./name is the folder, as written
+    assert m.folder == tiny_llama  # the cache entry, not ./tiny-llama
+    with pytest.raises(IntegrityError):  # ./name is the folder, as written
         load(f"./{tiny_llama.name}", variant="int4")
 
 

@@ -20,12 +20,19 @@ def _export_small(folder: Path, seed: int) -> Path:
     from dejavuu_build.recipes import registered
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    )
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        m.lm_head.weight.mul_(6)           # a spread, non-uniform target
+        m.lm_head.weight.mul_(6)  # a spread, non-uniform target
     folder.mkdir(parents=True, exist_ok=True)
     export_decoder(m, registered()["llama"](), folder / "decoder.onnx")
     return folder / "decoder.onnx"
@@ -60,10 +67,16 @@ def _exact_second_token(target) -> tuple[np.ndarray, np.ndarray]:
 def _sample(target, draft, n, residual_fn=None):
     firsts, seconds = [], []
     for seed in range(100_000, 100_000 + n):
-        d = ModelDrafter(draft, temperature=0.3, seed=seed)   # q peaked and unlike p
-        r = target.generate(PROMPT, method=d, max_new_tokens=3, temperature=T, seed=seed,
-                            **({"residual_fn": residual_fn} if residual_fn else {}))
-        assert r.stats.drafted >= 1          # the 2nd token went through accept/reject
+        d = ModelDrafter(draft, temperature=0.3, seed=seed)  # q peaked and unlike p
+        r = target.generate(
+            PROMPT,
+            method=d,
+            max_new_tokens=3,
+            temperature=T,
+            seed=seed,
+            **({"residual_fn": residual_fn} if residual_fn else {}),
+        )
+        assert r.stats.drafted >= 1  # the 2nd token went through accept/reject
         firsts.append(r.tokens[0])
         seconds.append(r.tokens[1])
     return np.array(firsts), np.array(seconds)
@@ -88,14 +101,14 @@ def test_model_drafter_sampling_matches_target(small):
 def test_wrong_residual_is_caught(small):
     target, draft = small
     p1, p2 = _exact_second_token(target)
-    f, s = _sample(target, draft, 2000, residual_fn=lambda p, q: p)   # resample from p: biased
+    f, s = _sample(target, draft, 2000, residual_fn=lambda p, q: p)  # resample from p: biased
     assert min(_pvalue(f, p1), _pvalue(s, p2)) < 1e-4
 
 
 def test_model_drafter_greedy_is_lossless_and_accepts(small):
     target, draft = small
     base = target.generate(PROMPT, max_new_tokens=12)
-    r = target.generate(PROMPT, method=ModelDrafter(target), max_new_tokens=12)   # self-drafting
+    r = target.generate(PROMPT, method=ModelDrafter(target), max_new_tokens=12)  # self-drafting
     assert r.tokens == base.tokens and r.stats.accepted > 0
     r = target.generate(PROMPT, method=ModelDrafter(draft), max_new_tokens=12, tree=True)
     assert r.tokens == base.tokens

@@ -39,16 +39,16 @@ def test_tree_pad_slots_cost_attention_only(static):
     try:
         _, _, pres = dec.forward(ids, None, kv)
         kv.commit(pres, len(ids), list(range(len(ids))))
-        parents = [-1, 0, 1, 0, 3, 3]                 # root; branch a-b; branch c-(d, e)
+        parents = [-1, 0, 1, 0, 3, 3]  # root; branch a-b; branch c-(d, e)
         slot, slot_parents = aligned_layout(parents, 8, 32, past=kv.length)
-        assert all(s_ >= 0 for s_ in slot) and len(slot_parents) > len(parents)   # pads between branches
+        assert all(s_ >= 0 for s_ in slot) and len(slot_parents) > len(parents)  # pads between branches
         toks = [ids[-1], 11, 12, 13, 14, 15]
         fed = []
         bind = kv.binding.bind_cpu_input
         kv.binding.bind_cpu_input = lambda name, arr: (fed.append((name, arr.shape)), bind(name, arr))
         try:
             sparse = dec.forward(toks, slot_parents, kv, slots=slot)
-            dense = dec.forward(slot_tokens(toks, slot, len(slot_parents)), slot_parents, kv)   # a row per slot
+            dense = dec.forward(slot_tokens(toks, slot, len(slot_parents)), slot_parents, kv)  # a row per slot
         finally:
             kv.binding.bind_cpu_input = bind
         rows = [shape for name, shape in fed if name == "input_ids"]
@@ -66,11 +66,11 @@ def test_commit_moves_only_accepted_rows():
     before = buf.copy()
     kv = StaticKV(None, buf, None)
     kv.length = 10
-    kv.commit(None, 6, [0, 2, 5])                   # a tree path: slots 0, 2, 5 of this step
+    kv.commit(None, 6, [0, 2, 5])  # a tree path: slots 0, 2, 5 of this step
     assert kv.length == 13
     np.testing.assert_array_equal(buf[:, :, :, :10], before[:, :, :, :10])
     np.testing.assert_array_equal(buf[:, :, :, 10:13], before[:, :, :, [10, 12, 15]])
-    kv.commit(None, 4, [0, 1])                      # a chain prefix: nothing moves
+    kv.commit(None, 4, [0, 1])  # a chain prefix: nothing moves
     assert kv.length == 15
     np.testing.assert_array_equal(buf[:, :, :, 13:], before[:, :, :, 13:])
     kv.truncate(11)
@@ -80,7 +80,7 @@ def test_commit_moves_only_accepted_rows():
 def test_buffers_are_reused_and_stats_split_host_time(static):
     r1 = static.generate(PROMPTS[0], method="pld", max_new_tokens=16)
     pool = [id(b) for b in static.decoder.pooled]
-    assert pool                                     # the generation handed its buffer back
+    assert pool  # the generation handed its buffer back
     r2 = static.generate(PROMPTS[0], method="pld", max_new_tokens=16)
     assert [id(b) for b in static.decoder.pooled] == pool and r2.tokens == r1.tokens
     st = r2.stats
@@ -111,11 +111,14 @@ class _BadDrafter:
         pass
 
 
-@pytest.mark.parametrize("tokens,parents,tree,match", [
-    ([5, 6, 7], [-1, 2, 0], True, "parents must precede"),         # a forward parent: wrong positions
-    ([5, 6, 7], [-1, -1, 0], False, "chain was asked"),            # a tree in chain mode
-    ([5, 5], [-1, -1], True, "repeats token"),                     # duplicate siblings
-])
+@pytest.mark.parametrize(
+    "tokens,parents,tree,match",
+    [
+        ([5, 6, 7], [-1, 2, 0], True, "parents must precede"),  # a forward parent: wrong positions
+        ([5, 6, 7], [-1, -1, 0], False, "chain was asked"),  # a tree in chain mode
+        ([5, 5], [-1, -1], True, "repeats token"),  # duplicate siblings
+    ],
+)
 def test_malformed_drafts_are_refused_clearly(static, tokens, parents, tree, match):
     """Drafts are validated on every step (not only on request), with one clear error."""
     from dejavuu_build.errors import GenerationError

@@ -10,7 +10,7 @@ from dejavuu_build.runtime import load
 from dejavuu_build.runtime.stops import StopStream, TextStream, cut, stop_fn
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
-KW = dict(max_new_tokens=40, method="pld", temperature=1.0, seed=3)    # seeded sampling: varied text
+KW = dict(max_new_tokens=40, method="pld", temperature=1.0, seed=3)  # seeded sampling: varied text
 
 
 class _Pieces:
@@ -26,16 +26,16 @@ def test_stop_stream_holds_back_a_stop_string_split_between_pieces():
     s = StopStream(["world"])
     assert [s.push("hello w"), s.push("orld! bye")] == ["hel", "lo "] and s.finish() == ""
     s = StopStream(["world"])
-    assert s.push("hello w") + s.push("ord") + s.finish() == "hello word"      # held back, then released
+    assert s.push("hello w") + s.push("ord") + s.finish() == "hello word"  # held back, then released
     assert cut("hello world", ["xyz", "o w", "wor"]) == "hell" and cut("abc", ["d"]) == "abc"
 
 
 def test_text_stream_and_the_engines_stop_cut_a_stop_string_split_between_steps():
     ts = TextStream(_Pieces(), ["world"])
-    assert ts.push([0, 1]) + ts.push([2, 3, 4]) + ts.finish() == "hello "     # "w" | "orld" in two steps
+    assert ts.push([0, 1]) + ts.push([2, 3, 4]) + ts.finish() == "hello "  # "w" | "orld" in two steps
     should_stop = stop_fn(_Pieces(), ["world"])
     assert should_stop([0, 1]) is None
-    assert should_stop([0, 1, 2, 3, 4]) == 4         # the ids up to the one completing "world"
+    assert should_stop([0, 1, 2, 3, 4]) == 4  # the ids up to the one completing "world"
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,11 @@ def case(tiny):
     text, dec = full.text, tiny.tokenizer.decode
     ends = [len(dec(full.tokens[:n])) for n in range(1, len(full.tokens) + 1)]
     bounds, n = [], 0
-    for c in chunks[:-1]:                     # character offsets where one step's text ends
+    for c in chunks[:-1]:  # character offsets where one step's text ends
         n += len(c)
         bounds.append(ends[n - 1])
     for b in bounds:
-        stop = text[b - 2:b + 2]
+        stop = text[b - 2 : b + 2]
         if b >= 4 and len(stop) == 4 and text.find(stop) == b - 2:
             keep = next(k for k in range(1, len(full.tokens) + 1) if stop in dec(full.tokens[:k]))
             return text, stop, b - 2, full.tokens[:keep]
@@ -88,8 +88,14 @@ def test_server_cuts_a_stop_string_split_between_steps(tiny, case):
     sched = Scheduler(tiny, max_batch=1, batch=False)
     try:
         client = TestClient(create_app(tiny, sched, served_name="tiny", method="pld"))
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": KW["max_new_tokens"], "temperature": 1.0,
-                "seed": KW["seed"], "stop": [stop]}
+        body = {
+            "model": "tiny",
+            "prompt": PROMPT,
+            "max_tokens": KW["max_new_tokens"],
+            "temperature": 1.0,
+            "seed": KW["seed"],
+            "stop": [stop],
+        }
         whole = client.post("/v1/completions", json=body).json()
         assert whole["choices"][0]["text"] == text[:at] and whole["choices"][0]["finish_reason"] == "stop"
         pieces = []

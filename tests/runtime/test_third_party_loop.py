@@ -32,11 +32,17 @@ class PlainLoop:
     def forward(self, tokens, past: dict):
         n, p = len(tokens), next(iter(past.values())).shape[2]
         bias = np.zeros((1, 1, n, p + n), np.float32)
-        bias[0, 0, :, p:][np.triu(np.ones((n, n), bool), 1)] = NEG          # causal among the new rows
-        feeds = {"input_ids": np.asarray([tokens], np.int64), "position_ids": np.arange(p, p + n)[None],
-                 "attention_bias": bias, **past}
+        bias[0, 0, :, p:][np.triu(np.ones((n, n), bool), 1)] = NEG  # causal among the new rows
+        feeds = {
+            "input_ids": np.asarray([tokens], np.int64),
+            "position_ids": np.arange(p, p + n)[None],
+            "attention_bias": bias,
+            **past,
+        }
         out = dict(zip(self.names, self.s.run(None, feeds)))
-        present = {f"past_key_values.{i}.{kv}": out[f"present.{i}.{kv}"] for i in range(self.layers) for kv in ("key", "value")}
+        present = {
+            f"past_key_values.{i}.{kv}": out[f"present.{i}.{kv}"] for i in range(self.layers) for kv in ("key", "value")
+        }
         return out["logits"][0], present
 
     def plain(self, prompt, n):
@@ -69,8 +75,8 @@ class PlainLoop:
 def _lookup(ctx, k=4):
     """Prompt lookup: the tokens after the last earlier occurrence of the context's last bigram."""
     for i in range(len(ctx) - 3, -1, -1):
-        if ctx[i:i + 2] == ctx[-2:]:
-            return ctx[i + 2:i + 2 + k]
+        if ctx[i : i + 2] == ctx[-2:]:
+            return ctx[i + 2 : i + 2 + k]
     return []
 
 
@@ -78,14 +84,17 @@ def _lookup(ctx, k=4):
 def test_plain_loop_speculative_equals_plain(tiny_llama, variant):
     m = S.read_manifest(tiny_llama)
     rec = m.variants[variant]
-    assert rec.length_invariant, rec.row_guard            # the build made the concat graph length-invariant
+    assert rec.length_invariant, rec.row_guard  # the build made the concat graph length-invariant
     loop = PlainLoop(tiny_llama / rec.file, S.read_contract(tiny_llama).to_json())
     prompt = [5, 17, 23, 9, 17, 23, 41, 5, 17]
     ref, ref_rows = loop.plain(prompt, 40)
     truth = list(prompt) + ref
+
     # drafts: prompt lookup, and a drafter that proposes the true continuation with every third
     # token wrong (long verifies, accepted and rejected rows)
-    oracle = lambda ctx: [t if (len(ctx) + j) % 3 else (t + 1) % 50 for j, t in enumerate(truth[len(ctx):len(ctx) + 6])]  # noqa: E731
+    def oracle(ctx):
+        return [t if (len(ctx) + j) % 3 else (t + 1) % 50 for j, t in enumerate(truth[len(ctx) : len(ctx) + 6])]
+
     for drafts in (_lookup, oracle):
         got, rows, verified = loop.speculative(prompt, 40, drafts)
         assert got == ref

@@ -42,9 +42,9 @@ HOSTILE = {
     "list repeat": "{{ ([1] * 100000) * 100000 }}",
     "output piling up": "{% for i in range(100000) %}{{ 'x' * 90000 }}{% endfor %}",
     "doubling by ~": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                     "{% endfor %}{{ ns.s|length }}",
+    "{% endfor %}{{ ns.s|length }}",
     "doubling by +": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}{{ ns.s|length }}",
+    "{% endfor %}{{ ns.s|length }}",
     "center": "{{ 'x'|center(300000000) }}",
     "str method": "{{ 'x'.ljust(300000000) }}",
     "percent width": "{{ '%0300000000d' % 1 }}",
@@ -61,8 +61,7 @@ HOSTILE = {
 def test_a_hostile_template_is_a_clear_error_in_bounded_time(tmp_path, tiny_llama, name):
     tok = _tokenizer_with(tmp_path, tiny_llama, HOSTILE[name])
     t0 = time.perf_counter()
-    done, out = _bounded(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}]),
-                         T.TEMPLATE_SECONDS + 10)
+    done, out = _bounded(lambda: tok.apply_chat_template([{"role": "user", "content": "hi"}]), T.TEMPLATE_SECONDS + 10)
     assert done, f"{name}: still rendering after {T.TEMPLATE_SECONDS + 10}s"
     assert isinstance(out, GenerationError), (name, type(out), str(out)[:200])
     assert "chat template" in str(out)
@@ -85,8 +84,8 @@ def test_a_hostile_template_through_the_cli_is_one_line(tmp_path, tiny_llama, ca
     d = tmp_path / "entry"
     shutil.copytree(tiny_llama, d)
     (d / "chat_template.jinja").write_text(HOSTILE["huge repeat"])
-    (d / "manifest.json").unlink()          # a third-party folder (neither our manifest nor our contract):
-    (d / "contract.json").unlink()          # its template is run (sandboxed)
+    (d / "manifest.json").unlink()  # a third-party folder (neither our manifest nor our contract):
+    (d / "contract.json").unlink()  # its template is run (sandboxed)
     r = CliRunner().invoke(main, ["generate", str(d / "decoder_fp32.onnx"), "--chat", "hi", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error: chat template"), r.output
 
@@ -100,7 +99,9 @@ def _byte_level(tmp_path):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     corpus = ["héllo wörld, naïve café", "日本語のテキスト", "emoji 🙂🙃 and ünïcödé", "plain ascii text here"] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
     d = tmp_path / "bl"
     d.mkdir()
     tk.save(str(d / "tokenizer.json"))
@@ -112,9 +113,9 @@ def test_incremental_pieces_join_to_the_full_decode(tmp_path, chunk):
     tok = _byte_level(tmp_path)
     text = "héllo 日本語 🙂 wörld, café 🙃 end"
     ids = tok.encode(text)
-    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))   # characters do split
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # characters do split
     dec = T.IncrementalDecoder(tok)
-    pieces = [dec.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [dec.flush()]
+    pieces = [dec.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [dec.flush()]
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
 

@@ -28,8 +28,12 @@ def model(tiny_llama):
 
 # ---------------------------------------------------------------- point 2: threads and streams
 def test_one_model_shared_by_threads_answers_each_as_alone(model):
-    kw = [dict(max_new_tokens=40), dict(max_new_tokens=40, method="pld"),
-          dict(max_new_tokens=40, temperature=0.8, seed=3), dict(max_new_tokens=40, method="suffix_decoding")]
+    kw = [
+        dict(max_new_tokens=40),
+        dict(max_new_tokens=40, method="pld"),
+        dict(max_new_tokens=40, temperature=0.8, seed=3),
+        dict(max_new_tokens=40, method="suffix_decoding"),
+    ]
     alone = [model.generate(p, **k).tokens for p, k in zip(PROMPTS, kw)]
     for _ in range(3):
         got = [None] * 4
@@ -65,7 +69,7 @@ def test_breaking_out_of_a_stream_stops_it_and_leaves_the_model_ready(model):
     threads = threading.active_count()
     for _ in model.stream(PROMPTS[0], max_new_tokens=400):
         break
-    assert threading.active_count() == threads        # its worker stopped and was waited for
+    assert threading.active_count() == threads  # its worker stopped and was waited for
     assert model.generate(PROMPTS[1], max_new_tokens=40).tokens == ref.tokens
     g = model.stream(PROMPTS[0], max_new_tokens=400)
     next(g)
@@ -91,8 +95,13 @@ if sys.argv[1] == "break":
 
 @pytest.mark.parametrize("how", ["break", "open"])
 def test_a_script_that_leaves_a_stream_exits_cleanly(tiny_llama, cache_dir, how):
-    out = subprocess.run([sys.executable, "-c", _SCRIPT.format(folder=str(tiny_llama)), how], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)))
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(folder=str(tiny_llama)), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "terminate called" not in out.stderr
     if how == "break":
@@ -101,15 +110,28 @@ def test_a_script_that_leaves_a_stream_exits_cleanly(tiny_llama, cache_dir, how)
 
 def test_generate_stream_into_a_closed_pipe_stops_quietly(tiny_llama, cache_dir):
     """`dejavuu-build generate N "..." --stream | head -c 20`: no traceback, no abort."""
-    proc = subprocess.Popen([sys.executable, "-m", "dejavuu_build.build.cli", "generate", str(tiny_llama),
-                             "abcabcabc abc", "--stream", "--max-new-tokens", "480"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dejavuu_build.build.cli",
+            "generate",
+            str(tiny_llama),
+            "abcabcabc abc",
+            "--stream",
+            "--max-new-tokens",
+            "480",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, DEJAVUU_CACHE=str(cache_dir)),
+    )
     head = proc.stdout.read(20)
     proc.stdout.close()
     err = proc.stderr.read().decode()
     rc = proc.wait(300)
     assert len(head) == 20
-    assert rc == 141, (rc, err[-2000:])          # the shell's status for a writer whose reader left
+    assert rc == 141, (rc, err[-2000:])  # the shell's status for a writer whose reader left
     assert "unexpected" not in err and "Traceback" not in err and "terminate called" not in err, err[-2000:]
 
 
@@ -118,9 +140,22 @@ def test_generate_stream_into_a_closed_pipe_stops_quietly(tiny_llama, cache_dir)
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama, variant):
     m = load(tiny_llama, variant=variant)
     V = m.contract.vocab_size
-    bad = [[1, 2, V], [1, 2, 60000], [1, 2, 2 ** 31], [1, -1], [-V], [[1, 2]], [2 ** 70], np.array([[1, 2]]),
-           np.array([1.0, 2.0]), [True, 1], [1.5], ["a", "b"], [{"role": "user", "content": "hi"}, "x"],
-           [{"role": "user"}, {"content": 3}]]
+    bad = [
+        [1, 2, V],
+        [1, 2, 60000],
+        [1, 2, 2**31],
+        [1, -1],
+        [-V],
+        [[1, 2]],
+        [2**70],
+        np.array([[1, 2]]),
+        np.array([1.0, 2.0]),
+        [True, 1],
+        [1.5],
+        ["a", "b"],
+        [{"role": "user", "content": "hi"}, "x"],
+        [{"role": "user"}, {"content": 3}],
+    ]
     for p in bad:
         with pytest.raises(GenerationError):
             m.generate(p, max_new_tokens=2)

@@ -17,8 +17,15 @@ def vlm_build(cache_dir):
     from tiny import save_tiny
 
     src = save_tiny("smolvlm", cache_dir.parent / "src-tiny-vlm")
-    cfg = TreeDecoderConfig(model=str(src), name="tiny-vlm", primary_input="inputs_embeds", vision=True,
-                            vision_position_ids="transformers", timing=False, reference_tokens=12)
+    cfg = TreeDecoderConfig(
+        model=str(src),
+        name="tiny-vlm",
+        primary_input="inputs_embeds",
+        vision=True,
+        vision_position_ids="transformers",
+        timing=False,
+        reference_tokens=12,
+    )
     return src, build_tree_decoder(cfg).folder
 
 
@@ -57,10 +64,17 @@ def test_generation_equals_torch_generate(vlm_build, images, n_images):
     pv, mask, _, _ = model.vision.pre(imgs)
     hf = SmolVLMForConditionalGeneration.from_pretrained(src).eval()
     with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          pixel_values=torch.tensor(pv)[None], pixel_attention_mask=torch.tensor(mask)[None],
-                          max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    torch_tokens = out[0, len(ids):].tolist()
+        out = hf.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            pixel_values=torch.tensor(pv)[None],
+            pixel_attention_mask=torch.tensor(mask)[None],
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    torch_tokens = out[0, len(ids) :].tolist()
     assert base.tokens == torch_tokens
     for method in ("pld", "suffix_decoding", "token_recycling", "lookahead"):
         for tree in (False, True):
@@ -96,17 +110,32 @@ def test_the_server_takes_openai_image_parts(vlm_build, images, tmp_path):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
     ref = model.generate(msgs, images=images[:1], method="pld", max_new_tokens=16)
     url = "data:image/png;base64," + base64.b64encode(images[0].read_bytes()).decode()
-    proc, base = start_server(folder.name, "--variant", "fp32", "--method", "pld",
-                              log_path=str(tmp_path / "server.log"))
+    proc, base = start_server(
+        folder.name, "--variant", "fp32", "--method", "pld", log_path=str(tmp_path / "server.log")
+    )
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
-        r = client.chat.completions.create(model=folder.name, max_tokens=16, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "Describe this image."}]}])
+        r = client.chat.completions.create(
+            model=folder.name,
+            max_tokens=16,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "Describe this image."},
+                    ],
+                }
+            ],
+        )
         assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.tokens)
         with pytest.raises(openai.BadRequestError, match="data: URLs"):
-            client.chat.completions.create(model=folder.name, max_tokens=4, messages=[
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+            client.chat.completions.create(
+                model=folder.name,
+                max_tokens=4,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+            )
     finally:
         proc.terminate()
         proc.wait(30)

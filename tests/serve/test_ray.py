@@ -21,8 +21,9 @@ NAME, VARIANT = "tiny-llama", "int4-static"
 @pytest.mark.ray
 def test_two_replicas_with_session_affinity(tiny_llama, tmp_path):
     model = load(tiny_llama, variant=VARIANT)
-    proc, url = start_server(NAME, "--variant", VARIANT, "--ray", "--replicas", "2", "--method", "pld",
-                             log_path=str(tmp_path / "ray.log"))
+    proc, url = start_server(
+        NAME, "--variant", VARIANT, "--ray", "--replicas", "2", "--method", "pld", log_path=str(tmp_path / "ray.log")
+    )
     try:
         # The proxy learns the replica set asynchronously after the deployment is up: affinity is
         # promised while the set is unchanged, so traffic starts once the proxy routes to both.
@@ -36,13 +37,17 @@ def test_two_replicas_with_session_affinity(tiny_llama, tmp_path):
         seen: dict[str, set[str]] = {}
         for session in [f"user-{i}" for i in range(8)] * 2:
             raw = client.chat.completions.with_raw_response.create(
-                model=NAME, messages=[{"role": "user", "content": f"the cat sat on the mat {session}"}],
-                max_tokens=12, temperature=0, extra_headers={"x-session-id": session})
+                model=NAME,
+                messages=[{"role": "user", "content": f"the cat sat on the mat {session}"}],
+                max_tokens=12,
+                temperature=0,
+                extra_headers={"x-session-id": session},
+            )
             seen.setdefault(session, set()).add(raw.headers[REPLICA_HEADER])
             ref = model.generate([{"role": "user", "content": f"the cat sat on the mat {session}"}], max_new_tokens=12)
             assert raw.parse().choices[0].message.content == ref.text
-        assert all(len(r) == 1 for r in seen.values()), seen          # affinity: one replica per session
-        assert len(set().union(*seen.values())) == 2                  # and both replicas take sessions
+        assert all(len(r) == 1 for r in seen.values()), seen  # affinity: one replica per session
+        assert len(set().union(*seen.values())) == 2  # and both replicas take sessions
     finally:
         proc.terminate()
         proc.wait(60)

@@ -11,8 +11,14 @@ from dejavuu_build.runtime.drafters.base import DraftBudget
 from dejavuu_build.serve.memory import Memory, MemorySuffixDecoding
 from dejavuu_build.serve.scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
 
-PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3",
-           "hello hello hello", "xyz", "a b c d e f g a b c d e f g"]
+PROMPTS = [
+    "abcabcabcabc abcabc",
+    "the cat sat on the mat. the cat sat on the",
+    "1 2 3 1 2 3 1 2 3",
+    "hello hello hello",
+    "xyz",
+    "a b c d e f g a b c d e f g",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +39,7 @@ def run_all(sched, jobs):
                 left[0] -= 1
                 if not left[0]:
                     done.set()
+
         return on_done
 
     for i, (ids, prm) in enumerate(jobs):
@@ -54,12 +61,13 @@ def test_batched_requests_equal_each_alone(model, temperature):
         got = run_all(sched, jobs)
         for (ids, prm), r in zip(jobs, got):
             assert isinstance(r, Result), r
-            alone = model.generate(ids, method="baseline", max_new_tokens=prm.max_new_tokens,
-                                   temperature=temperature, seed=prm.seed)
+            alone = model.generate(
+                ids, method="baseline", max_new_tokens=prm.max_new_tokens, temperature=temperature, seed=prm.seed
+            )
             assert r.tokens == alone.tokens, (prm.method, prm.tree)
             assert r.batched and r.stop_reason == alone.stop_reason
-        assert sched.metrics.shared_forwards > 0          # requests really shared forwards
-        assert sched.batch.active == 0                     # every slot came back
+        assert sched.metrics.shared_forwards > 0  # requests really shared forwards
+        assert sched.batch.active == 0  # every slot came back
     finally:
         sched.close()
 
@@ -69,8 +77,12 @@ def test_cancel_frees_the_slot_and_others_continue(model):
     try:
         started = threading.Event()
         res = {}
-        victim = Request(model.encode(PROMPTS[0]), Params(max_new_tokens=400, method="baseline"),
-                         lambda t: started.set(), lambda r: res.setdefault("victim", r))
+        victim = Request(
+            model.encode(PROMPTS[0]),
+            Params(max_new_tokens=400, method="baseline"),
+            lambda t: started.set(),
+            lambda r: res.setdefault("victim", r),
+        )
         sched.submit(victim)
         assert started.wait(30)
         victim.cancel()
@@ -89,13 +101,15 @@ def test_queue_bound(model):
     gate = threading.Event()
     try:
         # the first request blocks the worker inside its token callback until the gate opens
-        sched.submit(Request(model.encode(PROMPTS[0]), Params(max_new_tokens=5), lambda t: gate.wait(30),
-                             lambda r: None))
+        sched.submit(
+            Request(model.encode(PROMPTS[0]), Params(max_new_tokens=5), lambda t: gate.wait(30), lambda r: None)
+        )
         sched.submit(Request(model.encode(PROMPTS[1]), Params(max_new_tokens=5), lambda t: None, lambda r: None))
         with pytest.raises(QueueFull):
             for _ in range(3):
-                sched.submit(Request(model.encode(PROMPTS[2]), Params(max_new_tokens=5), lambda t: None,
-                                     lambda r: None))
+                sched.submit(
+                    Request(model.encode(PROMPTS[2]), Params(max_new_tokens=5), lambda t: None, lambda r: None)
+                )
     finally:
         gate.set()
         sched.close()
@@ -108,14 +122,14 @@ def test_memory_is_bounded_and_namespaced():
     drafter = MemorySuffixDecoding(mem.index("a"))
     drafter.begin([7, 8, 100, 101, 102])
     draft = drafter.propose([7, 8, 100, 101, 102], DraftBudget(max_nodes=4, max_depth=4))
-    assert draft.tokens == [103, 104, 105]   # namespace a's document, as long as the match (spec_factor 1)
+    assert draft.tokens == [103, 104, 105]  # namespace a's document, as long as the match (spec_factor 1)
     other = MemorySuffixDecoding(mem.index("b"))
     other.begin([7, 8, 100, 101, 102])
     assert other.propose([7, 8, 100, 101, 102], DraftBudget(max_nodes=4, max_depth=4)).tokens == []
-    for k in range(10):                                  # 10 x 61 tokens > 200: the oldest go
+    for k in range(10):  # 10 x 61 tokens > 200: the oldest go
         mem.add("a", list(range(1000 + 100 * k, 1060 + 100 * k)))
     assert mem.tokens("a") <= 200 and mem.evicted_tokens > 0
-    mem.index("c")                                       # a third namespace evicts the least recent
+    mem.index("c")  # a third namespace evicts the least recent
     assert len(mem.namespaces) == 2 and "b" not in mem.namespaces
 
 

@@ -20,8 +20,16 @@ from dejavuu_build.serve.bench import start_server  # noqa: E402
 
 NAME = "tiny-llama"
 VARIANT = "int4-static"
-PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3",
-           "hello hello hello", "xyz xyz", "a b c d e f g a b c d e f g", "q", "mat mat mat cat"]
+PROMPTS = [
+    "abcabcabcabc abcabc",
+    "the cat sat on the mat. the cat sat on the",
+    "1 2 3 1 2 3 1 2 3",
+    "hello hello hello",
+    "xyz xyz",
+    "a b c d e f g a b c d e f g",
+    "q",
+    "mat mat mat cat",
+]
 
 
 def metric(url: str, name: str) -> float:
@@ -38,8 +46,16 @@ def model(tiny_llama):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    proc, url = start_server(NAME, "--variant", VARIANT, "--method", "pld", "--max-batch", "8",
-                             log_path=str(tmp_path_factory.mktemp("srv") / "server.log"))
+    proc, url = start_server(
+        NAME,
+        "--variant",
+        VARIANT,
+        "--method",
+        "pld",
+        "--max-batch",
+        "8",
+        log_path=str(tmp_path_factory.mktemp("srv") / "server.log"),
+    )
     yield url
     proc.terminate()
     proc.wait(30)
@@ -64,9 +80,14 @@ def test_models_health_metrics(server, client):
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.9, 123)])
 def test_chat_equals_generate(model, client, temperature, seed):
     for text in PROMPTS[:3]:
-        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], max_tokens=24,
-                                           temperature=temperature, seed=seed,
-                                           extra_body={"method": "suffix_decoding", "tree": True})
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=24,
+            temperature=temperature,
+            seed=seed,
+            extra_body={"method": "suffix_decoding", "tree": True},
+        )
         ref = chat_ref(model, text, max_new_tokens=24, temperature=temperature, seed=seed)
         assert r.choices[0].message.content == ref.text
         assert r.usage.completion_tokens == len(ref.tokens) and r.usage.prompt_tokens == ref.prompt_tokens
@@ -78,12 +99,18 @@ def test_completions_and_streaming_equal_generate(model, client):
     ref = model.generate(text, max_new_tokens=30)
     r = client.completions.create(model=NAME, prompt=text, max_tokens=30, temperature=0)
     assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.tokens)
-    chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=text, max_tokens=30, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.tokens)
-    chat = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], max_tokens=30,
-                                               temperature=0, stream=True))
+    chat = list(
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": text}], max_tokens=30, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chat) == chat_ref(model, text, max_new_tokens=30).text
 
 
@@ -101,8 +128,12 @@ def test_eight_concurrent_clients_equal_generate(model, server, client):
 
     def one(i):
         kw = dict(max_tokens=40, temperature=0.7 if i % 3 == 0 else 0.0, seed=i)
-        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[i]}],
-                                           extra_body={"method": methods[i], "tree": i % 2 == 0}, **kw)
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": PROMPTS[i]}],
+            extra_body={"method": methods[i], "tree": i % 2 == 0},
+            **kw,
+        )
         return r.choices[0].message.content
 
     with ThreadPoolExecutor(8) as ex:
@@ -115,9 +146,19 @@ def test_eight_concurrent_clients_equal_generate(model, server, client):
 
 def test_disconnect_mid_stream_frees_the_request(server, client):
     cancelled = metric(server, 'dejavuu_requests_total{status="cancelled"}')
-    with httpx.stream("POST", server + "/v1/completions", timeout=30,
-                      json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True,
-                            "method": "baseline", "temperature": 0}) as r:
+    with httpx.stream(
+        "POST",
+        server + "/v1/completions",
+        timeout=30,
+        json={
+            "model": NAME,
+            "prompt": PROMPTS[0],
+            "max_tokens": 400,
+            "stream": True,
+            "method": "baseline",
+            "temperature": 0,
+        },
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     deadline = time.time() + 20
@@ -125,20 +166,22 @@ def test_disconnect_mid_stream_frees_the_request(server, client):
         time.sleep(0.1)
     assert metric(server, 'dejavuu_requests_total{status="cancelled"}') == cancelled + 1
     assert metric(server, "dejavuu_active_requests") == 0
-    r = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0)   # still serving
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0)  # still serving
     assert r.usage.completion_tokens == 4
 
 
 def test_overload_answers_429_and_recovers(model, tmp_path):
-    proc, url = start_server(NAME, "--variant", VARIANT, "--max-batch", "1", "--max-queue", "1",
-                             log_path=str(tmp_path / "server.log"))
+    proc, url = start_server(
+        NAME, "--variant", VARIANT, "--max-batch", "1", "--max-queue", "1", log_path=str(tmp_path / "server.log")
+    )
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
         def one(_):
             try:
-                c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=300, temperature=0,
-                                     extra_body={"method": "baseline"})
+                c.completions.create(
+                    model=NAME, prompt=PROMPTS[0], max_tokens=300, temperature=0, extra_body={"method": "baseline"}
+                )
                 return "ok"
             except openai.RateLimitError as e:
                 assert e.status_code == 429 and e.body["code"] == "queue_full"
@@ -159,8 +202,9 @@ def test_bad_requests_get_openai_errors(server, client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
-                                       extra_body={"method": "zzz"})
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "x"}], extra_body={"method": "zzz"}
+        )
     assert e.value.body["param"] == "method"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", max_tokens=10_000)
@@ -168,25 +212,52 @@ def test_bad_requests_get_openai_errors(server, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt="x " * 600, max_tokens=5)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+        client.chat.completions.create(
+            model=NAME,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+            ],
+        )
     r = httpx.post(server + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server + "/v1/nothing").status_code == 404
     assert httpx.get(server + "/v1/nothing").json()["error"]["code"] == "not_found"
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
-                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
-                     max_leaves=12)
-_fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop",
-                           "stream", "n", "method", "tree", "top_k", "stream_options", "logprobs", "memory_key"])
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
+    max_leaves=12,
+)
+_fields = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "n",
+        "method",
+        "tree",
+        "top_k",
+        "stream_options",
+        "logprobs",
+        "memory_key",
+    ]
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
-       edits=st.dictionaries(_fields, _json, max_size=4), drop=st.lists(_fields, max_size=2),
-       raw=st.one_of(st.none(), st.binary(max_size=64)))
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+    edits=st.dictionaries(_fields, _json, max_size=4),
+    drop=st.lists(_fields, max_size=2),
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+)
 def test_fuzz_bodies_never_break_the_server(server, path, edits, drop, raw):
     body = {"model": NAME, "max_tokens": 3, "temperature": 0}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})

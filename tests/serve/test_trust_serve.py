@@ -26,7 +26,7 @@ from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler
 
 NAME = "tiny-llama"
 VARIANT = "int4-static"
-LONG = "the cat sat on the mat and then the dog sat on the log; " * 4      # > 64 positions
+LONG = "the cat sat on the mat and then the dog sat on the log; " * 4  # > 64 positions
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ def _temps(folder):
 def _one(sched, ids, n=12):
     done = threading.Event()
     out = []
-    sched.submit(Request(ids, Params(max_new_tokens=n, method="baseline"), lambda t: None,
-                         lambda r: (out.append(r), done.set())))
+    sched.submit(
+        Request(ids, Params(max_new_tokens=n, method="baseline"), lambda t: None, lambda r: (out.append(r), done.set()))
+    )
     assert done.wait(120)
     return out[0]
 
@@ -65,7 +66,7 @@ def test_a_damaged_batched_graph_is_rebuilt_not_trusted(model, tmp_path):
         path.write_bytes(bytes(data))
 
     damages = {
-        "truncated": lambda: path.write_bytes(good[:len(good) // 2]),
+        "truncated": lambda: path.write_bytes(good[: len(good) // 2]),
         "flipped": flip,
         "record lost": lambda: (path.parent / graph.RECORD).unlink(),
         "graph lost": path.unlink,
@@ -101,13 +102,13 @@ def test_an_unwritable_cache_serves_one_request_at_a_time_with_one_warning(model
 
     def full_disk(m, f, *a, **kw):
         with open(f, "wb") as fh:
-            fh.write(b"\0" * 100_000)          # half a file, then the disk is full
+            fh.write(b"\0" * 100_000)  # half a file, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(onnx, "save", full_disk)
     alone = model.generate(model.encode(LONG), max_new_tokens=12).tokens
     seen = _Records()
-    logging.getLogger("dejavuu").addHandler(seen)    # the package logger may not propagate (setup_logging)
+    logging.getLogger("dejavuu").addHandler(seen)  # the package logger may not propagate (setup_logging)
     try:
         s = Scheduler(model, max_batch=2, cache=tmp_path / "full")
         try:
@@ -139,7 +140,7 @@ def test_an_unwritable_cache_serves_one_request_at_a_time_with_one_warning(model
     s.close()
     assert not s.batched and "Read-only file system" in s.why_sequential
     monkeypatch.setattr(Path, "mkdir", real_mkdir)
-    Scheduler(model, max_batch=2, cache=tmp_path / "ro").close()       # written while writable
+    Scheduler(model, max_batch=2, cache=tmp_path / "ro").close()  # written while writable
     monkeypatch.setattr(Path, "mkdir", read_only)
     s = Scheduler(model, max_batch=2, cache=tmp_path / "ro")
     s.close()
@@ -184,7 +185,7 @@ def test_a_tampered_batched_graph_is_not_served(model, tmp_path):
     try:
         assert s.batched, s.why_sequential
         slot = s.batch.acquire(None)
-        (got, _), = s.batch.forward(slot, [Rows(ids, None)])
+        ((got, _),) = s.batch.forward(slot, [Rows(ids, None)])
         s.batch.release(slot)
     finally:
         s.close()
@@ -200,12 +201,14 @@ def test_serve_rebuilds_a_tampered_batched_graph(model, cache_dir, tmp_path):
     good = path.read_bytes()
     _zero_rope_past(path)
     assert path.read_bytes() != good
-    proc, url = start_server(NAME, "--variant", VARIANT, "--method", "baseline",
-                             log_path=str(tmp_path / "server.log"))
+    proc, url = start_server(NAME, "--variant", VARIANT, "--method", "baseline", log_path=str(tmp_path / "server.log"))
     try:
         assert httpx.get(url + "/health").json()["batched"] is True
-        r = httpx.post(url + "/v1/completions", timeout=120,
-                       json={"model": NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"model": NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == model.generate(LONG, max_new_tokens=24).text
     finally:
@@ -224,10 +227,11 @@ def server(model, tmp_path_factory):
 
 
 def test_a_huge_prompt_does_not_stall_the_server(server):
-    big = "abc def " * (10 << 17)            # 10 MiB of text
-    bodies = [("/v1/completions", {"model": NAME, "prompt": big, "max_tokens": 4}),
-              ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": big}],
-                                        "max_tokens": 4})]
+    big = "abc def " * (10 << 17)  # 10 MiB of text
+    bodies = [
+        ("/v1/completions", {"model": NAME, "prompt": big, "max_tokens": 4}),
+        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": big}], "max_tokens": 4}),
+    ]
     answers = []
 
     def send(path, body):
@@ -252,7 +256,7 @@ def test_a_huge_prompt_does_not_stall_the_server(server):
 @pytest.mark.parametrize("depth", [1_000, 100_000])
 def test_a_body_of_any_depth_is_a_400(server, depth):
     for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
-        content = (f'{{"model": "{NAME}", "max_tokens": 2, "{field}": '.encode() + b"[" * depth + b"]" * depth + b"}")
+        content = f'{{"model": "{NAME}", "max_tokens": 2, "{field}": '.encode() + b"[" * depth + b"]" * depth + b"}"
         r = httpx.post(server + path, content=content, headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 400, (depth, r.status_code, r.text[:300])
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -265,8 +269,12 @@ def test_a_taken_port_fails_before_it_says_serving(tiny_llama, cache_dir):
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
         held.listen()
-        out = subprocess.run([sys.executable, "-m", "dejavuu_build.build.cli", "serve", NAME, "--port", str(port)],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "dejavuu_build.build.cli", "serve", NAME, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "serving" not in out.stderr and "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -276,8 +284,12 @@ def test_a_taken_port_fails_before_it_says_serving(tiny_llama, cache_dir):
 def test_bad_serve_bounds_are_one_line():
     from dejavuu_build.cli import main
 
-    for extra, needle in ((["--memory-tokens", "0"], "--memory-tokens"), (["--max-batch", "0"], "--max-batch"),
-                          (["--max-queue", "-1"], "--max-queue"), (["--ray", "--replicas", "0"], "--replicas")):
+    for extra, needle in (
+        (["--memory-tokens", "0"], "--memory-tokens"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-queue", "-1"], "--max-queue"),
+        (["--ray", "--replicas", "0"], "--replicas"),
+    ):
         r = CliRunner().invoke(main, ["serve", NAME, *extra])
         assert r.exit_code == 2, (extra, r.output)
         lines = r.output.strip().splitlines()

@@ -25,8 +25,12 @@ def initializer(g, name: str, arr: np.ndarray):
     """Register ``arr`` as a graph initializer named ``name``; returns its value."""
     import onnx_ir as ir
 
-    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name), shape=ir.Shape(arr.shape),
-                 type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
+    v = ir.Value(
+        name=name,
+        const_value=ir.tensor(arr, name=name),
+        shape=ir.Shape(arr.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+    )
     g.register_initializer(v)
     return v
 
@@ -43,8 +47,14 @@ def drop(g, nodes) -> None:
 def concat_kv(att, inputs: dict):
     """The ``Concat(past, new)`` nodes feeding ``att``'s K and V, which both in-place passes replace."""
     cat_k, cat_v = att.inputs[1].producer(), att.inputs[2].producer()
-    if (cat_k is None or cat_v is None or cat_k.op_type != "Concat" or cat_v.op_type != "Concat"
-            or cat_k.inputs[0].name not in inputs or cat_v.inputs[0].name not in inputs):
+    if (
+        cat_k is None
+        or cat_v is None
+        or cat_k.op_type != "Concat"
+        or cat_v.op_type != "Concat"
+        or cat_k.inputs[0].name not in inputs
+        or cat_v.inputs[0].name not in inputs
+    ):
         raise ExportError(f"{att.name}: K/V do not come from Concat(past, new): unknown attention pattern")
     return cat_k, cat_v
 
@@ -97,7 +107,7 @@ def finish_layout(m, layout: str, capacity: int):
             del g.initializers[name]
     TopologicalSortPass()(m)
     out = ir.to_proto(m)
-    del out.graph.value_info[:]   # shapes of rewritten values are re-inferred by onnxruntime
+    del out.graph.value_info[:]  # shapes of rewritten values are re-inferred by onnxruntime
     out.metadata_props.add(key=S.KV_LAYOUT_KEY, value=layout)
     out.metadata_props.add(key=S.KV_CAPACITY_KEY, value=str(capacity))
     if tensor_bytes(out) < EXTERNAL_DATA_BYTES:

@@ -51,15 +51,24 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
     # rows = R (the forward's row count), pads = [0, max(2 - R, 0)]: computed once per graph
     head = [
         helper.make_node("Shape", [primary], ["/row_guard/R"], name="/row_guard/Shape", start=1, end=2),
-        helper.make_node("Sub", [const("row_guard.two", np.array([2], np.int64)), "/row_guard/R"],
-                         ["/row_guard/missing"], name="/row_guard/Sub"),
-        helper.make_node("Max", ["/row_guard/missing", const("row_guard.zero", np.array([0], np.int64))],
-                         ["/row_guard/pad"], name="/row_guard/Max"),
-        helper.make_node("Concat", ["row_guard.zero", "/row_guard/pad"], ["/row_guard/pads"],
-                         name="/row_guard/Concat", axis=0),
+        helper.make_node(
+            "Sub",
+            [const("row_guard.two", np.array([2], np.int64)), "/row_guard/R"],
+            ["/row_guard/missing"],
+            name="/row_guard/Sub",
+        ),
+        helper.make_node(
+            "Max",
+            ["/row_guard/missing", const("row_guard.zero", np.array([0], np.int64))],
+            ["/row_guard/pad"],
+            name="/row_guard/Max",
+        ),
+        helper.make_node(
+            "Concat", ["row_guard.zero", "/row_guard/pad"], ["/row_guard/pads"], name="/row_guard/Concat", axis=0
+        ),
     ]
     axes = {ax: const(f"row_guard.axis{ax}", np.array([ax], np.int64)) for ax in (1, 2)}
-    padded: dict[tuple[str, int], str] = {}       # (value, axis) -> its padded twin (shared, e.g. a mask)
+    padded: dict[tuple[str, int], str] = {}  # (value, axis) -> its padded twin (shared, e.g. a mask)
     out_nodes = []
     for node in g.node:
         if node.name not in todo:
@@ -73,15 +82,24 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
             x = node.input[j]
             if (x, ax) not in padded:
                 y = f"{node.name}/row_guard/pad_{j}"
-                out_nodes.append(helper.make_node("Pad", [x, "/row_guard/pads", "", axes[ax]], [y],
-                                                  name=f"{node.name}/row_guard/Pad_{j}"))
+                out_nodes.append(
+                    helper.make_node(
+                        "Pad", [x, "/row_guard/pads", "", axes[ax]], [y], name=f"{node.name}/row_guard/Pad_{j}"
+                    )
+                )
                 padded[(x, ax)] = y
             node.input[j] = padded[(x, ax)]
         y = node.output[0]
         node.output[0] = f"{node.name}/row_guard/out"
         out_nodes.append(node)
-        out_nodes.append(helper.make_node("Slice", [node.output[0], "row_guard.zero", "/row_guard/R", axes[ax]], [y],
-                                          name=f"{node.name}/row_guard/rows"))
+        out_nodes.append(
+            helper.make_node(
+                "Slice",
+                [node.output[0], "row_guard.zero", "/row_guard/R", axes[ax]],
+                [y],
+                name=f"{node.name}/row_guard/rows",
+            )
+        )
     del g.node[:]
     g.node.extend(head + out_nodes)
     return model

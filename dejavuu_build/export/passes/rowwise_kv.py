@@ -50,7 +50,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
-    model = strip_row_guard(model)      # the pass rewrites the graph as exported; the guard comes last
+    model = strip_row_guard(model)  # the pass rewrites the graph as exported; the guard comes last
     m = ir.from_proto(model)
     g = m.graph
     inputs = {v.name: v for v in g.inputs}
@@ -62,8 +62,10 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
         raise ExportError("no ONNX Attention node to rewrite into the rowwise KV flavour")
     for att in attn_nodes:
         if len(att.inputs) < 4 or att.inputs[3] is not bias or any(x is not None for x in att.inputs[4:]):
-            raise ExportError(f"{att.name}: attention does not take the caller's attention_bias as is (the graph "
-                              f"shapes a mask of its own): no rowwise flavour")
+            raise ExportError(
+                f"{att.name}: attention does not take the caller's attention_bias as is (the graph "
+                f"shapes a mask of its own): no rowwise flavour"
+            )
     if fuse:
         fuse_siblings(g)
         fuse_skip_norm(g)
@@ -79,10 +81,18 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     H = heads.pop()
     first = g.node(0)
     # one mask per (head, row), shared by all layers: [1,1,R,L] -> [1,H,R,L] -> [1,H*R,1,L]
-    e = new("Expand", [bias, initializer(g, "kv_rowwise.heads", np.array([1, H, 1, 1], np.int64))],
-            "/kv_rowwise/mask_Expand", first).outputs[0]
-    mask = new("Reshape", [e, initializer(g, "kv_rowwise.mask_shape", np.array([1, -1, 1, 0], np.int64))],
-               "/kv_rowwise/mask_Reshape", first).outputs[0]
+    e = new(
+        "Expand",
+        [bias, initializer(g, "kv_rowwise.heads", np.array([1, H, 1, 1], np.int64))],
+        "/kv_rowwise/mask_Expand",
+        first,
+    ).outputs[0]
+    mask = new(
+        "Reshape",
+        [e, initializer(g, "kv_rowwise.mask_shape", np.array([1, -1, 1, 0], np.int64))],
+        "/kv_rowwise/mask_Reshape",
+        first,
+    ).outputs[0]
     for att in attn_nodes:
         q4 = att.inputs[0]
         cat_k, cat_v = concat_kv(att, inputs)
@@ -90,14 +100,23 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
         past_v, v4 = cat_v.inputs[0], cat_v.inputs[1]
         kv_heads, head_dim = past_k.shape[1], past_k.shape[3]
         base = att.name.rsplit("/", 1)[0]
-        scale = float(att.attributes["scale"].value) if "scale" in att.attributes and \
-            float(att.attributes["scale"].value) else float(1.0 / np.sqrt(head_dim))
+        scale = (
+            float(att.attributes["scale"].value)
+            if "scale" in att.attributes and float(att.attributes["scale"].value)
+            else float(1.0 / np.sqrt(head_dim))
+        )
         q4, k4, v4, folded = _one_transpose_qkv(g, q4, k4, v4, H, kv_heads, head_dim, scale, base, att)
         if not folded:
-            q4 = new("Mul", [q4, initializer(g, f"{base}/kv_rowwise.scale", np.array(scale, np.float32))],
-                     f"{base}/kv_rowwise/q_scale", att).outputs[0]
-        ks, vs = (new("TensorScatter", [p, x, write], f"{base}/kv_rowwise/{w}_write", att, {"axis": 2}).outputs[0]
-                  for p, x, w in ((past_k, k4, "k"), (past_v, v4, "v")))
+            q4 = new(
+                "Mul",
+                [q4, initializer(g, f"{base}/kv_rowwise.scale", np.array(scale, np.float32))],
+                f"{base}/kv_rowwise/q_scale",
+                att,
+            ).outputs[0]
+        ks, vs = (
+            new("TensorScatter", [p, x, write], f"{base}/kv_rowwise/{w}_write", att, {"axis": 2}).outputs[0]
+            for p, x, w in ((past_k, k4, "k"), (past_v, v4, "v"))
+        )
         q_rows = initializer(g, f"{base}/kv_rowwise.q_rows", np.array([1, -1, 1, head_dim], np.int64))
         qf = new("Reshape", [q4, q_rows], f"{base}/kv_rowwise/q_rows", att).outputs[0]
         attrs = {"scale": 1.0}
@@ -113,8 +132,12 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
     out = finish_layout(m, KV_LAYOUT_ROWWISE, capacity)
-    logger.info("  rowwise KV flavour: %d attention layers, capacity %d, %d nodes", len(attn_nodes), capacity,
-                len(out.graph.node))
+    logger.info(
+        "  rowwise KV flavour: %d attention layers, capacity %d, %d nodes",
+        len(attn_nodes),
+        capacity,
+        len(out.graph.node),
+    )
     return out
 
 
@@ -138,8 +161,15 @@ def _one_transpose_qkv(g, q4, k4, v4, H: int, kv_heads: int, head_dim: int, scal
 
     (rq, q3), (rk, k3), (rv, v3) = strip(q4), strip(k4), strip(v4)
     sp = q3.producer() if q3 is not None else None
-    if sp is None or sp.op_type != "Split" or rv is not None or (rq is None) != (rk is None) \
-            or k3 is None or v3 is None or list(sp.outputs) != [q3, k3, v3]:
+    if (
+        sp is None
+        or sp.op_type != "Split"
+        or rv is not None
+        or (rq is None) != (rk is None)
+        or k3 is None
+        or v3 is None
+        or list(sp.outputs) != [q3, k3, v3]
+    ):
         return q4, k4, v4, False
     folded = _fold_q_scale(g, sp, H * head_dim, scale, base)
 
@@ -149,9 +179,13 @@ def _one_transpose_qkv(g, q4, k4, v4, H: int, kv_heads: int, head_dim: int, scal
     to_heads = initializer(g, f"{base}/kv_rowwise.qkv_heads", np.array([0, 0, -1, head_dim], np.int64))
     r = new("Reshape", [sp.inputs[0], to_heads], f"{base}/kv_rowwise/qkv_heads")
     t = new("Transpose", [r.outputs[0]], f"{base}/kv_rowwise/qkv_T", {"perm": [0, 2, 1, 3]})
-    s = new("Split", [t.outputs[0], initializer(g, f"{base}/kv_rowwise.qkv_split",
-                                                 np.array([H, kv_heads, kv_heads], np.int64))],
-            f"{base}/kv_rowwise/qkv_Split", {"axis": 1}, outs=3)
+    s = new(
+        "Split",
+        [t.outputs[0], initializer(g, f"{base}/kv_rowwise.qkv_split", np.array([H, kv_heads, kv_heads], np.int64))],
+        f"{base}/kv_rowwise/qkv_Split",
+        {"axis": 1},
+        outs=3,
+    )
     q, k, v = s.outputs
     if rq is not None:
         attrs = {a: x.value for a, x in rq.attributes.items()}
@@ -169,8 +203,13 @@ def _fold_q_scale(g, split, n_q: int, scale: float, base: str) -> bool:
     proj = split.inputs[0].producer()
     if mant != 0.5 or proj is None or len(list(split.inputs[0].uses())) != 1:
         return False
-    if proj.op_type == "MatMulNBits" and proj.domain == MS_DOMAIN and len(proj.inputs) <= 5 \
-            and proj.inputs[2] is not None and proj.inputs[2].const_value is not None:
+    if (
+        proj.op_type == "MatMulNBits"
+        and proj.domain == MS_DOMAIN
+        and len(proj.inputs) <= 5
+        and proj.inputs[2] is not None
+        and proj.inputs[2].const_value is not None
+    ):
         n = int(proj.attributes["N"].value)
         sc = proj.inputs[2].const_value.numpy()
         new = sc.reshape(n, -1).copy()

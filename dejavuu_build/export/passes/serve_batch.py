@@ -22,22 +22,22 @@ from ...errors import ContractError
 from ...schema import ATTENTION_BIAS, ROW_SLOTS, SLOT_ROWS
 
 # the batched graph's new inputs
-SEQLENS_K = "seqlens_k"            # [B] int32: tokens in each entry's cache after this step, minus one
-QUERY_SEQLENS = "query_seqlens"    # [B] int32: valid (unpadded) rows of each entry this step
-PAD_INDEX = "pad_index"            # [B, S] int64: packed row of each padded row (pads: any valid row)
-UNPAD_INDEX = "unpad_index"        # [1, T] int64: padded row (b * S + s) of each packed row
-GQA_POSITIONS = "padded_position_ids"   # [B, S] int64: positions in the padded layout
+SEQLENS_K = "seqlens_k"  # [B] int32: tokens in each entry's cache after this step, minus one
+QUERY_SEQLENS = "query_seqlens"  # [B] int32: valid (unpadded) rows of each entry this step
+PAD_INDEX = "pad_index"  # [B, S] int64: packed row of each padded row (pads: any valid row)
+UNPAD_INDEX = "unpad_index"  # [1, T] int64: padded row (b * S + s) of each packed row
+GQA_POSITIONS = "padded_position_ids"  # [B, S] int64: positions in the padded layout
 
 # com.microsoft.GroupQueryAttention's inputs, by position
-QKV_INPUTS = (0, 1, 2)             # query (or packed q/k/v), key, value
-PAST_KEY_INPUT = 3                 # [B, kv_heads, capacity, head_dim]
+QKV_INPUTS = (0, 1, 2)  # query (or packed q/k/v), key, value
+PAST_KEY_INPUT = 3  # [B, kv_heads, capacity, head_dim]
 SEQLENS_K_INPUT = 5
 POSITION_IDS_INPUT = 9
-BIAS_INPUT = 10                    # attention_bias
-QUERY_SEQLENS_INPUT = 16           # onnxruntime >= 1.32
+BIAS_INPUT = 10  # attention_bias
+QUERY_SEQLENS_INPUT = 16  # onnxruntime >= 1.32
 
 BATCH_DIM = "batch"
-GRAPH_VERSION = 3                  # part of the served graph's cache key (serve.graph): bump when this pass changes
+GRAPH_VERSION = 3  # part of the served graph's cache key (serve.graph): bump when this pass changes
 
 
 def to_serve_batch(m, source: str = "the decoder"):
@@ -54,8 +54,9 @@ def to_serve_batch(m, source: str = "the decoder"):
     g = m.graph
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not gqa:
-        raise ContractError(f"{source} has no GroupQueryAttention: batched serving needs a static-KV variant "
-                            f"(`--kv-layouts static`)")
+        raise ContractError(
+            f"{source} has no GroupQueryAttention: batched serving needs a static-KV variant (`--kv-layouts static`)"
+        )
     names = {i.name for i in g.input}
     new_inputs = (SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX, GQA_POSITIONS)
     if any(n in names for n in new_inputs):
@@ -63,17 +64,24 @@ def to_serve_batch(m, source: str = "the decoder"):
     bias = next((i for i in g.input if i.name == ATTENTION_BIAS), None)
     if bias is None:
         raise ContractError(f"{source} has no {ATTENTION_BIAS} input")
-    for v in [bias] + [i for i in g.input if i.name.startswith("past_")] + \
-            [o for o in g.output if o.name.startswith("present")]:
+    for v in (
+        [bias]
+        + [i for i in g.input if i.name.startswith("past_")]
+        + [o for o in g.output if o.name.startswith("present")]
+    ):
         d0 = v.type.tensor_type.shape.dim[0]
         d0.ClearField("dim_value")
         d0.dim_param = BATCH_DIM
-    del g.value_info[:]                      # shapes inferred at batch 1 would contradict the new layout
-    g.input.extend([helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [BATCH_DIM]),
-                    helper.make_tensor_value_info(QUERY_SEQLENS, TensorProto.INT32, [BATCH_DIM]),
-                    helper.make_tensor_value_info(PAD_INDEX, TensorProto.INT64, [BATCH_DIM, "S"]),
-                    helper.make_tensor_value_info(UNPAD_INDEX, TensorProto.INT64, [1, "N"]),
-                    helper.make_tensor_value_info(GQA_POSITIONS, TensorProto.INT64, [BATCH_DIM, "S"])])
+    del g.value_info[:]  # shapes inferred at batch 1 would contradict the new layout
+    g.input.extend(
+        [
+            helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [BATCH_DIM]),
+            helper.make_tensor_value_info(QUERY_SEQLENS, TensorProto.INT32, [BATCH_DIM]),
+            helper.make_tensor_value_info(PAD_INDEX, TensorProto.INT64, [BATCH_DIM, "S"]),
+            helper.make_tensor_value_info(UNPAD_INDEX, TensorProto.INT64, [1, "N"]),
+            helper.make_tensor_value_info(GQA_POSITIONS, TensorProto.INT64, [BATCH_DIM, "S"]),
+        ]
+    )
     g.initializer.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "batched.axis0"))
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     row_shapes: dict[int, str] = {}
@@ -103,13 +111,17 @@ def to_serve_batch(m, source: str = "the decoder"):
             n.output[0] = back[0].output[0]
         if ins[QUERY_SEQLENS_INPUT]:
             raise ContractError(f"{n.name} already takes query_seqlens")
-        for j in QKV_INPUTS:                  # packed qkv, or separate q, k, v: [1, T, d] -> [B, S, d]
+        for j in QKV_INPUTS:  # packed qkv, or separate q, k, v: [1, T, d] -> [B, S, d]
             if ins[j]:
                 flat, padded = f"{n.name}/batched/flat{j}", f"{n.name}/batched/padded{j}"
                 body.append(helper.make_node("Squeeze", [ins[j], "batched.axis0"], [flat], name=flat))
                 body.append(helper.make_node("Gather", [flat, PAD_INDEX], [padded], name=padded, axis=0))
                 ins[j] = padded
-        ins[SEQLENS_K_INPUT], ins[POSITION_IDS_INPUT], ins[QUERY_SEQLENS_INPUT] = SEQLENS_K, GQA_POSITIONS, QUERY_SEQLENS
+        ins[SEQLENS_K_INPUT], ins[POSITION_IDS_INPUT], ins[QUERY_SEQLENS_INPUT] = (
+            SEQLENS_K,
+            GQA_POSITIONS,
+            QUERY_SEQLENS,
+        )
         if ins[BIAS_INPUT] != ATTENTION_BIAS:
             raise ContractError(f"{n.name} takes a bias other than the {ATTENTION_BIAS} input")
         del n.input[:]
@@ -117,7 +129,7 @@ def to_serve_batch(m, source: str = "the decoder"):
         out = n.output[0]
         padded_out = f"{n.name}/batched/out"
         n.output[0] = padded_out
-        width = _attr(n, "num_heads") * shapes[ins[PAST_KEY_INPUT]][3]      # query heads x head_dim (from past_key)
+        width = _attr(n, "num_heads") * shapes[ins[PAST_KEY_INPUT]][3]  # query heads x head_dim (from past_key)
         if width not in row_shapes:
             row_shapes[width] = f"batched.rows.{width}"
             g.initializer.append(onnx.numpy_helper.from_array(np.array([-1, width], np.int64), row_shapes[width]))
@@ -129,7 +141,7 @@ def to_serve_batch(m, source: str = "the decoder"):
     g.node.extend(body)
     _prune(g)
     used = {i for nd in g.node for i in nd.input}
-    for v in [i for i in g.input if i.name not in used]:   # e.g. position_ids, now read by GQA only
+    for v in [i for i in g.input if i.name not in used]:  # e.g. position_ids, now read by GQA only
         g.input.remove(v)
     return m
 

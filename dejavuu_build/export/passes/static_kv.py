@@ -52,7 +52,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
 
     if capacity < 2:
         raise ExportError("--max-context must be at least 2")
-    model = strip_row_guard(model)      # the pass rewrites the graph as exported; the guard comes last
+    model = strip_row_guard(model)  # the pass rewrites the graph as exported; the guard comes last
     tables = _rotary_tables(model, capacity)
     m = ir.from_proto(model)
     g = m.graph
@@ -79,7 +79,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     axis0 = initializer(g, "kv_static.axis0", np.array([0], np.int64))
     total = new("Squeeze", [total32, axis0], "/kv_static/Total", first).outputs[0]
     flat = initializer(g, "kv_static.flat", np.array([0, 0, -1], np.int64))
-    cos_sin: dict[tuple[bytes, bytes], tuple] = {}     # (cos, sin) bytes -> their initializers
+    cos_sin: dict[tuple[bytes, bytes], tuple] = {}  # (cos, sin) bytes -> their initializers
     slot_gathers: list = []
     # Rows (tokens) and slots (attention positions) are decoupled: row-wise work runs on the real
     # rows only; each GQA gathers its q/k/v rows into the slot layout and gathers its output back.
@@ -98,25 +98,32 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         kv_heads, head_dim = past_k.shape[1], past_k.shape[3]
         base = att.name.rsplit("/", 1)[0]
         rq, rk = q4.producer(), k4.producer()
-        rotary = rq is not None and rq.op_type == "RotaryEmbedding" and rk is not None and rk.op_type == "RotaryEmbedding"
+        rotary = (
+            rq is not None and rq.op_type == "RotaryEmbedding" and rk is not None and rk.op_type == "RotaryEmbedding"
+        )
         attrs: dict = {"kv_num_heads": int(kv_heads)}
         if rotary:
             if len(rq.inputs) > 3 and rq.inputs[3] is not None:
                 raise ExportError(f"{att.name}: RotaryEmbedding with position_ids of its own is not supported")
-            if rq.attributes.get("rotary_embedding_dim") is not None and \
-                    int(rq.attributes["rotary_embedding_dim"].value) not in (0, head_dim):
+            if rq.attributes.get("rotary_embedding_dim") is not None and int(
+                rq.attributes["rotary_embedding_dim"].value
+            ) not in (0, head_dim):
                 raise ExportError(f"{att.name}: partial rotary embeddings are not supported by the static flavour")
             cq, sq = tables[rq.inputs[1].name], tables[rq.inputs[2].name]
             if not (np.array_equal(cq, tables[rk.inputs[1].name]) and np.array_equal(sq, tables[rk.inputs[2].name])):
                 raise ExportError(f"{att.name}: q and k use different rotary tables")
-            keys = (cq.tobytes(), sq.tobytes())      # one table per distinct content (layers share them)
+            keys = (cq.tobytes(), sq.tobytes())  # one table per distinct content (layers share them)
             if keys not in cos_sin:
                 i = len(cos_sin)
-                cos_sin[keys] = (initializer(g, f"kv_static.cos_cache.{i}", cq),
-                                 initializer(g, f"kv_static.sin_cache.{i}", sq))
+                cos_sin[keys] = (
+                    initializer(g, f"kv_static.cos_cache.{i}", cq),
+                    initializer(g, f"kv_static.sin_cache.{i}", sq),
+                )
             cos, sin = cos_sin[keys]
-            attrs.update(do_rotary=1, rotary_interleaved=int(rq.attributes["interleaved"].value)
-                         if "interleaved" in rq.attributes else 0)
+            attrs.update(
+                do_rotary=1,
+                rotary_interleaved=int(rq.attributes["interleaved"].value) if "interleaved" in rq.attributes else 0,
+            )
             q4, k4 = rq.inputs[0], rk.inputs[0]
         else:
             cos = sin = None
@@ -129,13 +136,21 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         attrs.setdefault("scale", float(1.0 / np.sqrt(head_dim)))
         qkv = _packed_qkv(g, q3, k3, v3) if fuse else None
         ins = [qkv, None, None] if qkv is not None else [q3, k3, v3]
-        to_slots = [None if x is None else new("Gather", [x, slot_rows], f"{base}/kv_static/to_slots_{j}", att,
-                                               {"axis": 1}) for j, x in enumerate(ins)]
+        to_slots = [
+            None if x is None else new("Gather", [x, slot_rows], f"{base}/kv_static/to_slots_{j}", att, {"axis": 1})
+            for j, x in enumerate(ins)
+        ]
         slot_gathers += [x for x in to_slots if x is not None]
         ins = [None if x is None else x.outputs[0] for x in to_slots]
-        gqa = new("GroupQueryAttention", ins + [past_k, past_v, seqlens, total, cos, sin,
-                                               position_ids if rotary else None, att_bias],
-                  f"{base}/GroupQueryAttention", att, attrs, MS_DOMAIN, 3)
+        gqa = new(
+            "GroupQueryAttention",
+            ins + [past_k, past_v, seqlens, total, cos, sin, position_ids if rotary else None, att_bias],
+            f"{base}/GroupQueryAttention",
+            att,
+            attrs,
+            MS_DOMAIN,
+            3,
+        )
         gqa.outputs[0].name = f"{base}/gqa_out"
         to_rows = new("Gather", [gqa.outputs[0], row_slots], f"{base}/kv_static/to_rows", att, {"axis": 1})
         slot_gathers.append(to_rows)
@@ -144,8 +159,13 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         # Attention gave [B, H, N, D]; its consumer is Transpose(0,2,1,3) + Reshape to [B, N, H*D],
         # which GQA's output already is.
         t_user = _only_user(att.outputs[0])
-        r_user = _only_user(t_user.outputs[0]) if t_user is not None and t_user.op_type == "Transpose" and \
-            list(t_user.attributes["perm"].value) == [0, 2, 1, 3] else None
+        r_user = (
+            _only_user(t_user.outputs[0])
+            if t_user is not None
+            and t_user.op_type == "Transpose"
+            and list(t_user.attributes["perm"].value) == [0, 2, 1, 3]
+            else None
+        )
         if r_user is not None and r_user.op_type == "Reshape":
             r_user.outputs[0].replace_all_uses_with(out3)
         else:
@@ -166,9 +186,13 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     else:
         _undo_slot_gathers(g, slot_gathers, (slot_rows, row_slots))
     out = finish_layout(m, KV_LAYOUT_STATIC, capacity)
-    logger.info("  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes, tree pad slots %s",
-                len(attn_nodes), capacity, len(out.graph.node),
-                "cost attention only" if sparse else "are whole rows (the graph shapes a mask by the rows)")
+    logger.info(
+        "  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes, tree pad slots %s",
+        len(attn_nodes),
+        capacity,
+        len(out.graph.node),
+        "cost attention only" if sparse else "are whole rows (the graph shapes a mask by the rows)",
+    )
     return out
 
 
@@ -258,10 +282,16 @@ def _rotary_tables(model, capacity: int) -> dict[str, np.ndarray]:
     used = {x for nd in keep for x in nd.input}
     pos_in = next(i for i in model.graph.input if i.name == S.POSITION_IDS)
     sub = onnx.helper.make_model(
-        onnx.helper.make_graph(keep, "rotary_tables", [pos_in],
-                               [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names],
-                               [i for i in model.graph.initializer if i.name in used]),
-        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        onnx.helper.make_graph(
+            keep,
+            "rotary_tables",
+            [pos_in],
+            [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names],
+            [i for i in model.graph.initializer if i.name in used],
+        ),
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+    )
     so = ort.SessionOptions()
     so.log_severity_level = 3
     sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -37,5 +37,14 @@ def make_drafter(name: str, *, datastore: Datastore | str | Path | None = None, 
     return cls(**params)
 
 
-__all__ = ["METHODS", "make_drafter", "Draft", "DraftBudget", "Drafter", "Feedback", "Datastore",
-           "build_from_file", "SuffixIndex"]
+__all__ = [
+    "METHODS",
+    "make_drafter",
+    "Draft",
+    "DraftBudget",
+    "Drafter",
+    "Feedback",
+    "Datastore",
+    "build_from_file",
+    "SuffixIndex",
+]

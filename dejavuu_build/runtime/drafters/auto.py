@@ -42,9 +42,17 @@ class Auto(Drafter):
 
     uses_datastore = True  # handed on to the members that retrieve from one
 
-    def __init__(self, members: Sequence[str] = DEFAULT_MEMBERS, *, datastore=None,
-                 explore: float = 0.05, forget: float = 0.9, request_forget: float = 0.5,
-                 seed: int = 0, member_params: dict[str, dict] | None = None):
+    def __init__(
+        self,
+        members: Sequence[str] = DEFAULT_MEMBERS,
+        *,
+        datastore=None,
+        explore: float = 0.05,
+        forget: float = 0.9,
+        request_forget: float = 0.5,
+        seed: int = 0,
+        member_params: dict[str, dict] | None = None,
+    ):
         from . import make_drafter  # registry is complete once the package is imported
 
         bad = [m for m in members if m in ("auto", "baseline") or m not in REGISTRY]
@@ -61,7 +69,7 @@ class Auto(Drafter):
         # per member: depth -> [forgetful mean of (counterfactual) accepted tokens, weight];
         # depth 0 pools all depths and is the prior for depths seen rarely.
         self._acc: list[dict[int, list[float]]] = [{0: [1.0, 0.0]} for _ in range(k)]
-        self._draft_s = [0.0] * k    # forgetful mean of each member's draft time
+        self._draft_s = [0.0] * k  # forgetful mean of each member's draft time
         self._cost = VerifyCostModel()
         self._drafts: list[Draft] = [Draft()] * k
         self.chosen = -1
@@ -108,7 +116,7 @@ class Auto(Drafter):
         else:
             self.chosen = max(live, key=self._value)
             if self._cost.single_rows == 1 and self._cost.ready and self._rate(0.0, 0) > self._value(self.chosen):
-                self.chosen = -1     # no draft earns its rows: one graph row, the bonus token only
+                self.chosen = -1  # no draft earns its rows: one graph row, the bonus token only
                 return Draft()
         return self._drafts[self.chosen]
 

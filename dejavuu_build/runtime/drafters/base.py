@@ -32,10 +32,10 @@ import numpy as np
 class DraftBudget:
     """How much the engine is willing to verify this step."""
 
-    max_nodes: int = 8          # total draft nodes (tokens) in the chain or tree
-    max_depth: int = 8          # longest root->leaf path
-    width: int = 1              # max children per node in tree mode
-    tree: bool = False          # False: the drafter must return a chain
+    max_nodes: int = 8  # total draft nodes (tokens) in the chain or tree
+    max_depth: int = 8  # longest root->leaf path
+    width: int = 1  # max children per node in tree mode
+    tree: bool = False  # False: the drafter must return a chain
 
 
 @dataclass
@@ -82,8 +82,11 @@ class Draft:
                 continue
             depth[i], new[i] = d, len(keep)
             keep.append(i)
-        return Draft([self.tokens[i] for i in keep], [-1 if self.parents[i] < 0 else new[self.parents[i]] for i in keep],
-                     [self.probs[i] for i in keep] if self.probs is not None else None)
+        return Draft(
+            [self.tokens[i] for i in keep],
+            [-1 if self.parents[i] < 0 else new[self.parents[i]] for i in keep],
+            [self.probs[i] for i in keep] if self.probs is not None else None,
+        )
 
     def validate(self, budget: DraftBudget | None = None) -> None:
         """Raise ValueError if the tree is malformed or exceeds ``budget``."""
@@ -111,24 +114,24 @@ class Draft:
 class Feedback:
     """What the engine tells the drafter after one verification step."""
 
-    committed: list[int]                 # tokens appended to the context this step (accepted + bonus)
-    drafted: int                         # draft nodes verified this step
-    accepted: int                        # draft tokens accepted (len(committed) - 1 unless stopped)
+    committed: list[int]  # tokens appended to the context this step (accepted + bonus)
+    drafted: int  # draft nodes verified this step
+    accepted: int  # draft tokens accepted (len(committed) - 1 unless stopped)
     accepted_path: list[int] = field(default_factory=list)  # draft node indices accepted, root->leaf
-    topk_ids: np.ndarray | None = None   # [drafted + 1, k] verifier top-k ids: row 0 = root, row i+1 = node i
-    hidden: np.ndarray | None = None     # [len(committed), H] hidden states at the committed tokens' inputs
+    topk_ids: np.ndarray | None = None  # [drafted + 1, k] verifier top-k ids: row 0 = root, row i+1 = node i
+    hidden: np.ndarray | None = None  # [len(committed), H] hidden states at the committed tokens' inputs
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0          # 0: not the drafter's to fit (a step the engine filled at a row's cost)
-    rows: int = 0                        # graph rows the verify forward ran (0: not known); a lone
-                                         # token runs as 2 rows on padded decoders, 1 on rowwise ones
+    verify_seconds: float = 0.0  # 0: not the drafter's to fit (a step the engine filled at a row's cost)
+    rows: int = 0  # graph rows the verify forward ran (0: not known); a lone
+    # token runs as 2 rows on padded decoders, 1 on rowwise ones
 
 
 class Drafter:
     """Base class: a drafter that never drafts (plain decoding). Subclasses override propose."""
 
     name = "baseline"
-    wants_topk = False       # ask the engine to compute verifier top-k ids (token_recycling)
-    wants_hidden = False     # ask the engine to pass hidden states (pld_plus, adapld)
+    wants_topk = False  # ask the engine to compute verifier top-k ids (token_recycling)
+    wants_hidden = False  # ask the engine to pass hidden states (pld_plus, adapld)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a request. Per-request state is reset; global state may persist."""

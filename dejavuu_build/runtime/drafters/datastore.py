@@ -62,8 +62,15 @@ class Datastore:
         sa = self.index.sorted_positions()
         np.save(out / "tokens.npy", self.tokens)
         np.save(out / "suffixes.npy", sa)
-        meta = {"format": FORMAT, "version": VERSION, "n_docs": self.n_docs, "n_tokens": self.n_tokens,
-                "n_sorted": int(len(sa)), "max_len": self.index.max_len, "sep": SEP}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "n_docs": self.n_docs,
+            "n_tokens": self.n_tokens,
+            "n_sorted": int(len(sa)),
+            "max_len": self.index.max_len,
+            "sep": SEP,
+        }
         (out / "datastore.json").write_text(json.dumps(meta, indent=2) + "\n")
         return out
 
@@ -75,8 +82,10 @@ class Datastore:
             raise FileNotFoundError(f"{meta_path} not found: not a drafter datastore")
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"{src}: unsupported datastore format {meta.get('format')!r} "
-                             f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})")
+            raise ValueError(
+                f"{src}: unsupported datastore format {meta.get('format')!r} "
+                f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})"
+            )
         tokens = np.load(src / "tokens.npy")
         sa = np.load(src / "suffixes.npy")
         if len(tokens) != meta["n_tokens"] or len(sa) != meta["n_sorted"]:
@@ -138,7 +147,11 @@ def read_documents(path: str | Path, text_fields: Sequence[str] = ("turns", "tex
         raise ValueError(f"{path}: unsupported datastore source (use .jsonl or .txt)")
 
 
-def build_from_file(path: str | Path, encode: Callable[[str], list[int]],
-                    text_fields: Sequence[str] = ("turns", "text", "prompt"), max_len: int = 32) -> Datastore:
+def build_from_file(
+    path: str | Path,
+    encode: Callable[[str], list[int]],
+    text_fields: Sequence[str] = ("turns", "text", "prompt"),
+    max_len: int = 32,
+) -> Datastore:
     """Tokenize every document of ``path`` with ``encode`` and index them."""
     return Datastore.build((encode(doc) for doc in read_documents(path, text_fields)), max_len=max_len)

@@ -23,8 +23,14 @@ class Lookahead(HistoryDrafter):
     continuations (tree mode verifies them all at once); loses on novel text.
     """
 
-    def __init__(self, ngram: int = 8, key_lens: tuple[int, ...] = (2, 1), pool_size: int = 8,
-                 depth_decay: float = 0.8, sizer: Sizer | None = None):
+    def __init__(
+        self,
+        ngram: int = 8,
+        key_lens: tuple[int, ...] = (2, 1),
+        pool_size: int = 8,
+        depth_decay: float = 0.8,
+        sizer: Sizer | None = None,
+    ):
         super().__init__(sizer)
         if ngram < 2 or not key_lens or min(key_lens) < 1:
             raise ValueError("lookahead needs ngram >= 2 and key lengths >= 1")
@@ -60,5 +66,4 @@ class Lookahead(HistoryDrafter):
         nodes, depth = self.sizer.size(budget, k)
         seqs = [cont[:depth] for cont in reversed(bucket)]
         weights = [bucket[cont] for cont in reversed(bucket)]
-        return continuation_tree(seqs, weights, budget, max_nodes=nodes, max_depth=depth,
-                                 depth_decay=self.depth_decay)
+        return continuation_tree(seqs, weights, budget, max_nodes=nodes, max_depth=depth, depth_decay=self.depth_decay)

@@ -25,8 +25,15 @@ class PromptLookup(HistoryDrafter):
     repetition loops. Loses on open-ended generation, where matches are short and wrong.
     """
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8,
-                 recency: float = 0.5, depth_decay: float = 0.8, sizer: Sizer | None = None):
+    def __init__(
+        self,
+        max_ngram: int = 4,
+        min_ngram: int = 1,
+        max_matches: int = 8,
+        recency: float = 0.5,
+        depth_decay: float = 0.8,
+        sizer: Sizer | None = None,
+    ):
         super().__init__(sizer)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -51,8 +58,7 @@ class PromptLookup(HistoryDrafter):
         nodes, depth = self.sizer.size(budget, cands[0][0])
         seqs = [self._index.continuation(e, depth, periodic=True) for _, e in cands]
         weights = [self.recency**r for r in range(len(seqs))]
-        return continuation_tree(seqs, weights, budget, max_nodes=nodes, max_depth=depth,
-                                 depth_decay=self.depth_decay)
+        return continuation_tree(seqs, weights, budget, max_nodes=nodes, max_depth=depth, depth_decay=self.depth_decay)
 
 
 @register("pld_plus")

@@ -66,8 +66,9 @@ class CalibratedSizer(Sizer):
     ``alpha ** n >= tau``. Long suffix matches earn long drafts, short ones short drafts.
     """
 
-    def __init__(self, tau: float = 0.15, prior_alpha: float = 0.7, prior_weight: float = 4.0,
-                 forget: float = 0.995, **kwargs):
+    def __init__(
+        self, tau: float = 0.15, prior_alpha: float = 0.7, prior_weight: float = 4.0, forget: float = 0.995, **kwargs
+    ):
         super().__init__(**kwargs)
         self.tau, self.prior_alpha, self.prior_weight, self.forget = tau, prior_alpha, prior_weight, forget
         self._hits: dict[int, float] = {}

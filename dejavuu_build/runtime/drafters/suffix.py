@@ -25,8 +25,16 @@ class SuffixRetrieval(HistoryDrafter):
     run past the end of the context (periodic extension, see ``SuffixIndex.continuation``).
     """
 
-    def __init__(self, *, max_match: int = 32, min_match: int = 1, max_candidates: int = 32,
-                 min_score: float = 0.0, depth_decay: float = 0.8, sizer: Sizer | None = None):
+    def __init__(
+        self,
+        *,
+        max_match: int = 32,
+        min_match: int = 1,
+        max_candidates: int = 32,
+        min_score: float = 0.0,
+        depth_decay: float = 0.8,
+        sizer: Sizer | None = None,
+    ):
         super().__init__(sizer)
         self.max_match, self.min_match, self.max_candidates = max_match, min_match, max_candidates
         self.min_score, self.depth_decay = min_score, depth_decay
@@ -50,8 +58,15 @@ class SuffixRetrieval(HistoryDrafter):
             return Draft()
         ends = index.match_ends(query[-best_len:], limit=self.max_candidates)
         seqs = [index.continuation(e, depth, periodic=live) for e in ends]
-        return continuation_tree(seqs, [1.0] * len(seqs), budget, max_nodes=nodes, max_depth=depth,
-                                 min_score=self.min_score, depth_decay=self.depth_decay)
+        return continuation_tree(
+            seqs,
+            [1.0] * len(seqs),
+            budget,
+            max_nodes=nodes,
+            max_depth=depth,
+            min_score=self.min_score,
+            depth_decay=self.depth_decay,
+        )
 
 
 @register("rest")
@@ -87,8 +102,15 @@ class SuffixDecoding(SuffixRetrieval):
     one-off novel text; the history is trimmed to ``max_history`` tokens.
     """
 
-    def __init__(self, *, spec_factor: float | None = 1.0, min_score: float = 0.1,
-                 max_history: int = 1_000_000, sizer: Sizer | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        spec_factor: float | None = 1.0,
+        min_score: float = 0.1,
+        max_history: int = 1_000_000,
+        sizer: Sizer | None = None,
+        **kwargs,
+    ):
         super().__init__(min_score=min_score, sizer=sizer or Sizer(spec_factor), **kwargs)
         self.max_history = max_history
         self._global = SuffixIndex(max_len=self.max_match)

@@ -32,8 +32,7 @@ class TokenRecycling(HistoryDrafter):
 
     wants_topk = True
 
-    def __init__(self, topk: int = 8, rank_probs: Sequence[float] = DEFAULT_RANK_PROBS,
-                 sizer: Sizer | None = None):
+    def __init__(self, topk: int = 8, rank_probs: Sequence[float] = DEFAULT_RANK_PROBS, sizer: Sizer | None = None):
         super().__init__(sizer)
         self.topk = topk
         self.rank_probs = tuple(rank_probs)

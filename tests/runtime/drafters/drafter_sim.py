@@ -43,7 +43,7 @@ class MarkovModel:
         ctx = list(prompt)
         for _ in range(n):
             ctx.append(self.next(ctx))
-        return ctx[len(prompt):]
+        return ctx[len(prompt) :]
 
 
 class OracleModel(MarkovModel):
@@ -82,9 +82,16 @@ def verify(model: MarkovModel, context: list[int], draft: Draft, *, verify_a=1e-
 
     topk = np.array([model.topk(context)] + [model.topk(context + prefix(i)) for i in range(len(draft))])
     hidden = np.stack([model.hidden(context + committed[:j]) for j in range(len(committed))])
-    return Feedback(committed=committed, drafted=len(draft), accepted=len(path), accepted_path=path,
-                    topk_ids=topk, hidden=hidden, draft_seconds=1e-5,
-                    verify_seconds=verify_a + verify_b * len(draft))
+    return Feedback(
+        committed=committed,
+        drafted=len(draft),
+        accepted=len(path),
+        accepted_path=path,
+        topk_ids=topk,
+        hidden=hidden,
+        draft_seconds=1e-5,
+        verify_seconds=verify_a + verify_b * len(draft),
+    )
 
 
 @dataclass
@@ -117,5 +124,5 @@ def run(drafter: Drafter, model: MarkovModel, prompt: Sequence[int], n_new: int,
         stats.accepted += fb.accepted
         stats.drafted += fb.drafted
     drafter.end()
-    stats.generated = ctx[len(prompt):][:n_new]
+    stats.generated = ctx[len(prompt) :][:n_new]
     return stats

@@ -53,8 +53,23 @@ def markov_datastore() -> Datastore:
 
 def test_methods_are_registered_and_construct():
     assert METHODS[0] == "baseline" and len(set(METHODS)) == len(METHODS)
-    expected = {"baseline", "pld", "pld_plus", "adapld", "anpd", "lookahead", "token_recycling", "rest",
-                "suffix_decoding", "sam_decoding", "asam", "asam_verify", "asd", "asd_verify", "auto"}
+    expected = {
+        "baseline",
+        "pld",
+        "pld_plus",
+        "adapld",
+        "anpd",
+        "lookahead",
+        "token_recycling",
+        "rest",
+        "suffix_decoding",
+        "sam_decoding",
+        "asam",
+        "asam_verify",
+        "asd",
+        "asd_verify",
+        "auto",
+    }
     assert set(METHODS) == expected
     for name in METHODS:
         d = make_drafter(name)
@@ -115,8 +130,9 @@ def test_token_recycling_branches_over_recycled_topk():
     assert len(d.propose(ctx, DraftBudget(tree=True, width=2))) == 0  # nothing recycled yet
     # verifier saw root 3 -> top-k [4, 5]; node 4 -> [7, 8]
     d.observe_verified(Draft.chain([4]))
-    d.feedback(Feedback(committed=[4, 7], drafted=1, accepted=1, accepted_path=[0],
-                        topk_ids=np.array([[4, 5], [7, 8]])))
+    d.feedback(
+        Feedback(committed=[4, 7], drafted=1, accepted=1, accepted_path=[0], topk_ids=np.array([[4, 5], [7, 8]]))
+    )
     d.feedback(Feedback(committed=[3], drafted=0, accepted=0, topk_ids=np.array([[4, 5]])))
     budget = DraftBudget(max_nodes=6, max_depth=2, width=2, tree=True)
     tree = d.propose(ctx + [4, 7, 3], budget)
@@ -206,7 +222,7 @@ def _propose_seconds(name: str, datastore: Datastore, n: int) -> list[float]:
     """Propose times over 60 steps of generation after an ``n``-token context (drafts exist: the
     context repeats a passage near its end)."""
     text = np.random.default_rng(2).integers(0, 2000, n + 1000).tolist()
-    text[n - 1000:n - 600] = text[500:900]
+    text[n - 1000 : n - 600] = text[500:900]
     model = OracleModel(text)
     d = make(name, datastore)
     ctx = text[:n]
@@ -232,8 +248,13 @@ def test_propose_is_fast_on_a_long_context(name, markov_datastore):
     Short and long are measured in alternating rounds and each keeps its quietest round's median:
     a single pair of medians measured back to back read 1.3-4x on an idle 2-core machine (load
     spikes land on one side), where a scan of the context would read ~10x."""
-    rounds = [(np.median(_propose_seconds(name, markov_datastore, 3000)),
-               np.median(_propose_seconds(name, markov_datastore, 30000))) for _ in range(3)]
+    rounds = [
+        (
+            np.median(_propose_seconds(name, markov_datastore, 3000)),
+            np.median(_propose_seconds(name, markov_datastore, 30000)),
+        )
+        for _ in range(3)
+    ]
     short, long = (float(min(r[i] for r in rounds)) for i in (0, 1))
     assert long <= 3 * short + 1e-4, f"{name}: median propose {short * 1e3:.3f} ms at 3k, {long * 1e3:.3f} ms at 30k"
 
@@ -303,12 +324,19 @@ def test_cost_aware_sizer_never_drafts_nothing():
         for i in range(24):
             n = i % 8 + 1
             verified = Draft.chain([1] * n)
-            s.learn(Feedback(committed=[1] * (min(accepted, n) + 1), drafted=n, accepted=min(accepted, n),
-                             verify_seconds=1e-3 + b * n), verified)
+            s.learn(
+                Feedback(
+                    committed=[1] * (min(accepted, n) + 1),
+                    drafted=n,
+                    accepted=min(accepted, n),
+                    verify_seconds=1e-3 + b * n,
+                ),
+                verified,
+            )
         return s.size(DraftBudget(8, 8), match_len=5)[0]
 
-    assert size(b=1.0, accepted=0) == 1          # hopeless and expensive: still the free node
-    assert size(b=1e-6, accepted=8) == 8         # always accepted and cheap: the whole budget
+    assert size(b=1.0, accepted=0) == 1  # hopeless and expensive: still the free node
+    assert size(b=1e-6, accepted=8) == 8  # always accepted and cheap: the whole budget
 
 
 def test_cost_aware_sizer_drafts_nothing_where_a_lone_token_is_one_row():
@@ -322,14 +350,22 @@ def test_cost_aware_sizer_drafts_nothing_where_a_lone_token_is_one_row():
         s.learn(Feedback(committed=[1], drafted=0, accepted=0, verify_seconds=1e-3, rows=1), Draft())
         for i in range(24):
             n = i % 8 + 1
-            s.learn(Feedback(committed=[1] * (min(accepted, n) + 1), drafted=n, accepted=min(accepted, n),
-                             verify_seconds=1e-3 + b * n, rows=n + 1), Draft.chain([1] * n))
+            s.learn(
+                Feedback(
+                    committed=[1] * (min(accepted, n) + 1),
+                    drafted=n,
+                    accepted=min(accepted, n),
+                    verify_seconds=1e-3 + b * n,
+                    rows=n + 1,
+                ),
+                Draft.chain([1] * n),
+            )
         return s
 
     s = trained(b=1.0, accepted=0)
     assert s.single_rows == 1
     sizes = [s.size(DraftBudget(8, 8), match_len=5)[0] for _ in range(8)]
-    assert sizes == [0, 0, 0, 1, 0, 0, 0, 1]       # nothing, but one node every 4th time
+    assert sizes == [0, 0, 0, 1, 0, 0, 0, 1]  # nothing, but one node every 4th time
     assert trained(b=1e-6, accepted=8).size(DraftBudget(8, 8), match_len=5)[0] == 8
 
 
@@ -357,10 +393,11 @@ def test_auto_drafts_nothing_where_a_lone_token_is_one_row(monkeypatch):
             n = len(d.propose([1, 2, 3, 4], DraftBudget(8, 8)))
             drafts += n > 0
             rows = max(n + 1, single_rows)
-            d.feedback(Feedback(committed=[5], drafted=n, accepted=0, verify_seconds=1e-3 + 1e-3 * (rows - 1),
-                                rows=rows))
+            d.feedback(
+                Feedback(committed=[5], drafted=n, accepted=0, verify_seconds=1e-3 + 1e-3 * (rows - 1), rows=rows)
+            )
         return drafts
 
-    assert played(2) == 200                      # the pad row makes one node free: always a draft
+    assert played(2) == 200  # the pad row makes one node free: always a draft
     n = played(1)
-    assert 3 < n < 60, n                         # mostly nothing; explore (10%) and the first steps still draft
+    assert 3 < n < 60, n  # mostly nothing; explore (10%) and the first steps still draft
