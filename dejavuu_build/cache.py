@@ -29,18 +29,32 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from .errors import CacheError, IntegrityError
-from .schema import CONTRACT_FILE, MANIFEST_FILE, Manifest, read_manifest, sha256_file
+from .schema import (
+    CONTRACT_FILE,
+    DATASTORE_FILE,
+    DATASTORE_SUFFIXES_FILE,
+    DATASTORE_TOKENS_FILE,
+    EMBED_FILE,
+    LOCKS_DIR,
+    MANIFEST_FILE,
+    PREPROCESSOR_FILE,
+    STAGING_DIR,
+    VISION_FILE,
+    VLM_FILE,
+    Manifest,
+    read_manifest,
+    sha256_file,
+)
 
 T = TypeVar("T")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-STAGING = ".staging"
 
 # Files every entry of a kind must list (beyond what is on disk, which must all be listed too).
 KINDS = ("decoder", "vlm", "datastore")
 REQUIRED_FILES = {
     "decoder": (CONTRACT_FILE,),
-    "vlm": (CONTRACT_FILE, "embed_tokens.onnx", "vision_encoder.onnx", "vlm.json", "preprocessor_config.json"),
-    "datastore": ("tokens.npy", "suffixes.npy", "datastore.json"),
+    "vlm": (CONTRACT_FILE, EMBED_FILE, VISION_FILE, VLM_FILE, PREPROCESSOR_FILE),
+    "datastore": (DATASTORE_TOKENS_FILE, DATASTORE_SUFFIXES_FILE, DATASTORE_FILE),
 }
 # What shapes a build's artifacts: the modules the pipeline imports (import_closure), hashed into
 # the cache key (tool_versions) besides the versions.
@@ -165,7 +179,7 @@ def code_digest(package_root: str | os.PathLike | None = None) -> str:
 
 # ------------------------------------------------------------------------------ locking, staging
 def _staging_dir(name: str) -> Path:
-    return cache_root() / STAGING / check_name(name)
+    return cache_root() / STAGING_DIR / check_name(name)
 
 
 def _try_lock(fh) -> bool:
@@ -204,7 +218,7 @@ def build_lock(name: str) -> Iterator[None]:
 
     Whatever ``.staging/<name>/`` still holds belongs to a build of this name that died (SIGKILL,
     power loss): no build of it can be running while we hold the lock, so it is removed."""
-    locks = cache_root() / ".locks"
+    locks = cache_root() / LOCKS_DIR
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{check_name(name)}.lock", "a+") as fh:
         if not _try_lock(fh):
@@ -360,7 +374,7 @@ def _stamp(folder: Path):
 
 def _swap_in_progress(folder: Path) -> bool:
     """The gap of a two-rename swap: the old entry sits in .staging/<name>/old-* for a moment."""
-    d = folder.parent / STAGING / folder.name
+    d = folder.parent / STAGING_DIR / folder.name
     try:
         return any(p.name.startswith("old-") for p in d.iterdir())
     except OSError:
@@ -444,7 +458,7 @@ def member(folder: str | os.PathLike, rel: str, rebuild: str = "rebuild it") -> 
 def no_manifest(folder: Path) -> CacheError:
     """What every reader says of a folder without a manifest: nothing in it can be checked, and no
     build replaces such a folder, so it has to be moved away before the rebuild."""
-    cmd = "datastore --from FILE --tokenizer MODEL" if (folder / "datastore.json").is_file() else "tree-decoder"
+    cmd = "datastore --from FILE --tokenizer MODEL" if (folder / DATASTORE_FILE).is_file() else "tree-decoder"
     return CacheError(
         f"{folder} has no {MANIFEST_FILE}, so none of its files can be checked: move that folder "
         f"away, then rebuild it with `dejavuu-build {cmd} --name {folder.name}`"

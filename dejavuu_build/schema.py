@@ -13,8 +13,44 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+
+# The files of a cache entry (cache-layout.md): the build writes them, the runtime and `verify` read them.
 CONTRACT_FILE = "contract.json"
 MANIFEST_FILE = "manifest.json"
+DECODER_FILE = "decoder_{variant}.onnx"  # one per variant (variant_file)
+REFERENCE_FILE = "reference.npz"  # torch's references, so quant-only validates without torch
+EMBED_FILE = "embed_tokens.onnx"  # inputs_embeds builds: input_ids -> inputs_embeds
+VISION_FILE = "vision_encoder.onnx"  # VLM builds: pixel_values -> image_features
+VLM_FILE = "vlm.json"  # VLM builds: image token id, image sequence length, tiles
+PREPROCESSOR_FILE = "preprocessor_config.json"  # VLM builds: what the numpy image preprocessor reads
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# copied beside the decoder so that the runtime needs neither transformers nor the hub
+TOKENIZER_FILES = (
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
+    "special_tokens_map.json",
+    CHAT_TEMPLATE_FILE,
+    GENERATION_CONFIG_FILE,
+)
+DATASTORE_TOKENS_FILE = "tokens.npy"  # a datastore entry: its token ids, -1 between documents
+DATASTORE_SUFFIXES_FILE = "suffixes.npy"  # ... their suffix array
+DATASTORE_FILE = "datastore.json"  # ... counts and format version
+
+# Folders under the cache root, beside the entries (cache-layout.md).
+STAGING_DIR = ".staging"  # builds in progress, swapped in when complete
+LOCKS_DIR = ".locks"  # one flock per entry name
+SOURCES_DIR = ".sources"  # `pypi:<dist>` model sources (build.sources)
+SOURCE_FILE = "source.json"  # ... each one's dist, version and sha256
+RUNTIME_DIR = ".runtime"  # machine-local exactness calibrations (runtime.calibration)
+SERVE_DIR = ".serve"  # batched graphs of `serve` (serve.graph)
+BATCHED_FILE = "decoder_batched.onnx"  # ... one per source graph, in a folder named by its hash
+BATCHED_RECORD_FILE = "batched.json"  # ... beside it: its sha256 and size, written after it
+PEERS_DIR = ".peers"  # `bench --compare genai`: onnxruntime-genai's own builds (bench.genai)
+PEER_FILE = "peer.json"  # ... each one's builder versions and sha256s
+BENCH_DIR = "bench"  # `dejavuu-build bench` outputs
 
 # I/O names, fixed in one place.
 INPUT_IDS = "input_ids"
@@ -32,24 +68,36 @@ PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
 VARIANTS = ("fp32", "int8", "int4")  # precisions
-KV_LAYOUTS = ("concat", "static", "rowwise")
+# KV layouts: how a variant's graph holds its cache (Contract.kv_layout, VariantRecord.kv_layout).
+KV_CONCAT = "concat"  # present = past + new: the exported graph, what other runtimes load
+KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
+KV_ROWWISE = "rowwise"  # in place, every query row on one-row kernels (export.passes.rowwise_kv)
+KV_LAYOUTS = (KV_CONCAT, KV_STATIC, KV_ROWWISE)
 # Node names the exporter gives and the quantizer looks up (export.exporter.finalize_graph).
 LM_HEAD_NODE = "/lm_head/MatMul"
 EMBED_NODE = "/model/embed_tokens/Gather"
 STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache
-LAYOUT_SUFFIXES = {"static": STATIC_SUFFIX, "rowwise": "-rowwise"}  # "int4-rowwise": in place, one-row attention
+ROWWISE_SUFFIX = "-rowwise"  # "int4-rowwise": in place, one-row attention
+LAYOUT_SUFFIXES = {KV_STATIC: STATIC_SUFFIX, KV_ROWWISE: ROWWISE_SUFFIX}
 
 # Graph metadata keys (written by the export passes, read by the runtime).
 KV_LAYOUT_KEY = "dejavuu.kv_layout"
 KV_CAPACITY_KEY = "dejavuu.kv_capacity"
 ROW_GUARD_KEY = "dejavuu.row_guard"  # JSON: length_invariant, guarded ops, the machine they were measured on
 
+# Defaults shared by the build, the runtime, the bench and the server (their CLIs show them).
+DEFAULT_THREADS = 2  # onnxruntime intra-op threads (the runtime: unless DEJAVUU_THREADS says otherwise)
+DEFAULT_MAX_CONTEXT = 8192  # in-place KV capacity without --max-context: the model's limit, at most this
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_TREE_WIDTH = 2  # children per draft node in tree mode
+DEFAULT_MAX_DEPTH = 8  # longest draft path per step
+
 
 def variant_file(variant: str) -> str:
-    return f"decoder_{variant}.onnx"
+    return DECODER_FILE.format(variant=variant)
 
 
-def variant_name(precision: str, kv_layout: str = "concat") -> str:
+def variant_name(precision: str, kv_layout: str = KV_CONCAT) -> str:
     return precision + LAYOUT_SUFFIXES.get(kv_layout, "")
 
 
@@ -58,7 +106,7 @@ def split_variant(variant: str) -> tuple[str, str]:
     for layout, suffix in LAYOUT_SUFFIXES.items():
         if variant.endswith(suffix):
             return variant[: -len(suffix)], layout
-    return variant, "concat"
+    return variant, KV_CONCAT
 
 
 def in_place(kv_layout: str) -> bool:
@@ -115,7 +163,7 @@ class Contract:
     kv_dtype: str = "float32"
     # concat: present = past + new | static: in-place buffer, GroupQueryAttention | rowwise: in-place
     # buffer grown in tiles, each query row attended on its own (export.passes.rowwise_kv)
-    kv_layout: str = "concat"
+    kv_layout: str = KV_CONCAT
     kv_capacity: int = 0  # static / rowwise: positions the buffer holds (at most)
     # a row gets the same bits whatever the forward's row count, as measured where the graph was
     # built (export.exactness + passes.row_guard): a lone token runs as one row, unpadded
@@ -152,7 +200,7 @@ class VariantRecord:
     passed: bool = False
     timings_ms: dict = field(default_factory=dict)  # "n1_p256" -> ms
     verify_cost_ratio: float | None = None  # N8 / N1 at past 256
-    kv_layout: str = "concat"  # see Contract.kv_layout
+    kv_layout: str = KV_CONCAT  # see Contract.kv_layout
     kv_capacity: int = 0
     timing_rounds_ms: list = field(default_factory=list)  # per interleaved round: mean forward ms
     length_invariant: bool = False  # see Contract.length_invariant
@@ -237,7 +285,7 @@ def manifest_provenance(m: "Manifest") -> dict:
     """
     if m.kind not in ("decoder", "vlm"):
         return {}
-    concat = sorted((v for v, r in m.variants.items() if r.kv_layout == "concat"), key=variant_order)
+    concat = sorted((v for v, r in m.variants.items() if r.kv_layout == KV_CONCAT), key=variant_order)
     view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == "vlm" else "text_onnx"}
     if m.build_config.get("primary_input", INPUT_IDS) == INPUT_IDS:
         view["variants"] = {
@@ -249,8 +297,8 @@ def manifest_provenance(m: "Manifest") -> dict:
             }
             for v in concat
         }
-    embed = "embed_tokens.onnx" if "embeddings" in m.export or "embed_tokens.onnx" in m.files else None
-    vision = "vision_encoder.onnx" if "vision" in m.export or "vision_encoder.onnx" in m.files else None
+    embed = EMBED_FILE if "embeddings" in m.export or EMBED_FILE in m.files else None
+    vision = VISION_FILE if "vision" in m.export or VISION_FILE in m.files else None
     if embed:
         view["graphs"] = {
             "decoder": {v: m.variants[v].file for v in concat},

@@ -79,7 +79,7 @@ def test_quant_only_into_a_full_cache_is_one_line_and_keeps_the_entry(tiny_llama
         "full-cache is unchanged",
     )
     assert (folder / S.MANIFEST_FILE).read_bytes() == before
-    assert not (cache.cache_root() / cache.STAGING / "full-cache").exists()
+    assert not (cache.cache_root() / S.STAGING_DIR / "full-cache").exists()
     cache.verify_entry(folder)
 
 

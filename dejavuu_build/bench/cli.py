@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .. import schema as S
 from ..runtime.cli import friendly as _friendly
 from .runner import (
     DEFAULT_CATEGORIES,
@@ -45,7 +46,7 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     if out:
         return Path(out).expanduser(), False
     stem = Path(model).name if Path(model).expanduser().exists() else model
-    return cache_root() / "bench" / f"{stem}{kind}-{time.strftime('%Y%m%d-%H%M%S')}", False
+    return cache_root() / S.BENCH_DIR / f"{stem}{kind}-{time.strftime('%Y%m%d-%H%M%S')}", False
 
 
 @click.command("bench")
@@ -63,10 +64,12 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     show_default=True,
     help="Comma-separated categories; mt_bench = Spec-Bench's 80 multi-turn MT-Bench prompts.",
 )
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--threads", default=2, show_default=True, type=int, help="ORT intra-op threads.")
+@click.option("--max-new-tokens", default=S.DEFAULT_MAX_NEW_TOKENS, show_default=True, type=int)
+@click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int, help="ORT intra-op threads.")
 @click.option("--tree", is_flag=True, help="Verify trees of drafts instead of chains.")
-@click.option("--width", default=2, show_default=True, type=int, help="Tree width (children per node).")
+@click.option(
+    "--width", default=S.DEFAULT_TREE_WIDTH, show_default=True, type=int, help="Tree width (children per node)."
+)
 @click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
 @click.option(
     "--data",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence, cast
 
 from ..log import logger, step
+from ..schema import PEER_FILE, PEERS_DIR
 from .report import PEER_NGRAM as GENAI_NGRAM  # genai's n-gram speculative decoding, beside its plain one
 from .runner import BenchError
 
@@ -59,8 +60,6 @@ SPEC_STATS = (
     "mean_emitted_tokens_per_round",
 )
 MIN_VERSION = (0, 18)
-PEER_FILE = "peer.json"
-PEERS_DIR = ".peers"
 INSTALL_HINT = 'pip install -e ".[compare]" (or pip install "onnxruntime-genai>=0.18")'
 
 
@@ -525,12 +524,11 @@ def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, co
     (``build.quality.gate_quality``), so speed is read beside how much of the model each build keeps."""
     from types import SimpleNamespace
 
-    from ..build.pipeline import REFERENCE_FILE
     from ..build.quality import gate_quality, scoring_set
     from ..build.references import Reference
     from ..build.runner import Runner
     from ..runtime.session import make_session
-    from ..schema import read_contract, variant_file
+    from ..schema import REFERENCE_FILE, read_contract, variant_file
 
     folder = Path(model_folder)
     contract = read_contract(folder)

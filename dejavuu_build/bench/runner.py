@@ -20,6 +20,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger, progress
 from .report import PEER, PEER_NGRAM, Report, aggregate, write_outputs
@@ -82,10 +83,10 @@ class BenchConfig:
     methods: tuple[str, ...] = ("baseline", "pld")
     categories: tuple[str, ...] = DEFAULT_CATEGORIES
     per_category: int = 10
-    max_new_tokens: int = 128
-    threads: int = 2
+    max_new_tokens: int = S.DEFAULT_MAX_NEW_TOKENS
+    threads: int = S.DEFAULT_THREADS
     tree: bool = False
-    width: int = 2
+    width: int = S.DEFAULT_TREE_WIDTH
     variant: str | None = None
     temperature: float = 0.0
     seed: int = 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from .. import schema as S
 from ..cache import check_name
 from ..errors import DejavuuError
 from ..runtime.cli import friendly
@@ -53,24 +54,26 @@ def _variants(text: str) -> tuple[str, ...]:
     "--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed)."
 )
 @click.option(
-    "--primary-input", type=click.Choice(["input_ids", "inputs_embeds"]), default="input_ids", show_default=True
+    "--primary-input", type=click.Choice([S.INPUT_IDS, S.INPUTS_EMBEDS]), default=S.INPUT_IDS, show_default=True
 )
-@click.option("--threads", default=2, show_default=True, type=int, help="ORT threads for validation timings.")
+@click.option(
+    "--threads", default=S.DEFAULT_THREADS, show_default=True, type=int, help="ORT threads for validation timings."
+)
 @click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
 @click.option(
     "--kv-layouts",
-    default="concat,static,rowwise",
+    default=",".join(S.KV_LAYOUTS),
     show_default=True,
-    help="KV cache layouts: concat (present = past + new, what other tools expect; always built), "
-    "static (in-place GroupQueryAttention buffer: <precision>-static; exact trees) and rowwise "
-    "(in place, every query row on one-row kernels, so one token is one row: <precision>-rowwise; "
-    "chains only).",
+    help=f"KV cache layouts: {S.KV_CONCAT} (present = past + new, what other tools expect; always built), "
+    f"{S.KV_STATIC} (in-place GroupQueryAttention buffer: <precision>{S.STATIC_SUFFIX}; exact trees) and "
+    f"{S.KV_ROWWISE} (in place, every query row on one-row kernels, so one token is one row: "
+    f"<precision>{S.ROWWISE_SUFFIX}; chains only).",
 )
 @click.option(
     "--max-context",
     default=None,
     type=int,
-    help="Positions the static KV buffer holds [default: the model's limit, at most 8192].",
+    help=f"Positions the static KV buffer holds [default: the model's limit, at most {S.DEFAULT_MAX_CONTEXT}].",
 )
 @click.option("--force", is_flag=True, help="Rebuild even when an identical build is cached.")
 @click.option("--dry-run", is_flag=True, help="Print the build config as JSON and stop.")
@@ -133,7 +136,7 @@ def tree_decoder(
     help="Patch position ids as the checkpoints were trained (transformers<=4.54) "
     "or as transformers 4.55-4.57 compute them (huggingface/transformers#41190).",
 )
-@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int)
 @click.option("--no-timing", is_flag=True)
 @click.option("--force", is_flag=True)
 @_friendly
@@ -151,7 +154,7 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
         revision=revision,
         name=name,
         variants=_variants(variants),
-        primary_input="inputs_embeds",
+        primary_input=S.INPUTS_EMBEDS,
         vision=True,
         vision_position_ids=vision_position_ids,
         timing=not no_timing,
@@ -167,7 +170,7 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
 @click.command("quant-only")
 @click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
 @click.option("--variants", default="int8,int4", show_default=True)
-@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int)
 @click.option("--no-timing", is_flag=True)
 @_friendly
 def quant_only_cmd(name, variants, threads, no_timing):
@@ -240,7 +243,7 @@ def verify(name):
 @click.option(
     "--variant", default=None, help="With --exactness or --quality: the variant [default: the entry's default]."
 )
-@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="With --exactness or --quality: the full record as JSON.")
 @_friendly
 def inspect(path, exactness, quality, texts, limit, variant, threads, as_json):

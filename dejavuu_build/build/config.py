@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from .. import __version__
-from ..schema import KV_LAYOUTS, VARIANTS
+from ..schema import DEFAULT_THREADS, INPUT_IDS, INPUTS_EMBEDS, KV_CONCAT, KV_LAYOUTS, VARIANTS
 from .sources import DEFAULT_MODEL
 
 
@@ -20,14 +20,16 @@ class TreeDecoderConfig:
     # answers (pipeline._auto_variants); else an explicit list, fp32 first, every layout of each.
     variants: tuple[str, ...] = ()
     hidden_layer: int = -1
-    primary_input: str = "input_ids"
+    primary_input: str = INPUT_IDS
     timing: bool = True
-    threads: int = 2
+    threads: int = DEFAULT_THREADS
     reference_tokens: int = 24
     vision: bool = False  # `dejavuu-build vlm`: also the vision encoder + embeddings
     vision_position_ids: str = "trained"  # "trained" (what checkpoints learned) | "transformers" (4.55+)
     kv_layouts: tuple[str, ...] = KV_LAYOUTS  # concat (present = past + new), static and rowwise (in place)
-    max_context: int | None = None  # in-place KV capacity [default: the model's limit, at most 8192]
+    max_context: int | None = (
+        None  # in-place KV capacity [default: the model's limit, at most schema.DEFAULT_MAX_CONTEXT]
+    )
 
     def validate(self) -> None:
         from ..errors import DejavuuError
@@ -38,13 +40,13 @@ class TreeDecoderConfig:
                 f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
                 f"(got {', '.join(self.variants)})"
             )
-        if self.primary_input not in ("input_ids", "inputs_embeds"):
-            raise DejavuuError("--primary-input must be input_ids or inputs_embeds")
-        if self.vision and self.primary_input != "inputs_embeds":
+        if self.primary_input not in (INPUT_IDS, INPUTS_EMBEDS):
+            raise DejavuuError(f"--primary-input must be {INPUT_IDS} or {INPUTS_EMBEDS}")
+        if self.vision and self.primary_input != INPUTS_EMBEDS:
             raise DejavuuError("a VLM build feeds its decoder inputs_embeds")
-        if "concat" not in self.kv_layouts or any(k not in KV_LAYOUTS for k in self.kv_layouts):
+        if KV_CONCAT not in self.kv_layouts or any(k not in KV_LAYOUTS for k in self.kv_layouts):
             raise DejavuuError(
-                f"--kv-layouts must include concat (the source of the others) and be among "
+                f"--kv-layouts must include {KV_CONCAT} (the source of the others) and be among "
                 f"{', '.join(KV_LAYOUTS)} (got {', '.join(self.kv_layouts)})"
             )
         if self.max_context is not None and not 64 <= self.max_context <= 1 << 20:
@@ -62,7 +64,7 @@ class TreeDecoderConfig:
     def from_json(cls, d: dict) -> "TreeDecoderConfig":
         d = dict(d)
         d["variants"] = tuple(d.get("variants", VARIANTS))
-        d["kv_layouts"] = tuple(d.get("kv_layouts", ("concat",)))  # builds before the static flavour
+        d["kv_layouts"] = tuple(d.get("kv_layouts", (KV_CONCAT,)))  # builds before the static flavour
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 

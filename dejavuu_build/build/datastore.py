@@ -45,10 +45,10 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     def read_tokenizer(f: Path):
         """The tokenizer the datastore is keyed on, checked against its entry's manifest first."""
         if (f / S.MANIFEST_FILE).is_file():
-            verify_entry(f, files=["tokenizer.json"])
+            verify_entry(f, files=[S.TOKENIZER_FILE])
         elif _ours(f, tokenizer):
             raise no_manifest(f)
-        return TextTokenizer(f), S.sha256_file(f / "tokenizer.json")
+        return TextTokenizer(f), S.sha256_file(f / S.TOKENIZER_FILE)
 
     tok, tok_digest = read_entry(folder, read_tokenizer)
     digest = S.sha256_file(path)

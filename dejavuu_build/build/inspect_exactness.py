@@ -23,7 +23,6 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     from ..export.exactness import format_report, probe
     from ..runtime.session import derive_contract, make_session
     from .gates import gate_batched
-    from .pipeline import REFERENCE_FILE
     from .references import Reference
     from .runner import Runner
 
@@ -53,12 +52,12 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     sess = make_session(folder / rec.file, threads=threads)
     derived = derive_contract(sess)
     embed = None
-    if contract.primary_input == "inputs_embeds":
+    if contract.primary_input == S.INPUTS_EMBEDS:
         from ..runtime.vision import load_embedder
 
         embed = load_embedder(folder, threads)
-    gate = gate_batched(Runner(sess, contract, embed), Reference.load(folder / REFERENCE_FILE))
-    lone = "one row" if derived.length_invariant or layout == "rowwise" else "two rows (runtime pad)"
+    gate = gate_batched(Runner(sess, contract, embed), Reference.load(folder / S.REFERENCE_FILE))
+    lone = "one row" if derived.length_invariant or layout == S.KV_ROWWISE else "two rows (runtime pad)"
     lines.append(
         f"  whole decoder, a lone token as {lone}: batched = incremental "
         f"{gate['total'] - gate['mismatches']}/{gate['total']} argmax, logits max diff "

@@ -78,10 +78,10 @@ def quality_report(
             f"{target}: pick a quantized variant to score against fp32; it has "
             f"{', '.join(sorted(x for x in manifest.variants if x != 'fp32'))}"
         )
-    if "fp32" not in manifest.variants or not (folder / "tokenizer.json").is_file():
-        raise CacheError(f"{target} lacks its fp32 export or tokenizer.json: nothing to score against")
+    if "fp32" not in manifest.variants or not (folder / S.TOKENIZER_FILE).is_file():
+        raise CacheError(f"{target} lacks its fp32 export or {S.TOKENIZER_FILE}: nothing to score against")
     chosen, source = held_out_texts(texts, n)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(folder / S.TOKENIZER_FILE))
     import numpy as np
 
     prompts = [

@@ -17,17 +17,17 @@ from .. import schema as S
 from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError, ExportError, ValidationFailed
 from ..log import logger, step, timeline
-from ..schema import Contract, Manifest, VariantRecord, read_contract, variant_file, write_json
-from .config import TreeDecoderConfig, cache_key, tool_versions
-
-REFERENCE_FILE = "reference.npz"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
+from ..schema import (
+    REFERENCE_FILE,
+    TOKENIZER_FILES,
+    Contract,
+    Manifest,
+    VariantRecord,
+    read_contract,
+    variant_file,
+    write_json,
 )
+from .config import TreeDecoderConfig, cache_key, tool_versions
 
 
 @dataclass
@@ -68,7 +68,7 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
 
 
 def quant_only(
-    name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = 2, timing: bool = True
+    name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = S.DEFAULT_THREADS, timing: bool = True
 ) -> BuildResult:
     """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references.
 
@@ -161,12 +161,11 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
         ref.save(tmp / REFERENCE_FILE)
     lm = recipe.text_causal_lm(model)
     extra: dict = {}
-    if cfg.primary_input == "inputs_embeds":
+    if cfg.primary_input == S.INPUTS_EMBEDS:
         from ..export.vision import export_embeddings
-        from ..runtime.vision import EMBED_ONNX
 
         with step("export token embedding"):
-            extra["embeddings"] = export_embeddings(lm, tmp / EMBED_ONNX)
+            extra["embeddings"] = export_embeddings(lm, tmp / S.EMBED_FILE)
     if cfg.vision:
         extra["vision"] = _export_vision(cfg, src, model, tmp)
     _save_tokenizer(tok, gen, tmp)
@@ -198,20 +197,19 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
 def _export_vision(cfg, src, model, tmp: Path) -> dict:
     """Vision encoder + connector graph, processor settings and the image-token facts the runtime needs."""
     from ..export.vision import export_vision, vision_dims
-    from ..runtime.vision import PREPROCESSOR_JSON, VISION_ONNX, VLM_JSON
 
     recipe_vlm = hasattr(model.config, "vision_config")
     if not recipe_vlm:
         raise ValidationFailed(f"{src.id} has no vision tower: use `dejavuu-build tree-decoder` for text models")
     with step("export vision encoder + connector"):
-        info = export_vision(model, tmp / VISION_ONNX, position_ids=cfg.vision_position_ids)
+        info = export_vision(model, tmp / S.VISION_FILE, position_ids=cfg.vision_position_ids)
     dims = vision_dims(model.config)
     pre = _processor_config(src, dims)
-    write_json(tmp / PREPROCESSOR_JSON, pre)
+    write_json(tmp / S.PREPROCESSOR_FILE, pre)
     if int(pre.get("max_image_size", {}).get("longest_edge", dims["image_size"])) != dims["image_size"]:
         raise ValidationFailed("processor max_image_size differs from the vision tower's image_size")
     write_json(
-        tmp / VLM_JSON,
+        tmp / S.VLM_FILE,
         {
             **dims,
             "image_token": "<image>",
@@ -226,7 +224,7 @@ def _export_vision(cfg, src, model, tmp: Path) -> dict:
 def _processor_config(src, dims: dict) -> dict:
     """The checkpoint's preprocessor_config.json, or SmolVLM's defaults sized to this vision tower."""
     folder = Path(src.path) if Path(src.path).is_dir() else Path(src.path).parent
-    f = folder / "preprocessor_config.json"
+    f = folder / S.PREPROCESSOR_FILE
     if f.is_file():
         return json.loads(f.read_text())
     from transformers.models.smolvlm.image_processing_smolvlm import SmolVLMImageProcessor
@@ -262,10 +260,10 @@ def _save_tokenizer(tok, gen, folder: Path) -> None:
     for f in TOKENIZER_FILES:
         if (tmpdir / f).is_file():
             (tmpdir / f).rename(folder / f)
-    if not (folder / "tokenizer.json").is_file():
-        raise ValidationFailed("the tokenizer could not be saved as tokenizer.json (a fast tokenizer is required)")
-    if not (folder / "chat_template.jinja").is_file() and getattr(tok, "chat_template", None):
-        (folder / "chat_template.jinja").write_text(tok.chat_template)
+    if not (folder / S.TOKENIZER_FILE).is_file():
+        raise ValidationFailed(f"the tokenizer could not be saved as {S.TOKENIZER_FILE} (a fast tokenizer is required)")
+    if not (folder / S.CHAT_TEMPLATE_FILE).is_file() and getattr(tok, "chat_template", None):
+        (folder / S.CHAT_TEMPLATE_FILE).write_text(tok.chat_template)
     import shutil
 
     shutil.rmtree(tmpdir, ignore_errors=True)
@@ -319,7 +317,7 @@ class _Gates:
         self.ref = Reference.load(folder / REFERENCE_FILE)
         self.machine = machine()
         self.embed = None
-        if self.contract.primary_input == "inputs_embeds":
+        if self.contract.primary_input == S.INPUTS_EMBEDS:
             from ..runtime.vision import load_embedder
 
             self.embed = load_embedder(folder, threads)
@@ -353,9 +351,9 @@ class _Gates:
                 self.sessions.pop(v, None)
         if variants:
             manifest.quantize = {"seconds": round(self.t_quantize, 1), "variants": list(self.quantized)}
-        layouts = manifest.build_config.get("kv_layouts", ["concat"])
+        layouts = manifest.build_config.get("kv_layouts", [S.KV_CONCAT])
         capacity = static_capacity(manifest.build_config.get("max_context"), self.contract.max_positions)
-        for layout in (k for k in S.KV_LAYOUTS if k != "concat" and k in layouts):
+        for layout in (k for k in S.KV_LAYOUTS if k != S.KV_CONCAT and k in layouts):
             fp32 = fp32_layouts and S.variant_name("fp32", layout) not in manifest.variants
             for v in (["fp32"] if fp32 else []) + variants:
                 if not _layout_variant(folder, manifest, v, capacity, layout):
@@ -483,7 +481,7 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
     rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
     if rec.row_guard:  # carried from an earlier build (quant-only): measured and guarded there
         return
-    if layout == "static":
+    if layout == S.KV_STATIC:
         rec.row_guard = {"length_invariant": False, "why": "GroupQueryAttention: lone tokens are padded by the runtime"}
         return
     path = folder / variant_file(v)
@@ -542,7 +540,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     hints: dict[tuple[str, bool], Calibration] = {}
     default = manifest.default_variant
     # what a runtime opens without being told: the default and the static twin a server batches
-    wanted = {default, S.variant_name(S.split_variant(default)[0], "static")} if default else set()
+    wanted = {default, S.variant_name(S.split_variant(default)[0], S.KV_STATIC)} if default else set()
     for v, (sess, declared) in sorted(
         sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])
     ):
@@ -555,7 +553,7 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
             continue  # carried unchanged (quant-only) and measured on this machine already
         with step(f"exactness calibration of {v} (what the runtime would measure on first use)"):
             rec.calibration = record_calibration(
-                Decoder(sess, declared, embed), sha, threads, cache_root() / ".runtime", hints.get(flavour)
+                Decoder(sess, declared, embed), sha, threads, cache_root() / S.RUNTIME_DIR, hints.get(flavour)
             )
         if rec.calibration["period"] is not None:
             hints[flavour] = Calibration.from_json(
@@ -609,16 +607,16 @@ def _sha256(path: Path) -> str:
 
 
 def static_capacity(max_context: int | None, max_positions: int) -> int:
-    """The static KV buffer's length: --max-context, else the model's limit capped at 8192
-    (4 MB per 128 positions of SmolLM2's cache; pages are only touched as a context grows)."""
+    """The static KV buffer's length: --max-context, else the model's limit capped at
+    DEFAULT_MAX_CONTEXT (pages are only touched as a context grows; sizes: docs/runtime.md)."""
     if max_context:
         return int(max_context)
-    return int(min(max_positions or 8192, 8192))
+    return int(min(max_positions or S.DEFAULT_MAX_CONTEXT, S.DEFAULT_MAX_CONTEXT))
 
 
 _LAYOUT_STEPS = {
-    "static": "static KV flavour of {p} (GroupQueryAttention, capacity {c})",
-    "rowwise": "rowwise KV flavour of {p} (one-row attention in place, capacity {c})",
+    S.KV_STATIC: "static KV flavour of {p} (GroupQueryAttention, capacity {c})",
+    S.KV_ROWWISE: "rowwise KV flavour of {p} (one-row attention in place, capacity {c})",
 }
 
 
@@ -632,12 +630,12 @@ def _layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: 
     from ..export.passes.static_kv import to_static_kv
 
     name = S.variant_name(precision, layout)
-    rewrite = {"static": to_static_kv, "rowwise": to_rowwise_kv}[layout]
+    rewrite = {S.KV_STATIC: to_static_kv, S.KV_ROWWISE: to_rowwise_kv}[layout]
     with step(_LAYOUT_STEPS[layout].format(p=precision, c=capacity)):
         try:
             proto = rewrite(onnx.load(str(folder / variant_file(precision))), capacity)
         except ExportError as e:
-            if layout == "static":
+            if layout == S.KV_STATIC:
                 raise
             logger.info("  no %s flavour for this model: %s", layout, e)
             return False
@@ -662,7 +660,7 @@ def _failed(rec: VariantRecord) -> str:
 MIN_SPEEDUP = 0.10
 # Layout preference at equal precision: rowwise decodes a single token as one row (static pays a
 # pad row, concat also copies its cache); timing can still displace it by the rule below.
-PREFERRED_LAYOUTS = ("rowwise", "static", "concat")
+PREFERRED_LAYOUTS = (S.KV_ROWWISE, S.KV_STATIC, S.KV_CONCAT)
 
 
 # What a default must keep of the model, whatever its size or speed (its quality gate against

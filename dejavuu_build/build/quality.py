@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..runtime.tree import causal_inputs
+from ..schema import TOKENIZER_FILE
 from .runner import Runner
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def quality_prompts(folder: Path, vocab: int, n: int | None = None) -> tuple[lis
     from .quality_texts import TEXTS
 
     texts = TEXTS[:n] if n else TEXTS
-    tok_file = Path(folder) / "tokenizer.json"
+    tok_file = Path(folder) / TOKENIZER_FILE
     if tok_file.is_file():
         from tokenizers import Tokenizer
 

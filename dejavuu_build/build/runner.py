@@ -7,7 +7,7 @@ import numpy as np
 
 from ..runtime.session import empty_past
 from ..runtime.tree import causal_inputs
-from ..schema import KV_WRITE_INDEX, ROW_SLOTS, SLOT_ROWS, Contract
+from ..schema import INPUT_IDS, INPUTS_EMBEDS, KV_ROWWISE, KV_WRITE_INDEX, ROW_SLOTS, SLOT_ROWS, Contract
 
 
 class Runner:
@@ -25,7 +25,7 @@ class Runner:
         whole number of buffer tiles (what the runtime binds) and its present is cut back."""
         total = bias.shape[-1]
         feeds = dict(past)
-        if self.c.kv_layout == "rowwise":
+        if self.c.kv_layout == KV_ROWWISE:
             from ..runtime.decoder import ROWWISE_TILE
             from ..runtime.kv import round_up
             from ..runtime.tree import NEG
@@ -34,16 +34,16 @@ class Runner:
             feeds = {k: np.pad(v, ((0, 0), (0, 0), (0, pad + total - v.shape[2]), (0, 0))) for k, v in past.items()}
             bias = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=NEG)
             feeds[KV_WRITE_INDEX] = np.array([total - len(ids)], np.int64)
-        if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = self.embed(ids[None])
+        if self.c.primary_input == INPUTS_EMBEDS:
+            feeds[INPUTS_EMBEDS] = self.embed(ids[None])
         else:
-            feeds["input_ids"] = ids[None].astype(np.int64)
+            feeds[INPUT_IDS] = ids[None].astype(np.int64)
         feeds["position_ids"] = pos
         feeds["attention_bias"] = bias
         if self.sparse:
             feeds[SLOT_ROWS] = feeds[ROW_SLOTS] = np.arange(len(ids), dtype=np.int64)
         out = dict(zip(self.out_names, self.s.run(None, feeds)))
-        keep = total if self.c.kv_layout == "rowwise" else None
+        keep = total if self.c.kv_layout == KV_ROWWISE else None
         pattern_in, pattern_out = self.c.kv_input_pattern, self.c.kv_output_pattern
         present = {
             pattern_in.format(i=i, kv=kv): out[pattern_out.format(i=i, kv=kv)][:, :, :keep]

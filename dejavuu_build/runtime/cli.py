@@ -14,6 +14,7 @@ from functools import wraps
 
 import click
 
+from .. import schema as S
 from ..errors import DejavuuError, GenerationError
 from ..log import logger
 
@@ -69,10 +70,14 @@ def _one_line(e: BaseException) -> str:
 @click.option("--chat", "chat", default=None, help="Send this text as a user message through the chat template.")
 @click.option("--method", default="baseline", show_default=True, help="Drafting method (see docs/methods.md).")
 @click.option("--tree", is_flag=True, help="Verify a tree of drafts instead of a chain.")
-@click.option("--width", default=2, show_default=True, type=int, help="Tree width (children per node, >= 1).")
+@click.option(
+    "--width", default=S.DEFAULT_TREE_WIDTH, show_default=True, type=int, help="Tree width (children per node, >= 1)."
+)
 @click.option("--max-nodes", default=None, type=int, help="Draft nodes per step [chain: 8, tree: 16].")
-@click.option("--max-depth", default=8, show_default=True, type=int, help="Longest draft path per step.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option(
+    "--max-depth", default=S.DEFAULT_MAX_DEPTH, show_default=True, type=int, help="Longest draft path per step."
+)
+@click.option("--max-new-tokens", default=S.DEFAULT_MAX_NEW_TOKENS, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; finite, >= 0.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="In (0, 1].")
 @click.option("--top-k", default=0, show_default=True, type=int, help=">= 0 (0 = off).")
@@ -80,7 +85,9 @@ def _one_line(e: BaseException) -> str:
 @click.option("--stop", multiple=True, help="Stop string (repeatable, non-empty).")
 @click.option("--variant", default=None, help="fp32 | int8 | int4 [default: the manifest's default].")
 @click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
-@click.option("--threads", default=None, type=int, help="ORT threads, 1 to the CPU count [default: 2].")
+@click.option(
+    "--threads", default=None, type=int, help=f"ORT threads, 1 to the CPU count [default: {S.DEFAULT_THREADS}]."
+)
 @click.option("--image", "images", multiple=True, help="Image file for a VLM build (repeatable).")
 @click.option("--draft-model", default=None, help="For --method draft_model: NAME[:VARIANT] of the drafting build.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")

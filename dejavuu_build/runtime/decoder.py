@@ -16,7 +16,17 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..schema import KV_WRITE_INDEX, LOGITS, ROW_SLOTS, SLOT_ROWS, Contract, in_place
+from ..schema import (
+    INPUT_IDS,
+    INPUTS_EMBEDS,
+    KV_ROWWISE,
+    KV_WRITE_INDEX,
+    LOGITS,
+    ROW_SLOTS,
+    SLOT_ROWS,
+    Contract,
+    in_place,
+)
 from .kv import Cache, GrowingKV, KVCache, StaticKV
 from .tree import NEG, causal_inputs, row_bias, slot_tokens, step_inputs
 
@@ -46,7 +56,7 @@ class Decoder:
         self._bias_input = contract.mask_input if contract.mask_kind == "additive_4d" else None
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
-        self.rowwise = contract.kv_layout == "rowwise"
+        self.rowwise = contract.kv_layout == KV_ROWWISE
         self.pad_single = not (
             self.rowwise or contract.length_invariant
         )  # see forward(); changed only through padding()
@@ -157,10 +167,10 @@ class Decoder:
             if embeds is not None:
                 embeds = np.concatenate([embeds, embeds], axis=1)
         feeds: dict[str, np.ndarray] = {} if isinstance(kv, StaticKV) else dict(kv.feeds())
-        if self.c.primary_input == "inputs_embeds":
-            feeds["inputs_embeds"] = embeds if embeds is not None else self.embeddings(toks[None])
+        if self.c.primary_input == INPUTS_EMBEDS:
+            feeds[INPUTS_EMBEDS] = embeds if embeds is not None else self.embeddings(toks[None])
         else:
-            feeds["input_ids"] = toks[None]
+            feeds[INPUT_IDS] = toks[None]
         m = (
             len(parents) if slots is not None and parents is not None else len(toks)
         )  # attention slots (graph rows if dense)
@@ -308,7 +318,7 @@ class RowFeeds:
     def __init__(self, c: Contract, n: int, size: int, outputs: tuple[np.ndarray, np.ndarray | None]):
         self.c, self.n, self.size = c, n, size
         self.ids = np.zeros((1, n), np.int64)
-        self.embeds = np.zeros((1, n, c.hidden_size), np.float32) if c.primary_input == "inputs_embeds" else None
+        self.embeds = np.zeros((1, n, c.hidden_size), np.float32) if c.primary_input == INPUTS_EMBEDS else None
         self.pos = np.zeros((1, n), np.int64)
         self.write = np.zeros(1, np.int64)
         self.bias = np.empty((1, 1, n, size), np.float32)
@@ -335,7 +345,7 @@ class RowFeeds:
         import onnxruntime as ort
 
         c = self.c
-        primary = ("inputs_embeds", self.embeds) if self.embeds is not None else ("input_ids", self.ids)
+        primary = (INPUTS_EMBEDS, self.embeds) if self.embeds is not None else (INPUT_IDS, self.ids)
         for name, arr in (
             primary,
             (c.position_input, self.pos),

@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from .calibration import Calibration
     from .vision import VisionParts
 
-DEFAULT_THREADS = 2  # unless DEJAVUU_THREADS says otherwise; never more than the CPUs
-
 
 def cpu_count() -> int:
     try:
@@ -58,12 +56,13 @@ def cpu_count() -> int:
 
 def check_threads(threads: int | None) -> int:
     """ORT intra-op threads: 1 to this machine's CPU count (more only oversubscribes, and
-    thousands never finish starting). None: DEJAVUU_THREADS, else 2, capped at the CPU count."""
+    thousands never finish starting). None: DEJAVUU_THREADS, else schema.DEFAULT_THREADS, capped
+    at the CPU count."""
     n = cpu_count()
     if threads is None:
         env = os.environ.get("DEJAVUU_THREADS")
         if env is None:
-            return min(DEFAULT_THREADS, n)
+            return min(S.DEFAULT_THREADS, n)
         try:
             threads = int(env)
         except ValueError:
@@ -294,16 +293,16 @@ class Model:
         *,
         method: str | Drafter = "baseline",
         tree: bool = False,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = S.DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
         stop: Sequence[str] = (),
         datastore=None,
-        width: int = 2,
+        width: int = S.DEFAULT_TREE_WIDTH,
         max_nodes: int | None = None,
-        max_depth: int = 8,
+        max_depth: int = S.DEFAULT_MAX_DEPTH,
         on_tokens=None,
         validate_drafts: bool = False,
         residual_fn=None,
@@ -438,9 +437,9 @@ class Model:
         seed: int = 0,
         stop: Sequence[str] = (),
         datastore=None,
-        width: int = 2,
+        width: int = S.DEFAULT_TREE_WIDTH,
         max_nodes: int | None = None,
-        max_depth: int = 8,
+        max_depth: int = S.DEFAULT_MAX_DEPTH,
         drafter_params: dict | None = None,
     ) -> "RequestPlan":
         """How one request decodes on this machine: its sampler, drafter, draft budget and the
@@ -617,7 +616,7 @@ def _calibration(model: "Model") -> Calibration:
         else f"{model.folder}/{model.variant}"
     )
     threads = model.decoder.s.get_session_options().intra_op_num_threads
-    return cached_calibration(model.decoder, graph_id, threads, cache_root() / ".runtime")
+    return cached_calibration(model.decoder, graph_id, threads, cache_root() / S.RUNTIME_DIR)
 
 
 def load_datastore(name_or_path: str):
@@ -738,7 +737,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
             )
         onnx_path = member(folder, manifest.variants[variant].file)
         if verify:  # every file this load reads: all but the other variants and the build's references
-            others = {r.file for v, r in manifest.variants.items() if v != variant} | {"reference.npz"}
+            others = {r.file for v, r in manifest.variants.items() if v != variant} | {S.REFERENCE_FILE}
             verify_entry(folder, skip=others)
         sess = make_session(onnx_path, threads)
         contract = S.variant_contract(S.read_contract(folder), manifest.variants[variant])
@@ -755,13 +754,13 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         eos = _eos_from_configs(folder)
         contract.eos_token_ids = eos
     embed = vision = None
-    if contract.primary_input == "inputs_embeds":
-        from .vision import VLM_JSON, VisionParts, load_embedder
+    if contract.primary_input == S.INPUTS_EMBEDS:
+        from .vision import VisionParts, load_embedder
 
         embed = load_embedder(folder, threads)
-        if (folder / VLM_JSON).is_file():
+        if (folder / S.VLM_FILE).is_file():
             vision = VisionParts.load(folder, threads)
-    tok = TextTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    tok = TextTokenizer(folder) if (folder / S.TOKENIZER_FILE).is_file() else None
     if tok is not None and tok.eos_token and not eos:
         t = tok.token_id(tok.eos_token)
         eos = [t] if t is not None else []
@@ -781,7 +780,7 @@ def _ours(folder: Path, name_or_path) -> bool:
 
 
 def _eos_from_configs(folder: Path) -> list[int]:
-    for name in ("generation_config.json", "config.json"):
+    for name in (S.GENERATION_CONFIG_FILE, "config.json"):
         f = folder / name
         if f.is_file():
             e = json.loads(f.read_text()).get("eos_token_id")

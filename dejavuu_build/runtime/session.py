@@ -17,6 +17,9 @@ from ..schema import (
     INPUT_IDS,
     INPUTS_EMBEDS,
     KV_CAPACITY_KEY,
+    KV_CONCAT,
+    KV_ROWWISE,
+    KV_STATIC,
     KV_WRITE_INDEX,
     LOGITS,
     POSITION_IDS,
@@ -110,13 +113,13 @@ def derive_contract(session) -> Contract:
     hidden = outs.get(HIDDEN_STATES)
     # a static past length means the in-place flavour: past and present are one buffer; a write
     # index means the rowwise one (a grown buffer, its capacity recorded in the graph's metadata)
-    layout, capacity = "concat", 0
+    layout, capacity = KV_CONCAT, 0
     meta = session.get_modelmeta().custom_metadata_map
     if isinstance(k0.shape[2], int) and k0.shape[2] > 0:
-        layout, capacity = "static", k0.shape[2]
+        layout, capacity = KV_STATIC, k0.shape[2]
     elif KV_WRITE_INDEX in ins:
         try:
-            layout, capacity = "rowwise", int(meta.get(KV_CAPACITY_KEY, ""))
+            layout, capacity = KV_ROWWISE, int(meta.get(KV_CAPACITY_KEY, ""))
         except ValueError:
             raise ContractError(f"a rowwise decoder without its {KV_CAPACITY_KEY} metadata: rebuild it") from None
     return Contract(
@@ -175,7 +178,7 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
 
 def empty_past(contract: Contract) -> dict[str, np.ndarray]:
     """The past of an empty context: zero rows, or the whole zeroed buffer of a static layout."""
-    rows = contract.kv_capacity if contract.kv_layout == "static" else 0  # rowwise: grown from 0
+    rows = contract.kv_capacity if contract.kv_layout == KV_STATIC else 0  # rowwise: grown from 0
     z = np.zeros((1, contract.num_kv_heads, rows, contract.head_dim), dtype=np.float32)
     return {
         contract.kv_input_pattern.format(i=i, kv=kv): z for i in range(contract.num_layers) for kv in ("key", "value")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..errors import CacheError, GenerationError
+from ..schema import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 TEMPLATE_SECONDS = 2.0  # a real chat template renders in milliseconds
 TEMPLATE_MAX_CHARS = 1 << 22  # 4M characters: far more than any model's context holds
@@ -27,16 +28,16 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        path = folder / "tokenizer.json"
+        path = folder / TOKENIZER_FILE
         if not path.is_file():
-            raise CacheError(f"{folder} has no tokenizer.json; rebuild it with `dejavuu-build tree-decoder`")
+            raise CacheError(f"{folder} has no {TOKENIZER_FILE}; rebuild it with `dejavuu-build tree-decoder`")
         self.tok = Tokenizer.from_file(str(path))
         cfg = {}
-        if (folder / "tokenizer_config.json").is_file():
-            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        if (folder / TOKENIZER_CONFIG_FILE).is_file():
+            cfg = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text())
         self.template = None
-        if (folder / "chat_template.jinja").is_file():
-            self.template = (folder / "chat_template.jinja").read_text()
+        if (folder / CHAT_TEMPLATE_FILE).is_file():
+            self.template = (folder / CHAT_TEMPLATE_FILE).read_text()
         elif isinstance(cfg.get("chat_template"), str):
             self.template = cfg["chat_template"]
 

@@ -15,23 +15,19 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..errors import CacheError, GenerationError
+from ..schema import EMBED_FILE, PREPROCESSOR_FILE, VISION_FILE, VLM_FILE
 
 if TYPE_CHECKING:
     from .image import SmolVLMImagePreprocessor
-
-EMBED_ONNX = "embed_tokens.onnx"
-VISION_ONNX = "vision_encoder.onnx"
-VLM_JSON = "vlm.json"
-PREPROCESSOR_JSON = "preprocessor_config.json"
 
 
 def load_embedder(folder: Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """ids [1, N] -> embeds [1, N, H] through the build's own embedding graph."""
     from .session import make_session
 
-    path = Path(folder) / EMBED_ONNX
+    path = Path(folder) / EMBED_FILE
     if not path.is_file():
-        raise CacheError(f"{folder} has no {EMBED_ONNX} for its inputs_embeds decoder; rebuild it")
+        raise CacheError(f"{folder} has no {EMBED_FILE} for its inputs_embeds decoder; rebuild it")
     sess = make_session(path, threads)
     name = sess.get_inputs()[0].name
 
@@ -53,13 +49,13 @@ class VisionParts:
         from .session import make_session
 
         folder = Path(folder)
-        for f in (VISION_ONNX, VLM_JSON, PREPROCESSOR_JSON):
+        for f in (VISION_FILE, VLM_FILE, PREPROCESSOR_FILE):
             if not (folder / f).is_file():
                 raise CacheError(f"{folder} has no {f}; rebuild it with `dejavuu-build vlm --name {folder.name}`")
         return cls(
-            make_session(folder / VISION_ONNX, threads),
-            SmolVLMImagePreprocessor.from_file(folder / PREPROCESSOR_JSON),
-            json.loads((folder / VLM_JSON).read_text()),
+            make_session(folder / VISION_FILE, threads),
+            SmolVLMImagePreprocessor.from_file(folder / PREPROCESSOR_FILE),
+            json.loads((folder / VLM_FILE).read_text()),
         )
 
     def prompt_text(self, prompt, n_images: int, tokenizer) -> str:

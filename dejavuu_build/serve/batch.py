@@ -26,6 +26,7 @@ from ..errors import GenerationError
 from ..export.passes.serve_batch import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX
 from ..runtime.job import Rows
 from ..runtime.tree import NEG, step_inputs
+from ..schema import INPUTS_EMBEDS
 from .graph import ensure_batched
 
 if TYPE_CHECKING:
@@ -42,11 +43,11 @@ def batch_twin(model: Model) -> str | None:
     """The variant a batched server should load instead of ``model``'s: the static-layout twin of
     the same precision, when ``model`` is not static (e.g. the rowwise default) and the twin passed
     its gates. Batches need GroupQueryAttention's ragged rows (serve_batch); None: keep ``model``."""
-    if model.contract.kv_layout == "static" or model.manifest is None:
+    if model.contract.kv_layout == S.KV_STATIC or model.manifest is None:
         return None
     precision, _ = S.split_variant(model.variant)
-    twin = model.manifest.variants.get(S.variant_name(precision, "static"))
-    return S.variant_name(precision, "static") if twin is not None and twin.passed else None
+    twin = model.manifest.variants.get(S.variant_name(precision, S.KV_STATIC))
+    return S.variant_name(precision, S.KV_STATIC) if twin is not None and twin.passed else None
 
 
 class BatchDecoder(Generic[Owner]):
@@ -54,10 +55,10 @@ class BatchDecoder(Generic[Owner]):
 
     def __init__(self, model: Model, max_batch: int, cache: Path):
         c = model.contract
-        if c.kv_layout != "static" or model.manifest is None or c.mask_kind != "additive_4d" or c.mask_input is None:
+        if c.kv_layout != S.KV_STATIC or model.manifest is None or c.mask_kind != "additive_4d" or c.mask_input is None:
             raise BatchUnavailable(
                 f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
-                f"`-static` variant (`dejavuu-build tree-decoder --kv-layouts static`)"
+                f"`{S.STATIC_SUFFIX}` variant (`dejavuu-build tree-decoder --kv-layouts {S.KV_STATIC}`)"
             )
         import onnxruntime as ort
 
@@ -159,7 +160,7 @@ class BatchDecoder(Generic[Owner]):
         bias = np.full((B, 1, S, width), NEG, np.float32)
         seqlens = np.zeros(B, np.int32)
         qlens = np.zeros(B, np.int32)
-        embeds = np.zeros((1, T, self.c.hidden_size), np.float32) if self.c.primary_input == "inputs_embeds" else None
+        embeds = np.zeros((1, T, self.c.hidden_size), np.float32) if self.c.primary_input == INPUTS_EMBEDS else None
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         for b, r in enumerate(fed):
             P = lens[b]

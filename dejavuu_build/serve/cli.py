@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger
 from ..runtime.cli import friendly
@@ -32,8 +33,8 @@ class ServeConfig:
     memory_key: str | None = None
     datastore: str | None = None
     served_name: str | None = None
-    width: int = 2
-    max_depth: int = 8
+    width: int = S.DEFAULT_TREE_WIDTH
+    max_depth: int = S.DEFAULT_MAX_DEPTH
     max_nodes: int | None = None
 
     def to_json(self) -> dict:
@@ -128,7 +129,9 @@ def build_app(cfg: ServeConfig):
 @click.option("--method", default="auto", show_default=True, help="Default drafting method (requests may override).")
 @click.option("--tree", is_flag=True, help="Verify draft trees by default (requests may override).")
 @click.option("--variant", default=None, help="Variant to serve [default: the manifest's default].")
-@click.option("--threads", default=None, type=int, help="ORT threads, 1 to the CPU count [default: 2].")
+@click.option(
+    "--threads", default=None, type=int, help=f"ORT threads, 1 to the CPU count [default: {S.DEFAULT_THREADS}]."
+)
 @click.option("--max-batch", default=8, show_default=True, type=int, help="Requests decoded together.")
 @click.option(
     "--max-queue", default=32, show_default=True, type=int, help="Requests waiting beyond those; more get 429."
@@ -242,7 +245,7 @@ def listen_socket(host: str, port: int):
     help="Methods to compare (baseline = plain decoding).",
 )
 @click.option("--requests", "n_requests", default=16, show_default=True, type=int, help="Requests per point.")
-@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--max-tokens", default=S.DEFAULT_MAX_NEW_TOKENS, show_default=True, type=int)
 @click.option(
     "--data", default=None, type=click.Path(), help="Spec-Bench question.jsonl [default: the workspace copy]."
 )

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..export.passes.serve_batch import GRAPH_VERSION, to_serve_batch
 from ..log import logger
+from ..schema import BATCHED_FILE, BATCHED_RECORD_FILE
 
-RECORD = "batched.json"  # beside the graph: its sha256 and size, written after it
 TMP_MARK = ".tmp"  # a graph or record being written (a dead writer's, once the lock is held)
 
 
@@ -42,7 +42,7 @@ def batched_path(src: Path, cache: Path) -> Path:
     with open(src, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return cache / h.hexdigest()[:24] / "decoder_batched.onnx"
+    return cache / h.hexdigest()[:24] / BATCHED_FILE
 
 
 def _sha256(path: Path) -> str:
@@ -57,7 +57,7 @@ def _intact(path: Path) -> bool:
     """The graph at ``path`` is the one its record describes (size and sha256): not truncated by a
     kill or a full disk, not edited since it was written."""
     try:
-        rec = json.loads((path.parent / RECORD).read_text())
+        rec = json.loads((path.parent / BATCHED_RECORD_FILE).read_text())
         return (
             isinstance(rec, dict)
             and rec.get("version") == GRAPH_VERSION
@@ -126,14 +126,14 @@ def ensure_batched(src: Path, cache: Path) -> Path:
                 p.unlink(missing_ok=True)
         if _intact(path):  # written by another server while we waited
             return path
-        (path.parent / RECORD).unlink(missing_ok=True)
+        (path.parent / BATCHED_RECORD_FILE).unlink(missing_ok=True)
         logger.info("writing the batched flavour of %s to %s", src.name, path)
         batched_graph(src, path)
         rec = {"version": GRAPH_VERSION, "sha256": _sha256(path), "bytes": path.stat().st_size, "source": src.name}
-        tmp = path.parent / f"{RECORD}{TMP_MARK}{os.getpid()}"
+        tmp = path.parent / f"{BATCHED_RECORD_FILE}{TMP_MARK}{os.getpid()}"
         try:
             tmp.write_text(json.dumps(rec, indent=2) + "\n")
-            os.replace(tmp, path.parent / RECORD)
+            os.replace(tmp, path.parent / BATCHED_RECORD_FILE)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

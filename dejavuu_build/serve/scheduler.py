@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger
 from ..runtime.drafters.base import Drafter
@@ -48,7 +49,7 @@ class Cancelled(DejavuuError):
 class Params:
     """One request's generation settings (validated by the API layer and Model's checks)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = S.DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -146,8 +147,8 @@ class Scheduler:
         memory: Memory | None = None,
         datastore=None,
         cache: Path | None = None,
-        width: int = 2,
-        max_depth: int = 8,
+        width: int = S.DEFAULT_TREE_WIDTH,
+        max_depth: int = S.DEFAULT_MAX_DEPTH,
         max_nodes: int | None = None,
     ):
         from ..cache import cache_root
@@ -164,7 +165,7 @@ class Scheduler:
         self.why_sequential = "batching off (--no-batch)"
         if batch:
             try:
-                self.batch = BatchDecoder(model, max_batch, (cache or cache_root()) / ".serve")
+                self.batch = BatchDecoder(model, max_batch, (cache or cache_root()) / S.SERVE_DIR)
                 if not check_exact(model, self.batch):
                     self.batch = None
                     self.why_sequential = "the batched graph's rows are not bit-identical to single requests here"

@@ -68,7 +68,7 @@ def test_a_damaged_batched_graph_is_rebuilt_not_trusted(model, tmp_path):
     damages = {
         "truncated": lambda: path.write_bytes(good[: len(good) // 2]),
         "flipped": flip,
-        "record lost": lambda: (path.parent / graph.RECORD).unlink(),
+        "record lost": lambda: (path.parent / graph.BATCHED_RECORD_FILE).unlink(),
         "graph lost": path.unlink,
         "killed writer's temp": lambda: (path.parent / f"{path.name}{graph.TMP_MARK}99999").write_bytes(b"x" * 4096),
     }

@@ -14,8 +14,6 @@ from .common import MS_DOMAIN, concat_kv, finish_layout, initializer, insert, qu
 from .fusions import fuse_siblings, fuse_skip_norm
 from .row_guard import strip_row_guard
 
-KV_LAYOUT_ROWWISE = "rowwise"
-
 
 def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     """Rewrite a concat-flavour decoder into the rowwise flavour: in place, one-row arithmetic.
@@ -131,7 +129,7 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     m.opset_imports[""] = max(24, m.opset_imports.get("", 24))
     m.opset_imports[MS_DOMAIN] = 1
     RemoveUnusedNodesPass()(m)
-    out = finish_layout(m, KV_LAYOUT_ROWWISE, capacity)
+    out = finish_layout(m, S.KV_ROWWISE, capacity)
     logger.info(
         "  rowwise KV flavour: %d attention layers, capacity %d, %d nodes",
         len(attn_nodes),

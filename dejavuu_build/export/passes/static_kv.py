@@ -42,8 +42,6 @@ from .common import MS_DOMAIN, concat_kv, drop, finish_layout, initializer, inse
 from .fusions import fuse_siblings, fuse_skip_norm
 from .row_guard import strip_row_guard
 
-KV_LAYOUT_STATIC = "static"
-
 
 def to_static_kv(model, capacity: int, *, fuse: bool = True):
     """Rewrite an ``onnx.ModelProto`` decoder of the concat flavour into the in-place flavour."""
@@ -185,7 +183,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
     else:
         _undo_slot_gathers(g, slot_gathers, (slot_rows, row_slots))
-    out = finish_layout(m, KV_LAYOUT_STATIC, capacity)
+    out = finish_layout(m, S.KV_STATIC, capacity)
     logger.info(
         "  static KV flavour: %d GroupQueryAttention, capacity %d, %d nodes, tree pad slots %s",
         len(attn_nodes),

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ...schema import DATASTORE_FILE, DATASTORE_SUFFIXES_FILE, DATASTORE_TOKENS_FILE
 from .suffix_index import SEP, SuffixIndex
 
 FORMAT = "dejavuu-drafter-datastore"
@@ -60,8 +61,8 @@ class Datastore:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         sa = self.index.sorted_positions()
-        np.save(out / "tokens.npy", self.tokens)
-        np.save(out / "suffixes.npy", sa)
+        np.save(out / DATASTORE_TOKENS_FILE, self.tokens)
+        np.save(out / DATASTORE_SUFFIXES_FILE, sa)
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -71,13 +72,13 @@ class Datastore:
             "max_len": self.index.max_len,
             "sep": SEP,
         }
-        (out / "datastore.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (out / DATASTORE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
 
     @classmethod
     def load(cls, directory: str | Path) -> "Datastore":
         src = Path(directory)
-        meta_path = src / "datastore.json"
+        meta_path = src / DATASTORE_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} not found: not a drafter datastore")
         meta = json.loads(meta_path.read_text())
@@ -86,10 +87,10 @@ class Datastore:
                 f"{src}: unsupported datastore format {meta.get('format')!r} "
                 f"version {meta.get('version')!r} (expected {FORMAT!r} {VERSION})"
             )
-        tokens = np.load(src / "tokens.npy")
-        sa = np.load(src / "suffixes.npy")
+        tokens = np.load(src / DATASTORE_TOKENS_FILE)
+        sa = np.load(src / DATASTORE_SUFFIXES_FILE)
         if len(tokens) != meta["n_tokens"] or len(sa) != meta["n_sorted"]:
-            raise ValueError(f"{src}: array sizes disagree with datastore.json")
+            raise ValueError(f"{src}: array sizes disagree with {DATASTORE_FILE}")
         return cls(SuffixIndex.from_arrays(tokens, sa, meta["max_len"]), int(meta["n_docs"]))
 
 
