@@ -1,6 +1,8 @@
 """The one manifest / contract schema. The build writes it, the runtime reads it: both import this.
 
-Pure Python (no torch, no onnx) so the runtime can use it.
+It also owns every name the two sides share, so that none is spelled twice: a cache entry's files
+and the cache's folders (cache-layout.md), I/O and node names, KV layouts, graph metadata keys and
+the defaults the CLIs show. Pure Python (no torch, no onnx) so the runtime can use it.
 """
 
 from __future__ import annotations
@@ -73,12 +75,17 @@ KV_CONCAT = "concat"  # present = past + new: the exported graph, what other run
 KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
 KV_ROWWISE = "rowwise"  # in place, every query row on one-row kernels (export.passes.rowwise_kv)
 KV_LAYOUTS = (KV_CONCAT, KV_STATIC, KV_ROWWISE)
+STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache
+ROWWISE_SUFFIX = "-rowwise"  # "int4-rowwise": in place, one-row attention
+LAYOUT_SUFFIXES = {KV_STATIC: STATIC_SUFFIX, KV_ROWWISE: ROWWISE_SUFFIX}  # a concat variant has none
 # Node names the exporter gives and the quantizer looks up (export.exporter.finalize_graph).
 LM_HEAD_NODE = "/lm_head/MatMul"
 EMBED_NODE = "/model/embed_tokens/Gather"
-STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache
-ROWWISE_SUFFIX = "-rowwise"  # "int4-rowwise": in place, one-row attention
-LAYOUT_SUFFIXES = {KV_STATIC: STATIC_SUFFIX, KV_ROWWISE: ROWWISE_SUFFIX}
+
+# Mask kinds (Contract.mask_kind): what a graph's mask input is.
+MASK_ADDITIVE_4D = "additive_4d"  # [1, 1, rows, past + rows] float bias: chains and trees
+MASK_PADDING_2D = "padding_2d"  # a 2D padding mask (third-party exports): chains only
+MASK_NONE = "none"
 
 # Graph metadata keys (written by the export passes, read by the runtime).
 KV_LAYOUT_KEY = "dejavuu.kv_layout"
@@ -143,7 +150,7 @@ class Contract:
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
     mask_input: str | None = ATTENTION_BIAS
-    mask_kind: str = "additive_4d"  # additive_4d (tree-capable) | padding_2d | none
+    mask_kind: str = MASK_ADDITIVE_4D  # additive_4d (tree-capable) | padding_2d | none
     position_input: str | None = POSITION_IDS
     hidden_output: str | None = HIDDEN_STATES
     hidden_layer: int = -1
@@ -171,7 +178,7 @@ class Contract:
 
     @property
     def tree_capable(self) -> bool:
-        return self.mask_kind == "additive_4d" and self.position_input is not None
+        return self.mask_kind == MASK_ADDITIVE_4D and self.position_input is not None
 
     @property
     def position_limit(self) -> int:

@@ -27,9 +27,7 @@ class TreeDecoderConfig:
     vision: bool = False  # `dejavuu-build vlm`: also the vision encoder + embeddings
     vision_position_ids: str = "trained"  # "trained" (what checkpoints learned) | "transformers" (4.55+)
     kv_layouts: tuple[str, ...] = KV_LAYOUTS  # concat (present = past + new), static and rowwise (in place)
-    max_context: int | None = (
-        None  # in-place KV capacity [default: the model's limit, at most schema.DEFAULT_MAX_CONTEXT]
-    )
+    max_context: int | None = None  # in-place KV capacity [default: the model's limit, at most DEFAULT_MAX_CONTEXT]
 
     def validate(self) -> None:
         from ..errors import DejavuuError

@@ -22,6 +22,7 @@ from ..schema import (
     KV_ROWWISE,
     KV_WRITE_INDEX,
     LOGITS,
+    MASK_ADDITIVE_4D,
     ROW_SLOTS,
     SLOT_ROWS,
     Contract,
@@ -48,12 +49,12 @@ class Decoder:
             contract.kv_output_pattern.format(i=i, kv=kv) for i in range(contract.num_layers) for kv in ("key", "value")
         ]
         self.has_hidden = contract.hidden_output is not None
-        if contract.mask_kind == "additive_4d" and contract.mask_input is None:
+        if contract.mask_kind == MASK_ADDITIVE_4D and contract.mask_input is None:
             raise GenerationError(
                 "the contract's mask is additive_4d but names no mask input: re-derive it from the graph"
             )
         # the 4D additive mask's input (trees and chains); None: a 2D padding mask or none
-        self._bias_input = contract.mask_input if contract.mask_kind == "additive_4d" else None
+        self._bias_input = contract.mask_input if contract.mask_kind == MASK_ADDITIVE_4D else None
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
         self.rowwise = contract.kv_layout == KV_ROWWISE

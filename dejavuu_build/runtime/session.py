@@ -22,6 +22,9 @@ from ..schema import (
     KV_STATIC,
     KV_WRITE_INDEX,
     LOGITS,
+    MASK_ADDITIVE_4D,
+    MASK_NONE,
+    MASK_PADDING_2D,
     POSITION_IDS,
     Contract,
     TensorSpec,
@@ -99,15 +102,15 @@ def derive_contract(session) -> Contract:
     in_pat, kv_out, layers = found
     num_layers = max(layers) + 1
     k0 = ins[in_pat.format(i=0, kv="key")]
-    mask_input, mask_kind = None, "none"
+    mask_input, mask_kind = None, MASK_NONE
     if ATTENTION_BIAS in ins and len(ins[ATTENTION_BIAS].shape) == 4:
-        mask_input, mask_kind = ATTENTION_BIAS, "additive_4d"
+        mask_input, mask_kind = ATTENTION_BIAS, MASK_ADDITIVE_4D
     elif "attention_mask" in ins:
         mask_input = "attention_mask"
         mask_kind = (
-            "additive_4d"
+            MASK_ADDITIVE_4D
             if len(ins["attention_mask"].shape) == 4 and ins["attention_mask"].dtype.startswith("float")
-            else "padding_2d"
+            else MASK_PADDING_2D
         )
     logits = outs[LOGITS]
     hidden = outs.get(HIDDEN_STATES)

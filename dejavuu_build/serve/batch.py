@@ -55,7 +55,12 @@ class BatchDecoder(Generic[Owner]):
 
     def __init__(self, model: Model, max_batch: int, cache: Path):
         c = model.contract
-        if c.kv_layout != S.KV_STATIC or model.manifest is None or c.mask_kind != "additive_4d" or c.mask_input is None:
+        if (
+            c.kv_layout != S.KV_STATIC
+            or model.manifest is None
+            or c.mask_kind != S.MASK_ADDITIVE_4D
+            or c.mask_input is None
+        ):
             raise BatchUnavailable(
                 f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
                 f"`{S.STATIC_SUFFIX}` variant (`dejavuu-build tree-decoder --kv-layouts {S.KV_STATIC}`)"

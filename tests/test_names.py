@@ -1,0 +1,62 @@
+"""One owner for names: the KV layouts, mask kinds and the cache's file and folder names are
+spelled in dejavuu_build/schema.py only; every writer and reader imports them from there."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dejavuu_build import schema as S
+
+PACKAGE = Path(S.__file__).parent
+OWNED = {
+    S.KV_CONCAT,
+    S.KV_STATIC,
+    S.KV_ROWWISE,
+    S.STATIC_SUFFIX,
+    S.ROWWISE_SUFFIX,
+    S.MASK_ADDITIVE_4D,
+    S.MASK_PADDING_2D,
+    S.CONTRACT_FILE,
+    S.MANIFEST_FILE,
+    S.REFERENCE_FILE,
+    S.EMBED_FILE,
+    S.VISION_FILE,
+    S.VLM_FILE,
+    S.PREPROCESSOR_FILE,
+    S.TOKENIZER_FILE,
+    S.TOKENIZER_CONFIG_FILE,
+    S.CHAT_TEMPLATE_FILE,
+    S.GENERATION_CONFIG_FILE,
+    S.DATASTORE_TOKENS_FILE,
+    S.DATASTORE_SUFFIXES_FILE,
+    S.DATASTORE_FILE,
+    S.STAGING_DIR,
+    S.LOCKS_DIR,
+    S.SOURCES_DIR,
+    S.SOURCE_FILE,
+    S.RUNTIME_DIR,
+    S.SERVE_DIR,
+    S.BATCHED_FILE,
+    S.BATCHED_RECORD_FILE,
+    S.PEERS_DIR,
+    S.PEER_FILE,
+}
+# Modules that still spell some of these themselves, until they import them from schema.
+PENDING = {
+    "export/exactness.py": {S.KV_CONCAT, S.KV_ROWWISE},
+    "build/sources.py": {S.SOURCES_DIR, S.SOURCE_FILE},
+}
+
+
+def test_shared_names_are_spelled_in_schema_only():
+    spelled: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "schema.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in OWNED:
+                spelled.setdefault(rel, set()).add(node.value)
+    extra = {rel: sorted(v - PENDING.get(rel, set())) for rel, v in spelled.items()}
+    assert {rel: v for rel, v in extra.items() if v} == {}, "import these names from dejavuu_build.schema"
