@@ -550,9 +550,9 @@ def genai_host_estimate(
     ``block`` decode steps, then the replay runs the same tokens at the same shapes, and so on.
     Step j of genai is paired with the replay's step j; host = median over steps of (genai step -
     replay run). Why blocks: a whole run then a whole replay lets a shared machine's load drift
-    in between (measured: ±10 ms swings at 20 ms steps), and alternating single steps lets each
-    session's spinning thread pool slow the other (forward time +50%); 16-step blocks keep both
-    effects to a block's edge, which the median ignores.
+    in between, and alternating single steps lets each session's spinning thread pool slow the
+    other (measured: docs/bench.md); 16-step blocks keep both effects to a block's edge, which
+    the median ignores.
     """
     og = peer.og
     ids = [int(t) for t in prompt_ids]

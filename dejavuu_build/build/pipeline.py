@@ -283,8 +283,8 @@ def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool)
     """The default build (--variants auto): the fp32 export (what a rebuild and quant-only start
     from) and int4 in every KV layout, the candidates the machine's measurements pick the default
     from; int8 is added only when no int4 variant passes its gates and keeps the model's answers
-    (DEFAULT_FLOORS), so a user always gets a default that does. fp32's in-place flavours (540 MB
-    each for a 135M model) only on request."""
+    (DEFAULT_FLOORS), so a user always gets a default that does. fp32's in-place flavours (each as
+    large as the fp32 export: docs/quantization.md, Sizes) only on request."""
     g = _Gates(folder, manifest, threads)
     g.add(["int4"], fp32_layouts=False)
     four = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] == "int4"}

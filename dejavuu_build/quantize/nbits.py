@@ -5,15 +5,16 @@ the embedding Gather becomes ``GatherBlockQuantized``. Where the fp32 weights ca
 the file's own blocks are carried over exactly (``gguf_blocks.py``, ``carry``) instead of rounding
 them a second time; everything else is rounded by onnxruntime's own blockwise quantizer
 (round-to-nearest). Its other methods were weighed: HQQ writes float zero points, which the CPU
-kernel runs off its fast path (20-140x slower per MatMul on AVX2 and AVX-512, measured), and RTN /
+kernel runs off its fast path (many times slower per MatMul: docs/quantization.md), and RTN /
 k-quant / GPTQ need Intel Neural Compressor.
 
 A block with a minimum (Q4_1, Q4_K, Q5_1, Q5_K: ``w = d*q + m``) is carried as the symmetric
 kernel's ``d * (q - 8)`` plus an offset term ``(m + 8d) * sum(x over the block)``: the block sums
 are one fp32 MatMul of x with a 0/1 [K, blocks] matrix (shared by every projection reading x),
 times an fp32 [blocks, N] matrix, added to MatMulNBits' output. Both MatMuls are fp32 and
-row-invariant at every row count (measured); siblings' offset MatMuls read the same block sums,
-so the in-place flavours' sibling fusion concatenates them along N like the 4-bit weights.
+row-invariant at every row count (measured: docs/quantization.md); siblings' offset MatMuls read
+the same block sums, so the in-place flavours' sibling fusion concatenates them along N like the
+4-bit weights.
 Q5_x and Q6_K levels do not fit 4 bits: they are carried at 8 bits (Q6_K in blocks of 16).
 What the library lacks and this module keeps: the plan (which node gets which width), the tied 8-bit table and the carried GGUF blocks.
 The lm-head and the embedding are found by name (``/lm_head/MatMul``,
@@ -61,12 +62,10 @@ class QuantPlan:
 # int8: 8-bit blocks lose so little that a zero point buys nothing measurable; its 8-bit table in
 # blocks of 32 carries a Q8_0 embedding exactly. int4: for a GGUF source, the file's own blocks
 # carried exactly (gguf_min="offset": the model as published, not a second rounding of it); what
-# the file does not hold (other sources, the lm-head's table) is rounded symmetric. A zero point per
-# block measured better than symmetric re-rounding (top-1 vs fp32: SmolLM2 0.784 vs 0.773,
-# Gemma-3 0.929 vs 0.892) but, with zero points, onnxruntime 1.32's int8-activation kernel gave an
-# 18-row forward last-bit different logits from a 2-row one (a tree row vs its chain, tiny Llama),
-# and losslessness rests on those being identical. Its table in blocks of 64: half the scales
-# (1.8 MB on SmolLM2) for no measurable loss.
+# the file does not hold (other sources, the lm-head's table) is rounded symmetric: a zero point per
+# block rounds a little better, but with zero points onnxruntime 1.32's int8-activation kernel gives
+# a tree row other bits than its chain, and losslessness rests on those being identical. Its table
+# in blocks of 64: half the scales for no measurable loss. (Figures: docs/quantization.md.)
 PLANS: dict[str, QuantPlan] = {
     "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
     "int4": QuantPlan(

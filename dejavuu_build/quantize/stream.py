@@ -1,11 +1,11 @@
 """An ONNX file's graph without its weights, and its initializers read one at a time.
 
 ``onnx.load`` holds every fp32 weight at once, and with the upb protobuf runtime a cleared field
-keeps its arena bytes until the whole model goes: quantizing SmolLM2-135M that way peaked near
-2.5x its fp32 size. Here the protobuf wire format is walked once: every field of the model and of
-its graph is kept except the initializers, whose byte ranges (and name, dims, type) are
-recorded; each is read from the file (``pread``, not through the map, so its pages do not stay
-resident) only when asked for and freed with its array.
+keeps its arena bytes until the whole model goes: quantizing that way peaks at a multiple of the
+fp32 size (measured: docs/quantization.md, Memory). Here the protobuf wire format is walked once:
+every field of the model and of its graph is kept except the initializers, whose byte ranges (and
+name, dims, type) are recorded; each is read from the file (``pread``, not through the map, so its
+pages do not stay resident) only when asked for and freed with its array.
 Initializers whose data lies in a ``.data`` file (models over 2 GB) are read from it the same way.
 """
 

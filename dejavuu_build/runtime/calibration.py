@@ -176,8 +176,8 @@ def calibrate(dec, hint: Calibration | None = None) -> Calibration:
     chain = _chain_exact(dec)
     period = tile = None
     # rowwise graphs: the one-row kernels group keys in blocks that start at key 0, so a branch
-    # node never shares its block with the same keys as in a chain (measured: no period up to 64
-    # is exact, whatever the layout): they verify chains only, and the search is skipped
+    # node never shares its block with the same keys as in a chain (measured: docs/exactness.md):
+    # they verify chains only, and the search is skipped
     if chain and dec.c.tree_capable and not dec.rowwise:
         found = False
         if hint is not None and hint.period is not None:

@@ -309,9 +309,9 @@ class RowFeeds:
     arrays bound once as OrtValues sharing their memory: a step writes ids, positions, the write
     index and the mask rows in place, and the run writes logits and hidden states into them.
 
-    Why by hand: binding fresh arrays costs ~10 µs per tensor from Python and a fresh mask
-    O(size) allocations, ~0.2 ms per decode step in all; onnxruntime's IOBinding keeps a bound
-    OrtValue across runs, so reusing the same memory makes the step's host work a few writes.
+    Why by hand: binding fresh arrays per step, and allocating a fresh O(size) mask, is a visible
+    share of a decode step's host time (measured: docs/runtime.md); onnxruntime's IOBinding keeps a
+    bound OrtValue across runs, so reusing the same memory makes the step's host work a few writes.
     """
 
     KEEP_ROWS = 64  # row counts up to this keep their feeds between steps (drafts; not prefill chunks)

@@ -115,20 +115,20 @@ class GrowingKV(StaticKV):
     """The rowwise flavour's in-place cache: StaticKV whose bound buffers ``[1, KV, L, D]`` grow.
 
     Why grow: the rowwise graph's attention runs over the whole bound buffer (masked beyond the
-    context), and every masked key costs what a real one does (~2 µs per key and step on
-    SmolLM2), so L tracks the context instead of the capacity. L stays a multiple of ``tile`` (a
-    multiple of the kernels' key blocks, so a step's logits do not depend on L, which the batched
-    gate checks across growths).
+    context), and every masked key costs what a real one does (measured: docs/runtime.md), so L
+    tracks the context instead of the capacity. L stays a multiple of ``tile`` (a multiple of the
+    kernels' key blocks, so a step's logits do not depend on L, which the batched gate checks
+    across growths).
 
     How it grows without copying into fresh memory: each layer's K or V owns one row of ``mem``,
     sized for the capacity up front (pages are mapped only as the context reaches them), and the
     bound tensor is its first ``KV * L * D`` values. Growing to L' moves heads KV-1 .. 1 to their
     new offsets inside the same memory (head 0 stays put), one numpy copy per head for all layers
-    at once; the gaps keep stale but finite values, which the mask zeroes exactly. Measured
-    against a fresh, zeroed buffer per growth (page faults on 46 KB per position: ~70 µs per
-    position at every growth), which had to be avoided by reserving a whole generation's room
-    up front at the cost of reading it, masked, at every step. Growth steps are sized as
-    ``tile * isqrt(L / (4 tile))``: a copy's cost grows with L, a step's masked tail with the step.
+    at once; the gaps keep stale but finite values, which the mask zeroes exactly. A fresh, zeroed
+    buffer per growth paid page faults for every position at every growth (docs/runtime.md), which
+    had to be avoided by reserving a whole generation's room up front at the cost of reading it,
+    masked, at every step. Growth steps are sized as ``tile * isqrt(L / (4 tile))``: a copy's cost
+    grows with L, a step's masked tail with the step.
     ``mem`` (with the binding) is reused by the next request, starting small again.
     """
 
@@ -164,7 +164,7 @@ class GrowingKV(StaticKV):
         """Before the prompt's last chunk: room for the prompt and as much of the decoding as one
         growth step would give, so short generations never grow (a one-chunk prompt: nothing to
         move yet). Earlier chunks grow the buffer as they go: a chunk attends to the whole buffer,
-        so reserving the prompt's full length up front cost a 4096-token prefill 1.4x."""
+        so reserving the prompt's full length up front slows a long prefill (docs/runtime.md)."""
         self.ensure(min(self.capacity, prompt + min(decode, self.step(prompt))))
 
     def ensure(self, positions: int) -> None:

@@ -54,10 +54,9 @@ def make_session(path: str | os.PathLike, threads: int | None = None):
         so.intra_op_num_threads = int(threads)
         so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    # Chosen by measurement (SmolLM2 int4-static, 2 threads, quiet machine, interleaved min/q25 of
-    # 60 forwards): spinning threads 5.6/7.7 ms vs 7.8/9.0 ms without for a 2-row step at past 256,
-    # so spinning stays on; full graph optimisation at load (0.23 s) over a cached optimised model
-    # (0.16 s, same forward time), which would be one more machine-specific file to trust.
+    # Spinning threads make a decode step faster; full optimisation at load costs little more than
+    # a cached optimised model, which would be one more machine-specific file to trust
+    # (measured: docs/runtime.md).
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     try:

@@ -77,7 +77,7 @@ def aligned_layout(
     its first-child path (no padding for chains); each further branch starts a new column, and
     nodes that would need a slot beyond ``max_slots`` are pruned with their subtrees.
 
-    The kernel also groups keys in tiles (256 keys measured on this machine): a node whose slot
+    The kernel also groups keys in tiles (measured per machine, docs/exactness.md): a node whose slot
     falls in another ``tile`` than its chain position ``past + depth`` is pruned too, so near a
     tile boundary a tree briefly narrows to its first-child path instead of losing exactness.
     """
