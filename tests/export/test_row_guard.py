@@ -100,7 +100,8 @@ def test_guard_is_deterministic_and_strips_back_to_the_original():
     a = guard_rows(onnx.load_from_string(m.SerializeToString()), nodes, length_invariant=True)
     b = guard_rows(onnx.load_from_string(m.SerializeToString()), nodes, length_invariant=True)
     assert a.SerializeToString() == b.SerializeToString()
-    assert sum(n.op_type == "Pad" for n in a.graph.node) == 2 and sum(n.op_type == "Slice" for n in a.graph.node) == 2
+    # the Relu between the two products runs on the padded rows: one Pad in, one Slice out
+    assert sum(n.op_type == "Pad" for n in a.graph.node) == 1 and sum(n.op_type == "Slice" for n in a.graph.node) == 1
     assert strip_row_guard(a).SerializeToString() == m.SerializeToString()
 
 
@@ -109,3 +110,69 @@ def test_guard_refuses_an_unknown_node():
 
     with pytest.raises(ExportError, match="no node"):
         guard_rows(_graph(None), ["/nope"], length_invariant=True)
+
+
+def test_padded_rows_flow_through_row_local_ops_and_are_cut_where_an_op_needs_the_forwards_rows():
+    """Pad once, keep the pad row through row-local ops (elementwise, a residual Add), cut it before
+    an op that is not row-local (Reshape) and before a large product that is not guarded (a second
+    row of an lm-head costs time): the graph's rows stay exact and equal to the unguarded graph's."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from dejavuu_build.export.passes.row_guard import SMALL_PRODUCT
+
+    rng = np.random.default_rng(2)
+    big = SMALL_PRODUCT // K + 1
+    w = {
+        "wa": rng.standard_normal((K, K)) * 0.05,
+        "wb": rng.standard_normal((K, K)) * 0.05,
+        "wbig": rng.standard_normal((K, big)) * 0.05,
+        "bias": rng.standard_normal(K),
+    }
+    g = helper.make_graph(
+        [
+            helper.make_node("MatMul", [S.INPUTS_EMBEDS, "wa"], ["a"], name="/a/MatMul"),
+            helper.make_node("Add", ["a", "bias"], ["ab"], name="/a/Add"),
+            helper.make_node("Relu", ["ab"], ["r"], name="/act"),
+            helper.make_node("Reshape", ["r", "shape"], ["rs"], name="/reshape"),
+            helper.make_node("MatMul", ["rs", "wb"], ["b"], name="/b/MatMul"),
+            helper.make_node("Add", ["b", S.INPUTS_EMBEDS], ["h"], name="/residual"),
+            helper.make_node("MatMul", ["h", "wbig"], ["y"], name="/big/MatMul"),
+        ],
+        "g",
+        [helper.make_tensor_value_info(S.INPUTS_EMBEDS, TensorProto.FLOAT, [1, "rows", K])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "rows", big]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "rows", K]),
+        ],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in w.items()]
+        + [numpy_helper.from_array(np.array([1, -1, K], np.int64), "shape")],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    q = MatMulNBitsQuantizer(
+        m, algo_config=DefaultWeightOnlyQuantConfig(is_symmetric=True, bits=4, block_size=32, accuracy_level=4)
+    )
+    q.process()
+    m = q.model.model
+    products = {n.name: n for n in m.graph.node if n.op_type == "MatMulNBits"}
+    small = sorted(n for n in products if not n.startswith("/big"))
+    assert len(small) == 2 and len(products) == 3
+    guarded = guard_rows(onnx.load_from_string(m.SerializeToString()), small, length_invariant=True)
+    ops = [n.op_type for n in guarded.graph.node]
+    # a Pad of the input (shared by the first product and the residual Add) and one after the
+    # Reshape; a Slice before the Reshape and one giving back `h` (read by the big product and
+    # the graph's output)
+    assert ops.count("Pad") == 2 and ops.count("Slice") == 2, ops
+    big_node = next(n for n in guarded.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("/big"))
+    assert big_node.input[0] == "h"  # the large product reads the forward's rows, not the padded ones
+    x = np.random.default_rng(3).standard_normal((1, 7, K)).astype(np.float32)
+    s_ref, s_g = _session(m, 2), _session(guarded, 2)
+    ref = s_ref.run(None, {S.INPUTS_EMBEDS: x})
+    among = s_g.run(None, {S.INPUTS_EMBEDS: x})
+    for a, b in zip(ref, among):
+        assert np.array_equal(a, b)  # the guard changes no multi-row result
+    for r in range(x.shape[1]):  # `h` is computed by guarded products and row-local ops only
+        alone = s_g.run(None, {S.INPUTS_EMBEDS: x[:, r : r + 1]})
+        assert alone[1].shape == (1, 1, K) and alone[0].shape == (1, 1, big)
+        assert np.array_equal(among[1][:, r], alone[1][:, 0])
+    assert strip_row_guard(guarded).SerializeToString() == m.SerializeToString()

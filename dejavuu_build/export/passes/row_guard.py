@@ -2,15 +2,17 @@
 
 ``export.exactness`` measures, per op, whether a row computed alone gets other bits than among
 several rows while every multi-row forward agrees ("guardable"). For exactly those nodes this pass
-pads the row inputs to at least two rows (one zero row, only when the forward has one) and cuts
-the output back, so a one-token step and a verify step run the same kernel there, and nowhere
-else does the graph pay for it. Measured on AVX2 (onnxruntime 1.32): 4-bit ``MatMulNBits`` with
-int8 activations runs two rows in the time of one (its 2x4 micro-kernel), so the guard is free
-there; ONNX ``Attention`` of the concat flavour takes its multi-row path for every step, which
-makes that flavour exact in any runtime that feeds one row per step and knows nothing of us.
+gives the forward a zero pad row (only when it has one row), keeps that row through the row-local
+ops that follow (norms, elementwise ops, the small offset products of a GGUF carry) and cuts it
+off where an op needs the forward's own rows (attention, reshapes, the lm-head, graph outputs), so
+a one-token step and a verify step run the same kernels, and nowhere else does the graph pay for
+it: on a decoder, one Pad and one Slice per layer around attention (measured on AVX2 with the
+one-step timings: docs/exactness.md). ONNX ``Attention`` of the concat flavour, where guardable,
+is padded around that node only (its rows lie on another axis).
 
-Why by hand: no optimizer pads an op's rows conditionally. Nodes are named after the node they
-guard (``<node>/row_guard/pad_<i>``, ``<node>/row_guard/rows``), so the output is deterministic.
+Why by hand: no optimizer pads an op's rows conditionally. Names are deterministic: a value's
+padded twin is ``<value>/row_guard/padded``, made by ``<node>/row_guard/Pad_<i>`` and cut back by
+``<value>/row_guard/rows``; ``strip_row_guard`` undoes both this and the older per-node form.
 """
 
 from __future__ import annotations
@@ -25,11 +27,34 @@ from ...errors import ExportError
 # op -> (row-shaped inputs, row axis); the op's first output is row-shaped along the same axis
 ROW_INPUTS = {"MatMulNBits": ((0,), 1), "MatMul": ((0,), 1), "Attention": ((0, 3), 2)}
 
+# ops whose output row r depends on input row r only (rows on axis 1 of [batch, rows, ...]): a
+# guarded op's padded rows flow on through them, so the graph pads once per run of such ops
+# instead of around every guarded node. Row-local is not enough: each must also give a row the
+# same bits among two rows as among more, which the probe measures for MatMul and the norms
+# (``invariant``); elementwise kernels compute each element alone. The batched gate checks the
+# whole graph afterwards either way.
+ROW_LOCAL = {
+    *("Add", "Sub", "Mul", "Div"),
+    *("Sigmoid", "Tanh", "Relu", "Neg", "Erf", "Softplus", "QuickGelu", "Gelu", "FastGelu", "Cast"),
+    *("SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"),
+    *("LayerNormalization", "SkipLayerNormalization"),
+    *("Split", "MatMul", "MatMulNBits"),
+}
+# a matrix product that is not guarded runs two rows only when it is this small (the block sums
+# and offset terms of an exact GGUF carry): a second row of a large one (the lm-head) costs time
+SMALL_PRODUCT = 1 << 20
+PADDED = "/row_guard/padded"  # a value's padded twin is named <value>/row_guard/padded
+
 
 def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict | None = None):
     """``model`` (onnx ModelProto) with ``nodes`` guarded: each sees at least two rows. The graph's
     metadata (schema.ROW_GUARD_KEY) records ``length_invariant`` (every op of the graph, guarded or
-    not, gives a row the same bits whatever the row count) and ``record`` (what was measured)."""
+    not, gives a row the same bits whatever the row count) and ``record`` (what was measured).
+
+    A guarded node's padded output stays padded through the row-local ops after it (ROW_LOCAL) and
+    is cut back to the forward's rows only where an op needs them (attention, reshapes, the
+    lm-head, graph outputs): on a decoder that is one Pad and one Slice per layer around attention
+    instead of a pair around each projection."""
     from onnx import helper, numpy_helper
 
     g = model.graph
@@ -68,41 +93,161 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
         ),
     ]
     axes = {ax: const(f"row_guard.axis{ax}", np.array([ax], np.int64)) for ax in (1, 2)}
-    padded: dict[tuple[str, int], str] = {}  # (value, axis) -> its padded twin (shared, e.g. a mask)
-    out_nodes = []
-    for node in g.node:
-        if node.name not in todo:
-            out_nodes.append(node)
-            continue
-        spec = ROW_INPUTS.get(node.op_type)
+    constant = _constant_values(g)
+    dims = {t.name: list(t.dims) for t in g.initializer}
+    rows, will_pad = _row_values(g, todo, primary, constant, dims)
+    guarded_as = {n.name: ROW_INPUTS.get(n.op_type) for n in g.node if n.name in todo}
+    for name, spec in guarded_as.items():
         if spec is None:
-            raise ExportError(f"row guard: no row layout known for {node.op_type} ({node.name})")
-        rows_in, ax = spec
-        for j in rows_in:
-            x = node.input[j]
-            if (x, ax) not in padded:
+            op = next(n.op_type for n in g.node if n.name == name)
+            raise ExportError(f"row guard: no row layout known for {op} ({name})")
+
+    twin: dict[str, str] = {}  # value (rows on axis 1) -> its padded twin, once computed
+    cut: set[str] = set()  # values whose producer now makes their twin: a Slice gives them back
+    out_nodes: list = []
+    produced_at: dict[str, int] = {}  # twin -> index in out_nodes after which its Slice may go
+    slices: dict[int, list] = {}  # out_nodes index -> Slices to insert after it
+
+    def padded(x: str, by: str, j: int) -> str:
+        if x not in twin:
+            y = x + PADDED
+            out_nodes.append(
+                helper.make_node("Pad", [x, "/row_guard/pads", "", axes[1]], [y], name=f"{by}/row_guard/Pad_{j}")
+            )
+            twin[x] = y
+            produced_at[y] = len(out_nodes) - 1
+        return twin[x]
+
+    def unpadded(x: str) -> None:
+        if x in cut:
+            cut.discard(x)
+            at = produced_at[twin[x]]
+            slices.setdefault(at, []).append(
+                helper.make_node(
+                    "Slice",
+                    [twin[x], "row_guard.zero", "/row_guard/R", axes[1]],
+                    [x],
+                    name=f"{x}/row_guard/rows",
+                )
+            )
+
+    for node in g.node:
+        spec = guarded_as.get(node.name)
+        if spec is not None and spec[1] != 1:  # padded along another axis (attention): around this node only
+            rows_in, ax = spec
+            for x in node.input:
+                unpadded(x)
+            for j in rows_in:
+                x = node.input[j]
                 y = f"{node.name}/row_guard/pad_{j}"
                 out_nodes.append(
                     helper.make_node(
                         "Pad", [x, "/row_guard/pads", "", axes[ax]], [y], name=f"{node.name}/row_guard/Pad_{j}"
                     )
                 )
-                padded[(x, ax)] = y
-            node.input[j] = padded[(x, ax)]
-        y = node.output[0]
-        node.output[0] = f"{node.name}/row_guard/out"
-        out_nodes.append(node)
-        out_nodes.append(
-            helper.make_node(
-                "Slice",
-                [node.output[0], "row_guard.zero", "/row_guard/R", axes[ax]],
-                [y],
-                name=f"{node.name}/row_guard/rows",
+                node.input[j] = y
+            y = node.output[0]
+            node.output[0] = f"{node.name}/row_guard/out"
+            out_nodes.append(node)
+            out_nodes.append(
+                helper.make_node(
+                    "Slice",
+                    [node.output[0], "row_guard.zero", "/row_guard/R", axes[ax]],
+                    [y],
+                    name=f"{node.name}/row_guard/rows",
+                )
             )
-        )
+            continue
+        live = [x for x in node.input if x and x not in constant]
+        if spec is not None:
+            run_padded = True
+            row_in = [node.input[j] for j in spec[0]]
+        else:
+            row_in = live
+            run_padded = (
+                _row_local(node, constant, dims) and all(x in rows for x in live) and any(x in will_pad for x in live)
+            )
+        if not run_padded:
+            for x in node.input:
+                unpadded(x)
+            out_nodes.append(node)
+            continue
+        for x in node.input:
+            if x in twin or x in row_in:
+                continue
+            unpadded(x)  # a non-row input (a shape, a weight computed at run time)
+        for j, x in enumerate(node.input):
+            if x in row_in:
+                node.input[j] = padded(x, node.name, j)
+        out_nodes.append(node)
+        for k, y in enumerate(node.output):
+            if y:
+                node.output[k] = twin[y] = y + PADDED
+                produced_at[twin[y]] = len(out_nodes) - 1
+                cut.add(y)
+    for o in g.output:
+        unpadded(o.name)
+    final = []
+    for i, n in enumerate(out_nodes):
+        final.append(n)
+        final.extend(slices.get(i, []))
     del g.node[:]
-    g.node.extend(head + out_nodes)
+    g.node.extend(head + final)
     return model
+
+
+def _constant_values(g) -> set[str]:
+    """Initializers and what is computed from them alone (no row axis of its own)."""
+    const = {t.name for t in g.initializer}
+    for n in g.node:
+        if (n.op_type == "Constant" and not n.input) or (n.input and all((not x) or x in const for x in n.input)):
+            const.update(n.output)
+    return const
+
+
+def _row_values(g, guarded: set[str], primary: str, constant: set[str], dims: dict) -> tuple[set[str], set[str]]:
+    """(values known to hold the forward's rows on axis 1, those of them that will be padded).
+    Rows: the embeddings of the input tokens, a guarded product's input and output, and what
+    row-local ops compute from rows alone. Padded: a guarded product's input and output and what
+    row-local ops compute from rows with at least one padded among them."""
+    rows = {primary} if primary == S.INPUTS_EMBEDS else set()
+    padded: set[str] = set()
+    for n in g.node:
+        if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] == primary:
+            rows.add(n.output[0])
+        if n.name in guarded and ROW_INPUTS.get(n.op_type, ((), 0))[1] == 1:
+            rows.update((n.input[0], n.output[0]))
+            padded.update((n.input[0], n.output[0]))
+    for n in g.node:
+        live = [x for x in n.input if x and x not in constant]
+        if n.name not in guarded and live and all(x in rows for x in live) and _row_local(n, constant, dims):
+            outs = [y for y in n.output if y]
+            rows.update(outs)
+            if any(x in padded for x in live):
+                padded.update(outs)
+    return rows, padded
+
+
+def _row_local(node, constant: set[str], dims: dict) -> bool:
+    """Whether ``node`` computes each row from the same row of its inputs (ROW_LOCAL, a Split
+    along the last axis of a rank-3 value, a small product with a constant matrix)."""
+    op = node.op_type
+    if op not in ROW_LOCAL:
+        return False
+    if op == "Split":
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        return axis in (-1, 2)
+    if op in ("MatMul", "MatMulNBits"):
+        if op == "MatMulNBits":
+            at = {a.name: a.i for a in node.attribute}
+            size = at.get("K", 0) * at.get("N", 0)
+        else:
+            w = dims.get(node.input[1])
+            if w is None or len(w) != 2:
+                return False
+            size = int(w[0]) * int(w[1])
+        return all(x in constant for x in node.input[1:] if x) and 0 < size <= SMALL_PRODUCT
+    return True
 
 
 def _record(model, meta: dict) -> None:
@@ -122,6 +267,7 @@ def strip_row_guard(model):
     if not any("row_guard/" in n.name for n in g.node):
         return model
     pads = {n.output[0]: n.input[0] for n in g.node if "/row_guard/Pad_" in n.name}
+    pads.update({y: y[: -len(PADDED)] for n in g.node for y in [*n.input, *n.output] if y.endswith(PADDED)})
     cuts = {n.input[0]: n.output[0] for n in g.node if n.name.endswith("/row_guard/rows")}
     keep = [n for n in g.node if "row_guard/" not in n.name]
     for n in keep:
@@ -131,6 +277,8 @@ def strip_row_guard(model):
         for j, y in enumerate(n.output):
             if y in cuts:
                 n.output[j] = cuts[y]
+            elif y in pads:
+                n.output[j] = pads[y]
     del g.node[:]
     g.node.extend(keep)
     inits = [t for t in g.initializer if not t.name.startswith("row_guard.")]
