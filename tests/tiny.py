@@ -64,8 +64,9 @@ def save_tiny(recipe_name: str, folder: Path, seed: int = 0) -> Path:
     tok = tiny_tokenizer(r.text_config(model.config).vocab_size, vlm=vlm)
     if vlm:
         assert tok.convert_tokens_to_ids("<image>") == model.config.image_token_id
-        from transformers.models.smolvlm.image_processing_smolvlm import SmolVLMImageProcessor
+        from dejavuu_build.transformers_compat import pil_image_processor_class
 
-        SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
+        ip = pil_image_processor_class()  # the PIL one on every transformers (5.x's default needs torchvision)
+        ip(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

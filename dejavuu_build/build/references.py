@@ -194,12 +194,15 @@ def _torch_greedy(lm, prompt: np.ndarray, new_tokens: int, primary: str) -> np.n
     token per forward: a 24-token reference costs 24 forwards, not 24 prefills)."""
     import torch
 
+    from ..transformers_compat import cache_argument, cache_of
+
     ids, past, out = torch.tensor(prompt, dtype=torch.long)[None], None, []
+    cache = cache_argument(lm)
     with torch.no_grad():
         for _ in range(new_tokens):
             kw = {"inputs_embeds": lm.get_input_embeddings()(ids)} if primary == "inputs_embeds" else {"input_ids": ids}
-            res = lm(**kw, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = lm(**kw, **{cache: past}, use_cache=True)
+            past = cache_of(res)
             ids = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(ids[0, 0]))
     return np.array(out, dtype=np.int64)
@@ -210,6 +213,7 @@ def _torch_quality_set(lm, tokenizer, vocab: int, primary: str) -> "QualitySet":
     in one left-padded batch over the KV cache: 64 forwards instead of 2,048."""
     import torch
 
+    from ..transformers_compat import cache_argument, cache_of
     from .quality_texts import TEXTS
 
     if tokenizer is not None:
@@ -223,13 +227,13 @@ def _torch_quality_set(lm, tokenizer, vocab: int, primary: str) -> "QualitySet":
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-    past, out = None, []
+    past, out, cache = None, [], cache_argument(lm)
     with torch.no_grad():
         for _ in range(QUALITY_TOKENS):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
             kw = {"inputs_embeds": lm.get_input_embeddings()(ids)} if primary == "inputs_embeds" else {"input_ids": ids}
-            res = lm(**kw, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = lm(**kw, attention_mask=mask, position_ids=pos, use_cache=True, **{cache: past})
+            past = cache_of(res)
             ids = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(ids[:, 0].numpy())
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)

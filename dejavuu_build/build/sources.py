@@ -336,11 +336,77 @@ def load_model_and_tokenizer(src: Source):
         auto: Any = AutoModelForImageTextToText if getattr(recipe, "vlm", False) else AutoModelForCausalLM
         model = auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
         tok = AutoTokenizer.from_pretrained(folder, **kw)
+        if kw:
+            follow_gguf_special_tokens(tok, src.path)
         try:
             gen = GenerationConfig.from_pretrained(folder, **kw)  # type: ignore[arg-type]  # its stub types **kwargs as return_unused_kwargs
         except Exception:  # noqa: BLE001 - GGUF and some folders have none
             gen = None
     return model, tok, gen, recipe
+
+
+def gguf_tokenizer_flags(path: str | Path) -> dict[str, Any]:
+    """What a GGUF says about its special tokens: ``add_bos_token`` / ``add_eos_token`` (bools) and
+    ``bos_token_id`` / ``eos_token_id``, each only where the file sets it (``add_bos_token``, when
+    absent, as transformers 5.x defaults it)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    out: dict[str, Any] = {}
+    for key in ("add_bos_token", "add_eos_token", "bos_token_id", "eos_token_id"):
+        f = r.fields.get(f"tokenizer.ggml.{key}")
+        if f is not None and f.data:
+            v = f.parts[f.data[0]][0]
+            out[key] = bool(v) if key.startswith("add_") else int(v)
+    f = r.fields.get("tokenizer.ggml.model")
+    if "add_bos_token" not in out and f is not None and f.data:
+        # no flag: what transformers 5.x does (a SentencePiece "llama" vocabulary adds BOS, BPE does not)
+        out["add_bos_token"] = bytes(f.parts[f.data[0]]).decode() == "llama"
+    return out
+
+
+def follow_gguf_special_tokens(tok: Any, path: str | Path) -> None:
+    """Make transformers' tokenizer of a GGUF add BOS / EOS exactly where the GGUF says so, with the
+    GGUF's own BOS / EOS tokens, on every transformers version. 4.57 builds a Llama tokenizer that
+    always prepends BOS (SmolLM2's GGUF says ``add_bos_token = false``) and names the BOS token as EOS;
+    5.x follows the flags. Without this a plain prompt gets one more token on 4.57 than on 5.x."""
+    flags = gguf_tokenizer_flags(path)
+    vocab = len(tok)
+    for role in ("bos", "eos"):
+        tid = flags.get(f"{role}_token_id")
+        if tid is not None and 0 <= tid < vocab and getattr(tok, f"{role}_token_id", None) != tid:
+            setattr(tok, f"{role}_token", tok.convert_ids_to_tokens(tid))
+    for flag in ("add_bos_token", "add_eos_token"):
+        if flag in flags:
+            setattr(tok, flag, flags[flag])  # the setter rebuilds the post-processor (both versions)
+            tok.init_kwargs[flag] = flags[flag]  # and a saved tokenizer_config.json says the same
+    want = {r: flags.get(f"add_{r}_token") for r in ("bos", "eos")}
+    got = _adds(tok)
+    if all(v is None or got[r] == v for r, v in want.items()):
+        return
+    # a tokenizer class without those setters: write the post-processor itself
+    from tokenizers import processors
+
+    keep = {r: got[r] if v is None else v for r, v in want.items()}
+    bos, eos = (tok.bos_token if keep["bos"] else None), (tok.eos_token if keep["eos"] else None)
+    single = " ".join([f"{bos}:0"] * bool(bos) + ["$A:0"] + [f"{eos}:0"] * bool(eos))
+    pair = single + " " + " ".join([f"{bos}:1"] * bool(bos) + ["$B:1"] + [f"{eos}:1"] * bool(eos))
+    specials = [(t, tok.convert_tokens_to_ids(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
+    got = _adds(tok)
+    if any(v is not None and got[r] != v for r, v in want.items()):
+        raise ModelSourceError(f"cannot make the tokenizer of {path} add BOS/EOS as its GGUF says ({flags}); got {got}")
+
+
+def _adds(tok: Any) -> dict[str, bool]:
+    """Whether ``tok`` adds its BOS before / its EOS after a plain text."""
+    bare = tok("a", add_special_tokens=False)["input_ids"]
+    ids = tok("a")["input_ids"]
+    at = next((i for i in range(len(ids) - len(bare) + 1) if ids[i : i + len(bare)] == bare), 0)
+    before, after = ids[:at], ids[at + len(bare) :]
+    return {"bos": tok.bos_token_id in before, "eos": tok.eos_token_id in after}
 
 
 @contextmanager

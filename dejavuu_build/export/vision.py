@@ -22,14 +22,16 @@ Two rewrites make it exportable with a dynamic number of images, both exact:
  * padding images are computed and then dropped at the end (a boolean gather) instead of before
    the encoder: every image is processed independently, so the kept rows are the same.
 
-Position ids, two modes (``export_vision(..., position_ids=)``):
- * ``"transformers"`` (default): the installed transformers (4.55 .. 4.57.x) computes
-   ``bucketize(idx / nb * (1 - 1e-6))``; in float32, on a full grid (nb == nps) that puts patch
-   row/column k >= 1 in bucket k - 1 (a full 32x32 grid uses ids up to 990, not 1023):
-   huggingface/transformers#41190 (a regression since 4.55), fixed upstream by #41374.
+Position ids, two modes (``export_vision(..., position_ids=)``), two arithmetics:
  * ``"trained"``: ``bucketize(idx * (1 / nb))``, bit-identical to transformers <= 4.54
-   (``arange(0, 1 - 1e-6, 1 / nb)``), i.e. what SmolVLM / Idefics3 were trained with and what fixed
-   transformers computes; for a full grid the ids are simply 0 .. nps^2 - 1.
+   (``arange(0, 1 - 1e-6, 1 / nb)``) and to 5.x (``idx * (1 / nb)``, clamped below 1), i.e. what
+   SmolVLM / Idefics3 were trained with; for a full grid the ids are simply 0 .. nps^2 - 1.
+ * ``"transformers"`` (the default of this function): whatever the installed transformers computes,
+   found by running its own ``SmolVLMVisionEmbeddings.forward`` on every grid size
+   (``installed_position_ids``): on 5.x the trained arithmetic; on 4.55 .. 4.57.x the "shrink"
+   arithmetic ``bucketize(idx / nb * (1 - 1e-6))``, which in float32, on a full grid (nb == nps),
+   puts patch row/column k >= 1 in bucket k - 1 (a full 32x32 grid uses ids up to 990, not 1023):
+   huggingface/transformers#41190 (a regression since 4.55), fixed upstream by #41374.
 
 Exporter: dynamo at opset 23 works (no fallback to the TorchScript exporter). One trap found on
 the way: the onnxscript optimizer's no-op rules (``Mul(x, 1) -> x``, ``Add(x, 0) -> x``, ...) match
@@ -81,15 +83,100 @@ def vision_dims(config) -> dict[str, int]:
 
 
 POSITION_IDS_MODES = ("transformers", "trained")
+ARITHMETICS = ("shrink", "trained")  # transformers 4.55-4.57 | <= 4.54, 5.x and the checkpoints
+
+
+def _patch_position_ids(patch_mask, nps: int, boundaries, shrink, arithmetic: str, dtype):
+    """Position ids of the unmasked patches ([B, ph*pw], 0 where masked): the vectorised
+    ``SmolVLMVisionEmbeddings`` loop. The k-th unmasked patch (row-major) gets HF's
+    ``pos_ids[k] = bucket_h[k // nb_w] * nps + bucket_w[k % nb_w]``."""
+    import torch
+
+    B, ph, pw = patch_mask.shape
+    nb_h = patch_mask[:, :, 0].sum(dim=1)  # [B] int64
+    nb_w = patch_mask[:, 0, :].sum(dim=1)
+    flat = patch_mask.reshape(B, ph * pw)
+    rank = flat.to(torch.int64).cumsum(dim=1) - 1
+    nb_w_safe = torch.clamp(nb_w, min=1)[:, None]
+    hi = torch.div(rank, nb_w_safe, rounding_mode="floor").to(dtype)
+    wi = torch.remainder(rank, nb_w_safe).to(dtype)
+    if arithmetic == "shrink":  # transformers 4.55-4.57: idx / nb * (1 - 1e-6)
+        fh = hi / nb_h[:, None] * shrink
+        fw = wi / nb_w[:, None] * shrink
+    else:  # <= 4.54 / 5.x: arange(0, 1 - 1e-6, 1 / nb) == idx * (1 / nb)
+        fh = hi * (1.0 / nb_h)[:, None]
+        fw = wi * (1.0 / nb_w)[:, None]
+    bh = (boundaries <= fh[..., None]).sum(dim=-1)  # bucketize(right=True)
+    bw = (boundaries <= fw[..., None]).sum(dim=-1)
+    return torch.where(flat, bh * nps + bw, torch.zeros_like(bh))
+
+
+def installed_position_ids(vlm) -> str:
+    """The arithmetic ("shrink" or "trained") the installed transformers' vision embeddings use,
+    found by running their own forward on every rectangle of patches a grid can hold (k x k,
+    k x nps, nps x k) with the convolution and the position table replaced by probes, so the ids
+    come out directly. Where both arithmetics give the same ids at this grid size, "trained"."""
+    from types import SimpleNamespace
+
+    import torch
+
+    emb = vlm.model.vision_model.embeddings
+    nps, p = int(emb.num_patches_per_side), int(emb.patch_size)
+    masks = []
+    for k in range(1, nps + 1):
+        for h, w in {(k, k), (k, nps), (nps, k)}:
+            m = torch.zeros(nps, nps, dtype=torch.bool)
+            m[:h, :w] = True
+            masks.append(m)
+    mask = torch.stack(masks)
+    pv = torch.zeros(1, 1, 1, 1).expand(len(masks), 3, nps * p, nps * p)
+    probe = SimpleNamespace(
+        patch_size=p,
+        num_patches_per_side=nps,
+        image_size=nps * p,
+        embed_dim=1,
+        patch_embedding=lambda x: torch.zeros(x.shape[0], 1, nps, nps),
+        position_embedding=lambda ids: ids[..., None].to(torch.float64),
+    )
+    try:
+        with torch.no_grad():
+            hf = type(emb).forward(probe, pv, mask)[..., 0].round().to(torch.int64)
+    except Exception as e:  # noqa: BLE001 - any failure means we cannot tell: say so
+        raise ExportError(
+            f"vision export: cannot tell which patch position ids the installed transformers computes "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass --vision-position-ids trained"
+        ) from None
+    boundaries = torch.arange(1 / nps, 1.0, 1 / nps)
+    shrink = torch.tensor([_SHRINK], dtype=torch.float32)
+    ours = {a: _patch_position_ids(mask, nps, boundaries, shrink, a, torch.float32) for a in ARITHMETICS}
+    if torch.equal(hf, ours["trained"]):
+        return "trained"
+    if torch.equal(hf, ours["shrink"]):
+        return "shrink"
+    raise ExportError(
+        "vision export: the installed transformers computes patch position ids neither as the checkpoints "
+        "were trained nor as transformers 4.55-4.57 do; pass --vision-position-ids trained"
+    )
+
+
+def _attention_bias(flat, dtype):
+    """[B, T] bool (True = real patch) -> the additive [B, 1, T, T] key mask transformers 4.x's
+    ``_prepare_4d_attention_mask`` builds (5.x has no such function), bit for bit."""
+    import torch
+
+    B, T = flat.shape
+    expanded = flat[:, None, None, :].expand(B, 1, T, T).to(dtype)
+    inverted = torch.tensor(1.0, dtype=dtype) - expanded
+    return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(dtype).min)
 
 
 def _vision_wrapper(vlm, position_ids: str = "transformers"):
     import torch
     from torch import nn
-    from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask
 
     if position_ids not in POSITION_IDS_MODES:
         raise ExportError(f"position_ids must be one of {POSITION_IDS_MODES}, got {position_ids!r}")
+    arithmetic = installed_position_ids(vlm) if position_ids == "transformers" else "trained"
 
     class VisionEncoder(nn.Module):
         def __init__(self, vlm):
@@ -100,7 +187,7 @@ def _vision_wrapper(vlm, position_ids: str = "transformers"):
             emb = self.vision_model.embeddings
             self.patch_size = emb.patch_size
             self.nps = emb.num_patches_per_side
-            self.mode = position_ids
+            self.arithmetic = arithmetic
             # The same float32 constant HF builds on every call.
             self.register_buffer("boundaries", torch.arange(1 / self.nps, 1.0, 1 / self.nps), persistent=False)
             # HF multiplies by the Python float (1 - 1e-6); as a scalar constant the onnxscript optimizer's
@@ -122,27 +209,11 @@ def _vision_wrapper(vlm, position_ids: str = "transformers"):
 
             emb = self.vision_model.embeddings
             x = emb.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [B, ph*pw, D]
-            # Position ids (vectorised SmolVLMVisionEmbeddings loop): the k-th unmasked patch
-            # (row-major) gets HF's pos_ids[k] = bucket_h[k // nb_w] * nps + bucket_w[k % nb_w].
-            nb_h = patch_mask[:, :, 0].sum(dim=1)  # [B] int64
-            nb_w = patch_mask[:, 0, :].sum(dim=1)
             flat = patch_mask.reshape(B, ph * pw)
-            rank = flat.to(torch.int64).cumsum(dim=1) - 1
-            nb_w_safe = torch.clamp(nb_w, min=1)[:, None]
-            hi = torch.div(rank, nb_w_safe, rounding_mode="floor").to(pixel_values.dtype)
-            wi = torch.remainder(rank, nb_w_safe).to(pixel_values.dtype)
-            if self.mode == "transformers":  # transformers 4.55-4.57: idx / nb * (1 - 1e-6)
-                fh = hi / nb_h[:, None] * self.shrink
-                fw = wi / nb_w[:, None] * self.shrink
-            else:  # <= 4.54 / the fix: arange(0, 1 - 1e-6, 1 / nb) == idx * (1 / nb)
-                fh = hi * (1.0 / nb_h)[:, None]
-                fw = wi * (1.0 / nb_w)[:, None]
-            bh = (self.boundaries <= fh[..., None]).sum(dim=-1)  # bucketize(right=True)
-            bw = (self.boundaries <= fw[..., None]).sum(dim=-1)
-            pos = torch.where(flat, bh * self.nps + bw, torch.zeros_like(bh))
+            pos = _patch_position_ids(patch_mask, self.nps, self.boundaries, self.shrink, self.arithmetic, x.dtype)
             x = x + emb.position_embedding(pos)
 
-            mask4 = _prepare_4d_attention_mask(flat, x.dtype)
+            mask4 = _attention_bias(flat, x.dtype)
             x = self.vision_model.encoder(inputs_embeds=x, attention_mask=mask4).last_hidden_state
             x = self.vision_model.post_layernorm(x)
             feats = self.connector(x)
@@ -195,17 +266,18 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     """Export ``vlm_model``'s vision encoder + connector to ``out_path`` (see the module docstring).
 
     ``position_ids`` picks the patch position-id arithmetic (see the module docstring):
-    ``"transformers"`` matches the installed transformers (4.55-4.57) bit for bit; ``"trained"`` is
-    what the checkpoints were trained with (transformers <= 4.54 and after the fix of
-    huggingface/transformers#41190).
+    ``"transformers"`` matches the installed transformers bit for bit (4.55-4.57: "shrink"; 5.x:
+    "trained"); ``"trained"`` is what the checkpoints were trained with (transformers <= 4.54 and
+    after the fix of huggingface/transformers#41190).
 
     Returns ``{"seconds", "nodes", "opset", "op_counts", "inputs", "outputs", "position_ids",
-    **vision_dims(config)}``."""
+    "position_ids_arithmetic", **vision_dims(config)}``."""
     import torch
 
     dims = vision_dims(vlm_model.config)
     S = dims["image_size"]
     wrapper = _vision_wrapper(vlm_model, position_ids).eval()
+    arithmetic = wrapper.arithmetic
     n = 3  # > 1 so torch.export keeps the image count symbolic
     g = torch.Generator().manual_seed(0)
     pv = torch.randn(n, 3, S, S, generator=g)
@@ -215,7 +287,7 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     proto, seconds = dynamo_export(
         wrapper, (pv, mask), out_path, [PIXEL_VALUES, PIXEL_ATTENTION_MASK], [IMAGE_FEATURES], dynamic, "vision encoder"
     )
-    if position_ids == "transformers":
+    if arithmetic == "shrink":
         _check_shrink_kept(proto)
     _finalize(proto, prefix="")
     out = proto.graph.output[0].type.tensor_type.shape.dim
@@ -230,6 +302,7 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
             "inputs": {PIXEL_VALUES: ["num_images", 3, S, S], PIXEL_ATTENTION_MASK: ["num_images", S, S]},
             "outputs": {IMAGE_FEATURES: ["num_real_images", dims["image_seq_len"], dims["text_hidden_size"]]},
             "position_ids": position_ids,
+            "position_ids_arithmetic": arithmetic,
         }
     )
     info.update(dims)

@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 
 from ..errors import ExportError
+from ..transformers_compat import cache_argument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -112,6 +113,7 @@ class DecoderWrapper(nn.Module):
         self.mask_argument = mask_argument
         self.hidden_layer = hidden_layer
         self.primary = primary
+        self.cache_arg = cache_argument(causal_lm)  # "cache" on transformers 5.x, "past_key_values" on 4.x
 
     def _window(self) -> int | None:
         ws = {int(w) for w in self.windows if w}
@@ -152,7 +154,7 @@ class DecoderWrapper(nn.Module):
         for i in range(self.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         sliding = self._sliding_bias(attention_bias, position_ids)
-        kw = {self.primary: primary}
+        kw = {self.primary: primary, self.cache_arg: cache}
         cfg = self.lm.config
         prev, cfg._attn_implementation = cfg._attn_implementation, ATTN_IMPL  # only while we run
         _MASKS.bias, _MASKS.sliding, _MASKS.window, _MASKS.active = attention_bias, sliding, self._window(), True
@@ -167,7 +169,6 @@ class DecoderWrapper(nn.Module):
                 **kw,
                 position_ids=position_ids,
                 attention_mask=self.mask_argument(attention_bias, sliding),
-                past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=True,
                 return_dict=True,

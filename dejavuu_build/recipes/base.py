@@ -63,6 +63,7 @@ FEATURE_LABELS = {
     "attn_softcapping": "attention softcapping",
     "partial_rotary": "partial RoPE",
     "chunked_attention": "chunked attention",
+    "rope_conflict": "disagreeing RoPE bases",
 }
 
 
@@ -86,20 +87,106 @@ def config_windows(config: Any) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
+def rope_settings(config: Any) -> list[tuple[str, dict]]:
+    """Every RoPE settings dict the config declares, each with where it was found. transformers 4.x
+    keeps them in ``rope_scaling`` (None for plain RoPE; ``rope_theta``, ``partial_rotary_factor`` and
+    Gemma 3's ``rope_local_base_freq`` beside it), 5.x in ``rope_parameters``: one dict, or one per
+    layer type (Gemma 3: ``full_attention`` and ``sliding_attention``, the local base being the
+    latter's ``rope_theta``). Both attributes are read whichever transformers is installed (5.x keeps
+    ``rope_scaling`` as an alias of ``rope_parameters``; a config saved by one version may carry the
+    other's), so that no setting goes unseen and thus unrefused."""
+    tc = text_config_of(config)
+    found: list[tuple[str, dict]] = []
+    seen: list[int] = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        d = getattr(tc, attr, None)
+        if not isinstance(d, dict) or id(d) in seen:
+            continue
+        seen.append(id(d))
+        nested = {k: v for k, v in d.items() if isinstance(v, dict)}
+        if nested and all(isinstance(v, dict) or v is None for v in d.values()):
+            found += [(f"{attr}[{k!r}]", v) for k, v in nested.items()]
+        elif d:
+            found.append((attr, d))
+    return found
+
+
+def _rope_type_of(d: dict) -> str:
+    return str(d.get("rope_type", d.get("type")) or "default")
+
+
+def rope_types(config: Any) -> dict[str, str]:
+    """Every non-default RoPE type the config declares -> where (e.g. ``rope_parameters['full_attention']``)."""
+    out: dict[str, str] = {}
+    for where, d in rope_settings(config):
+        t = _rope_type_of(d)
+        if t != "default":
+            out[t] = f"{out[t]}, {where}" if t in out else where
+    return out
+
+
 def rope_type(config: Any) -> str:
-    rs = getattr(text_config_of(config), "rope_scaling", None)
-    if not isinstance(rs, dict):
-        return "default"
-    return str(rs.get("rope_type", rs.get("type")) or "default")
+    """The config's RoPE type: "default", the one scaling type it declares, or several joined by "+"
+    (then no recipe's single-type check matches it)."""
+    return "+".join(sorted(rope_types(config))) or "default"
 
 
 def original_rope_length(config: Any) -> int | None:
     """The pretraining context a scaled RoPE extends (``original_max_position_embeddings``), if any."""
+    if rope_type(config) == "default":
+        return None
     tc = text_config_of(config)
-    rs = getattr(tc, "rope_scaling", None)
-    n = (rs or {}).get("original_max_position_embeddings") if isinstance(rs, dict) else None
+    n = next(
+        (
+            d["original_max_position_embeddings"]
+            for _, d in rope_settings(config)
+            if d.get("original_max_position_embeddings")
+        ),
+        None,
+    )
     n = n or getattr(tc, "original_max_position_embeddings", None)
-    return int(n) if n and rope_type(config) != "default" else None
+    return int(n) if n else None
+
+
+def _partial_rotary(config: Any) -> str | None:
+    """``partial_rotary_factor`` != 1 wherever it is set: an attribute (4.x) or a RoPE dict (5.x)."""
+    tc = text_config_of(config)
+    prf = getattr(tc, "partial_rotary_factor", None)
+    if prf is not None and float(prf) != 1.0:
+        return f"partial_rotary_factor={prf}"
+    for where, d in rope_settings(config):
+        prf = d.get("partial_rotary_factor")
+        if prf is not None and float(prf) != 1.0:
+            return f"{where}.partial_rotary_factor={prf}"
+    return None
+
+
+def _local_rope_base(config: Any) -> str | None:
+    """A RoPE base of its own on the sliding-window layers: 4.x's ``rope_local_base_freq``, 5.x's
+    per-layer-type ``rope_parameters`` whose ``rope_theta`` differ."""
+    tc = text_config_of(config)
+    if getattr(tc, "rope_local_base_freq", None):
+        return f"rope_local_base_freq={tc.rope_local_base_freq}"
+    thetas = {w: d.get("rope_theta") for w, d in rope_settings(config) if "[" in w}
+    if len({v for v in thetas.values()}) > 1:
+        return "; ".join(f"{w}.rope_theta={v}" for w, v in thetas.items())
+    return None
+
+
+def _rope_conflict(config: Any) -> str | None:
+    """Two RoPE bases that disagree: a ``rope_theta`` (or Gemma 3's ``rope_local_base_freq``) attribute
+    beside a RoPE dict with another ``rope_theta``. One of them is ignored by the installed
+    transformers (5.x reads only the dict, 4.x only the attribute), e.g. a config saved by the other
+    version, or an attribute set after the config was built on 5.x."""
+    tc = text_config_of(config)
+    pairs = {"rope_parameters": "rope_theta", "rope_parameters['full_attention']": "rope_theta"}
+    pairs["rope_parameters['sliding_attention']"] = "rope_local_base_freq"
+    for where, d in rope_settings(config):
+        attr = pairs.get(where)
+        mine = getattr(tc, attr, None) if attr else None
+        if mine is not None and "rope_theta" in d and d["rope_theta"] != mine:
+            return f"{attr}={mine} but {where}.rope_theta={d['rope_theta']}"
+    return None
 
 
 def attention_features(config: Any) -> dict[str, str]:
@@ -114,19 +201,19 @@ def attention_features(config: Any) -> dict[str, str]:
         f[f"layer_type:{t}"] = f"layer_types contains {t!r}"
     if getattr(tc, "attention_chunk_size", None):
         f["chunked_attention"] = f"attention_chunk_size={tc.attention_chunk_size}"
-    rt = rope_type(config)
-    if rt != "default":
-        f[f"rope:{rt}"] = f"rope_scaling.rope_type={rt!r}"
+    for rt, where in sorted(rope_types(config).items()):
+        f[f"rope:{rt}"] = f"{where}.rope_type={rt!r}"
     if getattr(tc, "attn_logit_softcapping", None):
         f["attn_softcapping"] = f"attn_logit_softcapping={tc.attn_logit_softcapping}"
     nope = getattr(tc, "no_rope_layers", None)
     if nope and not all(nope):
         f["nope_layers"] = f"no_rope_layers (RoPE off on {sum(1 for x in nope if not x)} of {len(nope)} layers)"
-    prf = getattr(tc, "partial_rotary_factor", None)
-    if prf is not None and float(prf) != 1.0:
-        f["partial_rotary"] = f"partial_rotary_factor={prf}"
-    if getattr(tc, "rope_local_base_freq", None):
-        f["local_rope_base"] = f"rope_local_base_freq={tc.rope_local_base_freq}"
+    if prf := _partial_rotary(config):
+        f["partial_rotary"] = prf
+    if local := _local_rope_base(config):
+        f["local_rope_base"] = local
+    if clash := _rope_conflict(config):
+        f["rope_conflict"] = clash
     return f
 
 

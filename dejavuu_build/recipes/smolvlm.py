@@ -10,6 +10,8 @@ def _text_lm(vlm):
 
     import torch
 
+    from ..transformers_compat import cache_of
+
     class TextLM(torch.nn.Module):
         def __init__(self, vlm):
             super().__init__()
@@ -22,10 +24,12 @@ def _text_lm(vlm):
 
         def forward(self, input_ids=None, inputs_embeds=None, **kw):
             out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, **kw)
+            cache = cache_of(out)  # under both names: callers read the one their transformers uses
             return SimpleNamespace(
                 logits=self.lm_head(out.last_hidden_state),
                 hidden_states=out.hidden_states,
-                past_key_values=out.past_key_values,
+                cache=cache,
+                past_key_values=cache,
             )
 
     return TextLM(vlm)

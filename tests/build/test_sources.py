@@ -157,3 +157,89 @@ def test_the_quantizer_gets_the_gguf_only_while_it_is_the_one_exported(tmp_path,
     assert sources.gguf_of(rec) is None and "changed since the export" in said[-1]
     f.unlink()
     assert sources.gguf_of(rec) is None and "is gone" in said[-1]
+
+
+def _tiny_gguf(path, add_bos: bool | None, model: str = "gpt2"):
+    """A one-layer Llama GGUF with a byte-level BPE (``model="gpt2"``, SmolLM2's kind) or a
+    SentencePiece-style (``"llama"``) tokenizer, BOS 1 and EOS 2, and ``add_bos_token`` as given (None:
+    the key left out). Weights are random: only the tokenizer and the load matter here."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    h, ff, heads, kv, layers = 16, 32, 2, 1, 1
+    if model == "gpt2":
+        chars = list("abcdehlorwĠ")
+        tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *chars, "he", "ll", "hell", "hello", "Ġw", "Ġwo", "Ġwor"]
+        merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġwo r"]
+        types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    else:
+        chars = ["▁", *"abcdehlorw"]
+        tokens = ["<unk>", "<s>", "</s>", *chars, "▁h", "▁he", "▁hello", "▁w"]
+        merges = []
+        types = [2, 3, 3] + [1] * (len(tokens) - 3)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(h // heads)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if model == "gpt2":
+        w.add_tokenizer_pre("default")
+        w.add_token_merges(merges)
+    else:
+        w.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    v = len(tokens)
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (h,),
+            f"blk.{i}.attn_q.weight": (h, h),
+            f"blk.{i}.attn_k.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_v.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_norm.weight": (h,),
+            f"blk.{i}.ffn_gate.weight": (ff, h),
+            f"blk.{i}.ffn_up.weight": (ff, h),
+            f"blk.{i}.ffn_down.weight": (h, ff),
+        }
+    for name, shape in shapes.items():
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("flag", [False, True, None])
+def test_a_gguf_tokenizer_adds_bos_iff_the_gguf_says_so(tmp_path, flag, model):
+    """transformers 4.57 prepends BOS to every GGUF tokenizer's output (SmolLM2's GGUF says
+    add_bos_token = false) and 5.x follows the flag: the build's tokenizer, and the runtime's copy
+    of it, follow the GGUF on both, with the GGUF's own BOS / EOS tokens. Without the flag, as 5.x:
+    BOS for a SentencePiece vocabulary, none for a byte-level BPE one."""
+    from dejavuu_build.runtime.tokenizer import TextTokenizer
+
+    add_bos = flag if flag is not None else model == "llama"
+    f = _tiny_gguf(tmp_path / "m.gguf", flag, model)
+    src = sources.Source("gguf", str(f), str(f), sha256=sources.sha256_file(f))
+    _, tok, _, recipe = sources.load_model_and_tokenizer(src)
+    assert recipe.name == "llama"
+    bare = tok("hello world", add_special_tokens=False)["input_ids"]
+    assert 1 not in bare and len(bare) >= 2
+    assert tok("hello world")["input_ids"] == [1] * add_bos + bare
+    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+    tok.save_pretrained(tmp_path / "saved")  # what a build writes for the runtime
+    assert TextTokenizer(tmp_path / "saved").encode("hello world") == [1] * add_bos + bare

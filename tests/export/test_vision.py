@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dejavuu_build.export.vision import export_embeddings, export_vision, vision_dims
+from dejavuu_build.export.vision import export_embeddings, export_vision, installed_position_ids, vision_dims
 from dejavuu_build.recipes.smolvlm import SmolVLMRecipe
 from dejavuu_build.schema import EMBED_NODE
 
@@ -72,14 +72,25 @@ def _old_embeddings_forward(self, pixel_values, patch_attention_mask):
     return embeddings + self.position_embedding(position_ids)
 
 
+def _image_features(vlm, pv, mask) -> np.ndarray:
+    """``get_image_features`` of one sample as [images, image_seq_len, hidden]: a tensor on
+    transformers 4.x; on 5.x a ModelOutput whose ``pooler_output`` holds each sample's features
+    flattened to [images * image_seq_len, hidden]."""
+    out = vlm.model.get_image_features(pv[None], mask[None])
+    if not isinstance(out, torch.Tensor):
+        flat = torch.cat(list(out.pooler_output))
+        out = flat.reshape(-1, vlm.model.image_seq_len, flat.shape[-1])
+    return out.numpy()
+
+
 def _torch_features(vlm, pv, mask, mode):
     with torch.no_grad():
         if mode == "transformers":
-            return vlm.model.get_image_features(pv[None], mask[None]).numpy()
+            return _image_features(vlm, pv, mask)
         emb = vlm.model.vision_model.embeddings
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(type(emb), "forward", _old_embeddings_forward)
-            return vlm.model.get_image_features(pv[None], mask[None]).numpy()
+            return _image_features(vlm, pv, mask)
 
 
 @pytest.mark.parametrize("mode", ["transformers", "trained"])
@@ -91,11 +102,23 @@ def test_vision_parity_with_padding_and_masks(tiny_vlm, graphs, mode):
     out = sess.run(None, {"pixel_values": pv.numpy(), "pixel_attention_mask": mask.numpy()})[0]
     assert ref.shape == out.shape == (4, 4, 64)  # the all-zero tile is dropped
     assert np.abs(ref - out).max() < 1e-4
-    # A batch of one image, and the modes really differ (a dropped (1 - 1e-6) factor would hide).
+    # A batch of one image, and the modes really differ where the installed transformers computes
+    # the 4.55-4.57 ids (a dropped (1 - 1e-6) factor would hide); on 5.x they are the same ids.
     one = sess.run(None, {"pixel_values": pv[:1].numpy(), "pixel_attention_mask": mask[:1].numpy()})[0]
     assert np.abs(one - ref[:1]).max() < 1e-4
     other = "trained" if mode == "transformers" else "transformers"
-    assert np.abs(_torch_features(tiny_vlm, pv[:1], mask[:1], other) - one).max() > 1e-3
+    apart = np.abs(_torch_features(tiny_vlm, pv[:1], mask[:1], other) - one).max()
+    assert apart > 1e-3 if installed_position_ids(tiny_vlm) == "shrink" else apart < 1e-4
+
+
+def test_installed_position_ids_follow_the_transformers_version(tiny_vlm):
+    """4.55-4.57 compute the "shrink" ids (huggingface/transformers#41190), 5.x the trained ones;
+    the probe runs transformers' own embedding forward, so it tells them apart by behaviour."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    want = "trained" if major >= 5 or (major, minor) < (4, 55) else "shrink"
+    assert installed_position_ids(tiny_vlm) == want
 
 
 def test_vision_all_padding_keeps_first_image(tiny_vlm, graphs):
@@ -123,6 +146,8 @@ def test_vision_graph_io_and_info(tiny_vlm, graphs):
     assert not any(p.key.startswith("pkg.torch") for n in m.graph.node for p in n.metadata_props)
     info = infos["transformers"]
     assert info["nodes"] == len(m.graph.node) and info["seconds"] > 0 and info["position_ids"] == "transformers"
+    assert info["position_ids_arithmetic"] == installed_position_ids(tiny_vlm)
+    assert infos["trained"]["position_ids_arithmetic"] == "trained"
     dims = vision_dims(tiny_vlm.config)
     assert dims == {
         "image_size": 32,

@@ -2,22 +2,42 @@
 map is refused at build time (before weights load) with the attribute named; so is a recipe whose
 window hook disagrees with the config."""
 
+import copy
+import warnings
+
 import pytest
 
 from dejavuu_build.errors import UnsupportedArchitecture
 from dejavuu_build.recipes import recipe_for, registered
-from dejavuu_build.recipes.base import config_windows
+from dejavuu_build.recipes.base import config_windows, rope_type
 
 
 def _with(recipe, **attrs):
+    """The recipe's tiny config with ``attrs`` as a config.json written by transformers 4.x carries
+    them, loaded by the installed transformers the way a build loads one (5.x moves RoPE settings into
+    ``rope_parameters``; setting them on a built config would be deprecated there, or ignored)."""
     cfg = registered()[recipe]().tiny_config()
-    for k, v in attrs.items():
-        setattr(cfg, k, v)
+    d = cfg.to_dict()
+    if {"rope_scaling", "partial_rotary_factor"} & set(attrs):
+        d.pop("rope_parameters", None)  # rebuilt from the 4.x-style keys
+    try:
+        loaded = type(cfg).from_dict({**d, **copy.deepcopy(attrs)})  # transformers edits the dicts it gets
+        if "rope_scaling" not in attrs or rope_type(loaded) == attrs["rope_scaling"]["rope_type"]:
+            return loaded
+    except (ValueError, KeyError):
+        pass
+    # transformers' own validation rejects the combination (Phi-3 on 4.x takes LongRoPE only) or
+    # rewrites it (5.x turns Phi-3's "yarn" into "longrope"): the attributes set on a built config
+    # instead, as remote code or a hand-edited config may
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.x: rope_scaling is deprecated
+        for k, v in attrs.items():
+            setattr(cfg, k, copy.deepcopy(v))
     return cfg
 
 
 REFUSED = [
-    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
     (
         "llama",
         {
@@ -28,7 +48,7 @@ REFUSED = [
                 "original_max_position_embeddings": 64,
             }
         },
-        "rope_scaling.rope_type='longrope'",
+        "rope_type='longrope'",
     ),
     ("llama", {"sliding_window": 16}, "sliding_window=16"),
     ("llama", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
@@ -44,10 +64,11 @@ REFUSED = [
                 "original_max_position_embeddings": 32,
             }
         },
-        "rope_scaling.rope_type='llama3'",
+        "rope_type='llama3'",
     ),
     ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
-    ("phi3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("phi3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
     ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
     ("qwen3", {"attention_chunk_size": 64}, "attention_chunk_size=64"),
     ("gemma3", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping=30.0"),
@@ -71,7 +92,10 @@ def test_every_recipe_refuses_something():
     from transformers import LlamaConfig
 
     vlm = registered()["smolvlm"]().tiny_config()
-    vlm.text_config.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
+    d = vlm.to_dict()
+    d["text_config"].pop("rope_parameters", None)
+    d["text_config"]["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    vlm = type(vlm).from_dict(d)
     with pytest.raises(UnsupportedArchitecture, match="dynamic"):
         recipe_for(vlm)
     assert LlamaConfig  # imported for the config class the text config is
