@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from .. import schema as S
+
 # what _compare takes for one op: run(feeds), make_rows(m, full=None), split_row(feeds, r), pad_row(feeds)
 ProbeFns = tuple[Callable, Callable, Callable, Callable]
 
@@ -243,7 +245,7 @@ def _attention(model, node, threads: int, rng, layout: str, heads: int, past: in
     kv_heads, dim = _kv_shape(model, node)
     if not kv_heads:
         return None, "K/V shape unknown"
-    if layout == "rowwise":
+    if layout == S.KV_ROWWISE:
         L = -(-(past + R) // 64) * 64  # the runtime's buffer: whole tiles of 64
         K = rng.standard_normal((1, kv_heads, L, dim)).astype(np.float32)
         V = rng.standard_normal((1, kv_heads, L, dim)).astype(np.float32)
@@ -342,10 +344,10 @@ def _signature(model, node) -> str | None:
 def probe(
     model,
     *,
-    layout: str = "concat",
+    layout: str = S.KV_CONCAT,
     heads: int = 0,
     head_dim: int = 0,
-    threads: int = 2,
+    threads: int = S.DEFAULT_THREADS,
     pasts: tuple[int, ...] = (40, 1000),
     seed: int = 0,
 ) -> ExactnessReport:
