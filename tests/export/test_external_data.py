@@ -37,7 +37,8 @@ def big(tmp_path_factory):
             p.normal_(0, 0.02)
         for n, b in model.named_buffers():
             if n.endswith("inv_freq"):
-                b.copy_(1.0 / (cfg.rope_theta ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)))
+                theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # 4.x | 5.x
+                b.copy_(1.0 / (theta ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)))
     model.eval()
     folder = tmp_path_factory.mktemp("big")
     export_decoder(model, registered()["llama"](), folder / S.variant_file("fp32"))

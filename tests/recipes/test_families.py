@@ -212,12 +212,19 @@ def _without(feature: str, cfg) -> dict | None:
     tc = getattr(cfg, "text_config", None) or cfg
     if feature == "sliding_window":
         return {"sliding_window": 1 << 16}
+    params = getattr(tc, "rope_parameters", None)  # transformers 5.x: RoPE lives there, not in rope_scaling
     if feature.startswith("rope:"):
-        return {"rope_scaling": None}
+        if params is None:
+            return {"rope_scaling": None}
+        plain = {"rope_type": "default", "rope_theta": params["rope_theta"]}
+        return {"rope_parameters": plain | {"partial_rotary_factor": params.get("partial_rotary_factor", 1.0)}}
     if feature == "nope_layers":
         return {"no_rope_layers": [1] * tc.num_hidden_layers}
     if feature == "local_rope_base":
-        return {"rope_local_base_freq": tc.rope_theta}
+        if params is None:
+            return {"rope_local_base_freq": tc.rope_theta}
+        glob = params["full_attention"]["rope_theta"]
+        return {"rope_parameters": {**params, "sliding_attention": {**params["sliding_attention"], "rope_theta": glob}}}
     return None
 
 
