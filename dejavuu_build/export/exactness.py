@@ -151,8 +151,9 @@ def _single_node(model, node, feeds: list[str]):
     return helper.make_model(g, opset_imports=list(model.opset_import), ir_version=model.ir_version)
 
 
-def _constants(model) -> set[str]:
-    """Values that depend on initializers only (never on a graph input)."""
+def constant_values(model) -> set[str]:
+    """Values that depend on initializers only (never on a graph input): what has no row axis of
+    its own (the probe feeds the rest; the row guard never pads it)."""
     const = {t.name for t in model.graph.initializer}
     for n in model.graph.node:  # graph order is topological
         if n.input and all((not x) or x in const for x in n.input) or (not n.input and n.op_type == "Constant"):
@@ -190,7 +191,7 @@ def _compare(p: OpProbe, run, make_rows, split_row, pad_row) -> None:
 def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[ProbeFns | None, str]:
     """Run / feed builders for row-wise ops: rank-3 activations [1, R, width] (rows on axis 1), and
     RotaryEmbedding's [1, heads, R, head_dim] with cos/sin [1, R, head_dim/2]."""
-    const = _constants(model)
+    const = constant_values(model)
     feeds = [i for i in node.input if i and i not in const]
     if not feeds:
         return None, "no activation input"

@@ -23,6 +23,7 @@ import numpy as np
 
 from ... import schema as S
 from ...errors import ExportError
+from ..exactness import constant_values
 
 # op -> (row-shaped inputs, row axis); the op's first output is row-shaped along the same axis
 ROW_INPUTS = {"MatMulNBits": ((0,), 1), "MatMul": ((0,), 1), "Attention": ((0, 3), 2)}
@@ -93,9 +94,9 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
         ),
     ]
     axes = {ax: const(f"row_guard.axis{ax}", np.array([ax], np.int64)) for ax in (1, 2)}
-    constant = _constant_values(g)
+    constant = constant_values(model)
     dims = {t.name: list(t.dims) for t in g.initializer}
-    rows, will_pad = _row_values(g, todo, primary, constant, dims)
+    run_padded_nodes = _padded_nodes(g, todo, primary, constant, dims)
     guarded_as = {n.name: ROW_INPUTS.get(n.op_type) for n in g.node if n.name in todo}
     for name, spec in guarded_as.items():
         if spec is None:
@@ -158,16 +159,11 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
                 )
             )
             continue
-        live = [x for x in node.input if x and x not in constant]
         if spec is not None:
-            run_padded = True
             row_in = [node.input[j] for j in spec[0]]
         else:
-            row_in = live
-            run_padded = (
-                _row_local(node, constant, dims) and all(x in rows for x in live) and any(x in will_pad for x in live)
-            )
-        if not run_padded:
+            row_in = [x for x in node.input if x and x not in constant]
+        if spec is None and node.name not in run_padded_nodes:
             for x in node.input:
                 unpadded(x)
             out_nodes.append(node)
@@ -196,20 +192,11 @@ def guard_rows(model, nodes: list[str], *, length_invariant: bool, record: dict 
     return model
 
 
-def _constant_values(g) -> set[str]:
-    """Initializers and what is computed from them alone (no row axis of its own)."""
-    const = {t.name for t in g.initializer}
-    for n in g.node:
-        if (n.op_type == "Constant" and not n.input) or (n.input and all((not x) or x in const for x in n.input)):
-            const.update(n.output)
-    return const
-
-
-def _row_values(g, guarded: set[str], primary: str, constant: set[str], dims: dict) -> tuple[set[str], set[str]]:
-    """(values known to hold the forward's rows on axis 1, those of them that will be padded).
-    Rows: the embeddings of the input tokens, a guarded product's input and output, and what
-    row-local ops compute from rows alone. Padded: a guarded product's input and output and what
-    row-local ops compute from rows with at least one padded among them."""
+def _padded_nodes(g, guarded: set[str], primary: str, constant: set[str], dims: dict) -> set[str]:
+    """The row-local nodes that run on the padded rows: every input that is not constant holds the
+    forward's rows on axis 1 and at least one of them is padded. Rows: the embeddings of the input
+    tokens, a guarded product's input and output, and what row-local ops compute from rows alone;
+    padded: a guarded product's input and output, and what a padded node computes."""
     rows = {primary} if primary == S.INPUTS_EMBEDS else set()
     padded: set[str] = set()
     for n in g.node:
@@ -218,6 +205,7 @@ def _row_values(g, guarded: set[str], primary: str, constant: set[str], dims: di
         if n.name in guarded and ROW_INPUTS.get(n.op_type, ((), 0))[1] == 1:
             rows.update((n.input[0], n.output[0]))
             padded.update((n.input[0], n.output[0]))
+    nodes = set()
     for n in g.node:
         live = [x for x in n.input if x and x not in constant]
         if n.name not in guarded and live and all(x in rows for x in live) and _row_local(n, constant, dims):
@@ -225,7 +213,8 @@ def _row_values(g, guarded: set[str], primary: str, constant: set[str], dims: di
             rows.update(outs)
             if any(x in padded for x in live):
                 padded.update(outs)
-    return rows, padded
+                nodes.add(n.name)
+    return nodes
 
 
 def _row_local(node, constant: set[str], dims: dict) -> bool:
