@@ -4,7 +4,8 @@ Every MatMul with a constant 2D weight becomes ``com.microsoft.MatMulNBits`` (bl
 the embedding Gather becomes ``GatherBlockQuantized``. Where the fp32 weights came from a GGUF,
 the file's own blocks are carried over exactly (``gguf_blocks.py``, ``carry``) instead of rounding
 them a second time; everything else is rounded by onnxruntime's own blockwise quantizer
-(round-to-nearest). Its other methods were weighed: HQQ writes float zero points, which the CPU
+(round-to-nearest; 4-bit blocks with a zero point where this machine's kernel keeps rows exact
+with one, ``zero_points_row_exact``). Its other methods were weighed: HQQ writes float zero points, which the CPU
 kernel runs off its fast path (many times slower per MatMul: docs/quantization.md), and RTN /
 k-quant / GPTQ need Intel Neural Compressor.
 
@@ -30,13 +31,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ExportError
 from ..log import logger, progress
-from ..schema import EMBED_NODE, LM_HEAD_NODE
+from ..schema import DEFAULT_THREADS, EMBED_NODE, LM_HEAD_NODE
 from .gguf_blocks import BLOCK
 
 MS = "com.microsoft"
@@ -62,14 +64,15 @@ class QuantPlan:
 # int8: 8-bit blocks lose so little that a zero point buys nothing measurable; its 8-bit table in
 # blocks of 32 carries a Q8_0 embedding exactly. int4: for a GGUF source, the file's own blocks
 # carried exactly (gguf_min="offset": the model as published, not a second rounding of it); what
-# the file does not hold (other sources, the lm-head's table) is rounded symmetric: a zero point per
-# block rounds a little better, but with zero points onnxruntime 1.32's int8-activation kernel gives
-# a tree row other bits than its chain, and losslessness rests on those being identical. Its table
-# in blocks of 64: half the scales for no measurable loss. (Figures: docs/quantization.md.)
+# the file does not hold (other sources, GGUF types it cannot carry) is re-rounded with a zero
+# point per block (asymmetric: closer to the weights than symmetric on both real models measured)
+# where this machine's 4-bit kernel keeps rows exact with zero points (zero_points_row_exact),
+# else symmetric. Its table in blocks of 64: half the scales for no measurable loss. (Figures:
+# docs/quantization.md.)
 PLANS: dict[str, QuantPlan] = {
     "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
     "int4": QuantPlan(
-        body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=True, gguf_min="offset"
+        body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=False, gguf_min="offset"
     ),
 }
 GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
@@ -108,6 +111,52 @@ class Encoded:
             return self.zp
         z = self.zp if self.zp.shape[1] % 2 == 0 else np.pad(self.zp, ((0, 0), (0, 1)))
         return (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+
+
+# Row counts the probe checks: pairs, odd counts, the kernel's tile edges and a tree's widths.
+PROBE_ROWS = (2, 3, 4, 5, 8, 9, 16, 17, 18, 32, 33, 64)
+
+
+@lru_cache(maxsize=None)
+def zero_points_row_exact(accuracy_level: int, threads: int = DEFAULT_THREADS) -> tuple[bool, str]:
+    """Does 4-bit MatMulNBits with zero points give every row the same bits among M rows
+    (``PROBE_ROWS``) as beside one pad row (the row guard's lone form)? Measured here, on this
+    machine's kernel, because losslessness rests on it and it is a property of the instruction set
+    (a symmetric block has the same M = 1 behaviour, which the row guard pads; docs/exactness.md).
+    Returns (exact, why) for the build's report."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    k, n, block = 256, 96, 32
+    nb = k // block
+    w = rng.integers(0, 256, size=(n, nb, block // 2), dtype=np.uint8)
+    scales = (rng.random(n * nb, dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
+    zp = rng.integers(0, 256, size=n * ((nb + 1) // 2), dtype=np.uint8)
+    node = helper.make_node(
+        "MatMulNBits", ["x", "w", "s", "z"], ["y"], domain=MS, K=k, N=n, bits=4, block_size=block,
+        accuracy_level=accuracy_level,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "zero_points_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(a, nm) for a, nm in ((w, "w"), (scales, "s"), (zp, "z"))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = threads, 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    pad = np.zeros((1, k), np.float32)
+    for m in PROBE_ROWS:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        among = sess.run(None, {"x": x})[0]
+        for r in range(m):
+            alone = sess.run(None, {"x": np.concatenate([x[r : r + 1], pad])})[0][0]
+            if not np.array_equal(among[r], alone):
+                return False, f"4-bit zero points: row {r} of {m} differs from it beside a pad row on this CPU"
+    return True, f"4-bit zero points: every row of {', '.join(map(str, PROBE_ROWS))} equal to it beside a pad row"
 
 
 def _quantize_rows(w_rows: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Encoded:
@@ -257,6 +306,13 @@ def quantize_model(
     drop_nodes: set[int] = set()
     block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums, shared by its readers
     report: dict = {"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None}
+    symmetric = plan.symmetric  # what re-rounded 4-bit blocks get: a zero point only where rows stay exact
+    if not symmetric and plan.body_bits == 4:
+        exact, why = zero_points_row_exact(plan.accuracy_level)
+        symmetric = not exact
+        report["rounding"] = {"zero_points": exact, "why": why}
+        if not exact:
+            logger.warning("  %s: re-rounded 4-bit blocks are symmetric here", why)
     fp_bytes = q_bytes = 0
 
     def add_init(arr: np.ndarray, name: str):
@@ -271,7 +327,7 @@ def quantize_model(
         if found is not None:
             where, file_blocks = found
             enc = carry(file_blocks, bits, plan)
-            if enc is not None and plan.symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
+            if enc is not None and symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
                 enc = None  # a block minimum needs a zero point: round afresh, symmetric
             if enc is not None:
                 report["gguf"]["carried"] += 1
@@ -279,7 +335,7 @@ def quantize_model(
                 return enc
         if blocks is not None:
             report["gguf"]["requantized"] += 1
-        return _quantize_rows(w_nk, bits, block, symmetric=plan.symmetric or bits == 8)
+        return _quantize_rows(w_nk, bits, block, symmetric=symmetric or bits == 8)
 
     def offset_term(node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
         """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns

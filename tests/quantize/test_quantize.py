@@ -122,3 +122,31 @@ def test_quantizing_twice_gives_the_same_bytes(tiny_llama, tmp_path):
     rec = read_manifest(tiny_llama).variants["int4"]
     if not getattr(rec, "row_guard", None):  # a row-guarded variant is rewritten after quantizing
         assert sha256_file(a) == rec.sha256
+
+
+def test_int4_rerounds_with_zero_points_where_rows_stay_exact(tiny_llama):
+    """A non-GGUF source's int4 blocks get a zero point per block (closer to the weights) because
+    this machine's kernel keeps every row exact with them, measured; the build records why."""
+    from dejavuu_build.quantize.nbits import zero_points_row_exact
+
+    exact, why = zero_points_row_exact(PLANS["int4"].accuracy_level)
+    m, nodes = _nodes(tiny_llama / variant_file("int4"))
+    head = nodes["/lm_head/MatMulNBits"]
+    body = [n for n in m.graph.node if n.op_type == "MatMulNBits" and n is not head]
+    assert body and all((len(n.input) == 4) == exact for n in body)
+    assert len(head.input) == 3  # the 8-bit table stays symmetric
+    rec = read_manifest(tiny_llama).variants["int4"]
+    assert rec.quant["rounding"] == {"zero_points": exact, "why": why}
+    assert rec.passed  # its batched = incremental gate held with whatever the probe chose
+
+
+def test_int4_falls_back_to_symmetric_where_zero_points_break_rows(tiny_llama, tmp_path, monkeypatch):
+    """Where the probe finds a row that zero points change, re-rounded blocks are symmetric."""
+    import dejavuu_build.quantize.nbits as nbits
+
+    monkeypatch.setattr(nbits, "zero_points_row_exact", lambda *a, **k: (False, "row 3 of 17 differs"))
+    rep = quantize_model(tiny_llama / variant_file("fp32"), tmp_path / "q.onnx", PLANS["int4"])
+    assert rep["rounding"] == {"zero_points": False, "why": "row 3 of 17 differs"}
+    m, nodes = _nodes(tmp_path / "q.onnx")
+    body = [n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name != "/lm_head/MatMulNBits"]
+    assert body and all(len(n.input) == 3 for n in body)
