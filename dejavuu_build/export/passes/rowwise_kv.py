@@ -201,6 +201,29 @@ def _fold_q_scale(g, split, n_q: int, scale: float, base: str) -> bool:
     proj = split.inputs[0].producer()
     if mant != 0.5 or proj is None or len(list(split.inputs[0].uses())) != 1:
         return False
+    if proj.op_type == "Add":  # a GGUF carry's offset term: MatMulNBits + blocksums @ C, both scaled
+        nbits, off = (x.producer() if x is not None else None for x in proj.inputs)
+        c = off.inputs[1] if off is not None and off.op_type == "MatMul" else None
+        if (
+            nbits is None
+            or off is None
+            or c is None
+            or c.const_value is None
+            or len(c.const_value.shape) != 2
+            or any(len(list(x.uses())) != 1 for x in proj.inputs if x is not None)
+            or len(list(c.uses())) != 1
+            or not _fold_q_scale_into(g, nbits, n_q, scale, base)
+        ):
+            return False
+        cm = c.const_value.numpy().copy()
+        cm[:, :n_q] *= np.asarray(scale, cm.dtype)
+        off.replace_input_with(1, initializer(g, f"{base}/kv_rowwise.qkv_offset", cm))
+        return True
+    return _fold_q_scale_into(g, proj, n_q, scale, base)
+
+
+def _fold_q_scale_into(g, proj, n_q: int, scale: float, base: str) -> bool:
+    """Scale the first ``n_q`` output columns of the MatMulNBits or MatMul ``proj`` (exact: a power of two)."""
     if (
         proj.op_type == "MatMulNBits"
         and proj.domain == MS_DOMAIN
