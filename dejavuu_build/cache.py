@@ -35,6 +35,10 @@ from .schema import (
     DATASTORE_SUFFIXES_FILE,
     DATASTORE_TOKENS_FILE,
     EMBED_FILE,
+    ENTRY_KINDS,
+    KIND_DATASTORE,
+    KIND_DECODER,
+    KIND_VLM,
     LOCKS_DIR,
     MANIFEST_FILE,
     PREPROCESSOR_FILE,
@@ -50,11 +54,11 @@ T = TypeVar("T")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # Files every entry of a kind must list (beyond what is on disk, which must all be listed too).
-KINDS = ("decoder", "vlm", "datastore")
+KINDS = ENTRY_KINDS
 REQUIRED_FILES = {
-    "decoder": (CONTRACT_FILE,),
-    "vlm": (CONTRACT_FILE, EMBED_FILE, VISION_FILE, VLM_FILE, PREPROCESSOR_FILE),
-    "datastore": (DATASTORE_TOKENS_FILE, DATASTORE_SUFFIXES_FILE, DATASTORE_FILE),
+    KIND_DECODER: (CONTRACT_FILE,),
+    KIND_VLM: (CONTRACT_FILE, EMBED_FILE, VISION_FILE, VLM_FILE, PREPROCESSOR_FILE),
+    KIND_DATASTORE: (DATASTORE_TOKENS_FILE, DATASTORE_SUFFIXES_FILE, DATASTORE_FILE),
 }
 # What shapes a build's artifacts: the modules the pipeline imports (import_closure), hashed into
 # the cache key (tool_versions) besides the versions.
@@ -515,7 +519,7 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, s
     sha256 must agree. With ``files``: just those (and the variants among them)."""
     folder = Path(folder)
     m = read_checked_manifest(folder)
-    rebuild = _rebuild_hint(m, folder.name)
+    rebuild = rebuild_hint(m, folder.name)
     for rel in m.files:
         member(folder, rel, rebuild)
     for rec in m.variants.values():
@@ -556,6 +560,6 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, s
     return m
 
 
-def _rebuild_hint(m: Manifest, name: str) -> str:
-    cmd = {"datastore": "datastore", "vlm": "vlm"}.get(m.kind, "tree-decoder")
+def rebuild_hint(m: Manifest, name: str) -> str:
+    cmd = {KIND_DATASTORE: "datastore", KIND_VLM: "vlm"}.get(m.kind, "tree-decoder")  # the commands
     return f"rebuild it with `dejavuu-build {cmd} --name {name} --force`"

@@ -20,6 +20,8 @@ SCHEMA_VERSION = 1
 CONTRACT_FILE = "contract.json"
 MANIFEST_FILE = "manifest.json"
 DECODER_FILE = "decoder_{variant}.onnx"  # one per variant (variant_file)
+# the serving batch graph of one static variant (batched_file; Manifest.batched records it)
+BATCHED_FILE = "decoder_{variant}.batched.onnx"
 REFERENCE_FILE = "reference.npz"  # torch's references, so quant-only validates without torch
 EMBED_FILE = "embed_tokens.onnx"  # inputs_embeds builds: input_ids -> inputs_embeds
 VISION_FILE = "vision_encoder.onnx"  # VLM builds: pixel_values -> image_features
@@ -47,9 +49,6 @@ LOCKS_DIR = ".locks"  # one flock per entry name
 SOURCES_DIR = ".sources"  # `pypi:<dist>` model sources (build.sources)
 SOURCE_FILE = "source.json"  # ... each one's dist, version and sha256
 RUNTIME_DIR = ".runtime"  # machine-local exactness calibrations (runtime.calibration)
-SERVE_DIR = ".serve"  # batched graphs of `serve` (serve.graph)
-BATCHED_FILE = "decoder_batched.onnx"  # ... one per source graph, in a folder named by its hash
-BATCHED_RECORD_FILE = "batched.json"  # ... beside it: its sha256 and size, written after it
 PEERS_DIR = ".peers"  # `bench --compare genai`: onnxruntime-genai's own builds (bench.genai)
 PEER_FILE = "peer.json"  # ... each one's builder versions and sha256s
 BENCH_DIR = "bench"  # `dejavuu-build bench` outputs
@@ -69,7 +68,8 @@ PAST_VALUE = "past_key_values.{i}.value"
 PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
-VARIANTS = ("fp32", "int8", "int4")  # precisions
+FP32, INT8, INT4 = "fp32", "int8", "int4"  # precisions
+VARIANTS = (FP32, INT8, INT4)
 # KV layouts: how a variant's graph holds its cache (Contract.kv_layout, VariantRecord.kv_layout).
 KV_CONCAT = "concat"  # present = past + new: the exported graph, what other runtimes load
 KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
@@ -81,6 +81,24 @@ LAYOUT_SUFFIXES = {KV_STATIC: STATIC_SUFFIX, KV_ROWWISE: ROWWISE_SUFFIX}  # a co
 # Node names the exporter gives and the quantizer looks up (export.exporter.finalize_graph).
 LM_HEAD_NODE = "/lm_head/MatMul"
 EMBED_NODE = "/model/embed_tokens/Gather"
+
+# The serving batch graph's inputs beside the static graph's (export.passes.serve_batch writes
+# them, serve.batch feeds them).
+SEQLENS_K = "seqlens_k"  # [B] int32: tokens in each entry's cache after this step, minus one
+QUERY_SEQLENS = "query_seqlens"  # [B] int32: valid (unpadded) rows of each entry this step
+PAD_INDEX = "pad_index"  # [B, S] int64: packed row of each padded row (pads: any valid row)
+UNPAD_INDEX = "unpad_index"  # [1, T] int64: padded row (b * S + s) of each packed row
+GQA_POSITIONS = "padded_position_ids"  # [B, S] int64: positions in the padded layout
+# The serving batch pass's version, recorded with its graph (Manifest.batched): bump it when the
+# pass changes what the server feeds; a server refuses a graph of another version.
+BATCHED_GRAPH_VERSION = 3
+
+# Entry kinds (Manifest.kind).
+KIND_DECODER = "decoder"
+KIND_VLM = "vlm"  # a decoder on inputs_embeds, with a vision encoder
+KIND_DATASTORE = "datastore"
+ENTRY_KINDS = (KIND_DECODER, KIND_VLM, KIND_DATASTORE)
+DECODER_KINDS = (KIND_DECODER, KIND_VLM)  # the kinds that hold decoder variants
 
 # Mask kinds (Contract.mask_kind): what a graph's mask input is.
 MASK_ADDITIVE_4D = "additive_4d"  # [1, 1, rows, past + rows] float bias: chains and trees
@@ -98,6 +116,14 @@ DEFAULT_MAX_CONTEXT = 8192  # in-place KV capacity without --max-context: the mo
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TREE_WIDTH = 2  # children per draft node in tree mode
 DEFAULT_MAX_DEPTH = 8  # longest draft path per step
+# `dejavuu-build serve` (serve.cli, serve.scheduler, serve.memory)
+DEFAULT_MAX_BATCH = 8  # requests decoded together
+DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those; more get HTTP 429
+DEFAULT_MEMORY_TOKENS = 2_000_000  # cross-request drafter memory, tokens per namespace
+
+
+def batched_file(variant: str) -> str:
+    return BATCHED_FILE.format(variant=variant)
 
 
 def variant_file(variant: str) -> str:
@@ -239,7 +265,8 @@ def row_guard_info(metadata: dict[str, str]) -> dict:
 
 
 # 2: manifest.json also carries the `provenance` view (manifest_provenance); nothing else changed,
-# and readers of 1 (no view) keep working: the view is derived, never read back.
+# and readers of 1 (no view) keep working: the view is derived, never read back. The optional
+# `batched` record came later within 2: readers that do not know it ignore it (from_json).
 MANIFEST_SCHEMA_VERSION = 2
 
 
@@ -247,7 +274,7 @@ MANIFEST_SCHEMA_VERSION = 2
 class Manifest:
     schema_version: int = MANIFEST_SCHEMA_VERSION
     name: str = ""
-    kind: str = "decoder"  # decoder | datastore | vlm
+    kind: str = KIND_DECODER  # ENTRY_KINDS
     created: str = ""
     cache_key: str = ""
     build_config: dict = field(default_factory=dict)
@@ -261,6 +288,10 @@ class Manifest:
     default_reason: dict = field(default_factory=dict)  # the rule, the noise, the margin, the candidates
     files: dict[str, dict] = field(default_factory=dict)  # relpath -> {sha256, bytes}
     steps: list = field(default_factory=list)  # [step, seconds] of the last build or quant-only, in order
+    # The serving batch graph of the static variant `serve` loads (the default precision's): variant,
+    # file, bytes, sha256, source_sha256 (its static graph's), graph_version, passed, gate (figures
+    # and machine). {} for entries built before it was part of the build, and for datastores.
+    batched: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -290,10 +321,10 @@ def manifest_provenance(m: "Manifest") -> dict:
     under ``graphs`` only. Derived from the rest of the manifest on every write, never read back:
     the manifest's own fields keep their meaning. {} for a datastore.
     """
-    if m.kind not in ("decoder", "vlm"):
+    if m.kind not in DECODER_KINDS:
         return {}
     concat = sorted((v for v, r in m.variants.items() if r.kv_layout == KV_CONCAT), key=variant_order)
-    view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == "vlm" else "text_onnx"}
+    view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == KIND_VLM else "text_onnx"}
     if m.build_config.get("primary_input", INPUT_IDS) == INPUT_IDS:
         view["variants"] = {
             v: {

@@ -1,5 +1,5 @@
-"""One owner for names: the KV layouts, mask kinds and the cache's file and folder names are
-spelled in dejavuu_build/schema.py only; every writer and reader imports them from there."""
+"""One owner for names: the KV layouts, mask kinds, precisions and the cache's file and folder
+names are spelled in dejavuu_build/schema.py only; every writer and reader imports them from there."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ OWNED = {
     S.SOURCES_DIR,
     S.SOURCE_FILE,
     S.RUNTIME_DIR,
-    S.SERVE_DIR,
-    S.BATCHED_FILE,
-    S.BATCHED_RECORD_FILE,
     S.PEERS_DIR,
     S.PEER_FILE,
+    S.FP32,
+    S.INT8,
+    S.INT4,
 }
 # Modules that still spell some of these themselves, until they import them from schema.
 PENDING = {
-    "build/sources.py": {S.SOURCES_DIR, S.SOURCE_FILE},
+    "bench/genai.py": {S.FP32, S.INT4},
+    "quantize/nbits.py": {S.INT8, S.INT4},
 }
 
 

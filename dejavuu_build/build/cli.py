@@ -180,7 +180,7 @@ def quant_only_cmd(name, variants, threads, no_timing):
     check_name(name)
     _check_threads(threads)
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
-    bad = [v for v in vs if v not in ("int8", "int4")]
+    bad = [v for v in vs if v not in (S.INT8, S.INT4)]
     if not vs:  # nothing to quantize: it would re-validate every variant for nothing
         raise DejavuuError(f"--variants {variants!r} names no variant: pass int8, int4 or int8,int4")
     if bad:
@@ -205,7 +205,7 @@ def verify(name):
         if not folder.is_dir():
             raise CacheError(f"no entry {name!r} at {folder}: see `dejavuu-build tree-decoder --help`")
         m = verify_entry(folder)
-        if m.kind in ("decoder", "vlm"):
+        if m.kind in S.DECODER_KINDS:
             c = read_contract(folder)
             for rec in m.variants.values():
                 cross_check(

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from .. import __version__
-from ..schema import DEFAULT_THREADS, INPUT_IDS, INPUTS_EMBEDS, KV_CONCAT, KV_LAYOUTS, VARIANTS
+from ..schema import DEFAULT_THREADS, FP32, INPUT_IDS, INPUTS_EMBEDS, KV_CONCAT, KV_LAYOUTS, VARIANTS
 from .sources import DEFAULT_MODEL
 
 
@@ -33,7 +33,7 @@ class TreeDecoderConfig:
         from ..errors import DejavuuError
 
         bad = [v for v in self.variants if v not in VARIANTS]
-        if self.variants and (bad or "fp32" not in self.variants):
+        if self.variants and (bad or FP32 not in self.variants):
             raise DejavuuError(
                 f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
                 f"(got {', '.join(self.variants)})"

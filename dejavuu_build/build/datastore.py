@@ -53,12 +53,12 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     tok, tok_digest = read_entry(folder, read_tokenizer)
     digest = S.sha256_file(path)
     key = hashlib.sha256(
-        json.dumps({"kind": "datastore", "source": digest, "tokenizer": tok_digest}, sort_keys=True).encode()
+        json.dumps({"kind": S.KIND_DATASTORE, "source": digest, "tokenizer": tok_digest}, sort_keys=True).encode()
     ).hexdigest()[:32]
     final = entry_dir(name)
     try:
         with build_lock(name):
-            if check_replace(name, "datastore", force=force, key=key) is not None:
+            if check_replace(name, S.KIND_DATASTORE, force=force, key=key) is not None:
                 logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
                 return final
             with staging(name) as tmp:
@@ -67,7 +67,7 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
                     ds.save(tmp)
                 m = S.Manifest(
                     name=name,
-                    kind="datastore",
+                    kind=S.KIND_DATASTORE,
                     cache_key=key,
                     created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     build_config={

@@ -5,6 +5,7 @@
     transformers itself, with its own causal / sliding-window masks; siblings never see each other).
 (b) teacher-forced top-1 agreement with torch fp32's greedy continuation of real prompts.
 (c) batched-vs-incremental: N tokens in one forward pick the argmaxes of N single steps.
+(d) the serving batch graph: requests side by side in one forward, each bit-identical to alone.
 The quality gate (build.quality) and the forward timings (build.timing) have their own modules;
 torch computes the references once at export time (build.references, ``reference.npz``), so the
 ORT side is torch-free and ``quant-only`` re-validates from the saved references.
@@ -16,13 +17,13 @@ import numpy as np
 
 from ..log import logger
 from ..runtime.tree import causal_inputs, step_inputs
-from ..schema import Contract
+from ..schema import FP32, INT4, INT8, Contract
 from .references import Reference
 from .runner import Runner
 
 # Teacher-forced top-1 floors against torch's greedy continuations of the 4 gate prompts (96
 # positions on a real build): a coarse check that each variant runs the model at all.
-FLOORS = {"fp32": 0.98, "int8": 0.85, "int4": 0.70}
+FLOORS = {FP32: 0.98, INT8: 0.85, INT4: 0.70}
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -126,7 +127,7 @@ def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embe
     """Gates (a)-(c) of one variant: parity (fp32 only), teacher-forced top-1, batched = incremental."""
     r = Runner(session, contract, embed)
     gates = {}
-    if variant == "fp32":
+    if variant == FP32:
         gates["parity"] = gate_parity(r, ref)
     gates["teacher_forced"] = gate_teacher_forced(r, ref, FLOORS.get(variant, 0.7))
     gates["batched_vs_incremental"] = gate_batched(r, ref)
@@ -134,3 +135,14 @@ def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embe
     for name, g in gates.items():
         logger.debug("  %s %s: %s", variant, name, g)
     return res
+
+
+def gate_serve_batch(dec, path, threads: int) -> dict:
+    """(d) the serving batch graph at ``path`` (export.passes.serve_batch, made from ``dec``'s static
+    graph): several requests side by side in one forward, every prefill and step BIT-identical to
+    decoding that request alone (serve.batch.measure_exact over GATE_CHECK: pasts whose steps
+    cross 64 and 256 positions, steps of 1 to 8 rows). The server re-checks it briefly where it runs."""
+    from ..serve.batch import GATE_CHECK, BatchDecoder, measure_exact
+
+    batch: BatchDecoder = BatchDecoder(dec, path, len(GATE_CHECK), threads)
+    return measure_exact(dec, batch, GATE_CHECK)

@@ -73,12 +73,12 @@ def quality_report(
         raise CacheError(f"no built entry {target!r}: pass a cache name or an entry folder with a manifest.json")
     manifest = S.read_manifest(folder)
     v = variant or manifest.default_variant
-    if v not in manifest.variants or v == "fp32":
+    if v not in manifest.variants or v == S.FP32:
         raise CacheError(
             f"{target}: pick a quantized variant to score against fp32; it has "
-            f"{', '.join(sorted(x for x in manifest.variants if x != 'fp32'))}"
+            f"{', '.join(sorted(x for x in manifest.variants if x != S.FP32))}"
         )
-    if "fp32" not in manifest.variants or not (folder / S.TOKENIZER_FILE).is_file():
+    if S.FP32 not in manifest.variants or not (folder / S.TOKENIZER_FILE).is_file():
         raise CacheError(f"{target} lacks its fp32 export or {S.TOKENIZER_FILE}: nothing to score against")
     chosen, source = held_out_texts(texts, n)
     tok = Tokenizer.from_file(str(folder / S.TOKENIZER_FILE))
@@ -90,13 +90,13 @@ def quality_report(
     ]
     contract = S.read_contract(folder)
     runners = {}
-    for name in ("fp32", v):
+    for name in (S.FP32, v):
         rec = manifest.variants[name]
         runners[name] = Runner(make_session(folder / rec.file, threads=threads), S.variant_contract(contract, rec))
     with step(f"fp32 greedy continuations of {len(prompts)} texts ({QUALITY_TOKENS} tokens each)"):
-        qs = quality_set(runners["fp32"], prompts, source)
+        qs = quality_set(runners[S.FP32], prompts, source)
     with step(f"{v} teacher-forced against fp32"):
-        g = gate_quality(runners["fp32"], {v: runners[v]}, qs, {})[v]
+        g = gate_quality(runners[S.FP32], {v: runners[v]}, qs, {})[v]
     gate = manifest.variants[v].gates.get("quality", {})
     lines = [
         f"{target} {v}: top-1 {g['top1']:.3f} ({g['agree']}/{g['positions']}), mean KL {g['mean_kl']:.4f} "

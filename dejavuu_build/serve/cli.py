@@ -25,11 +25,11 @@ class ServeConfig:
     threads: int | None = None
     method: str = "auto"
     tree: bool = False
-    max_batch: int = 8
-    max_queue: int = 32
+    max_batch: int = S.DEFAULT_MAX_BATCH
+    max_queue: int = S.DEFAULT_MAX_QUEUE
     batch: bool = True
     memory: bool = True
-    memory_tokens: int = 2_000_000
+    memory_tokens: int = S.DEFAULT_MEMORY_TOKENS
     memory_key: str | None = None
     datastore: str | None = None
     served_name: str | None = None
@@ -69,7 +69,11 @@ def need(module: str, extra: str):
 
 
 def build_app(cfg: ServeConfig):
-    """(app, scheduler) for ``cfg``: load the model, start the scheduler, make the FastAPI app."""
+    """(app, scheduler) for ``cfg``: load the model, start the scheduler, make the FastAPI app.
+
+    Batching runs the entry's own batched graph (written and gated by the build: serve.batch); an
+    entry built before the build wrote it keeps working, one request per forward, with one line
+    saying to rebuild it."""
     need("fastapi", "serve")
     from ..runtime.drafters import METHODS
     from ..runtime.model import _check_settings, load, load_datastore
@@ -132,14 +136,24 @@ def build_app(cfg: ServeConfig):
 @click.option(
     "--threads", default=None, type=int, help=f"ORT threads, 1 to the CPU count [default: {S.DEFAULT_THREADS}]."
 )
-@click.option("--max-batch", default=8, show_default=True, type=int, help="Requests decoded together.")
 @click.option(
-    "--max-queue", default=32, show_default=True, type=int, help="Requests waiting beyond those; more get 429."
+    "--max-batch", default=S.DEFAULT_MAX_BATCH, show_default=True, type=int, help="Requests decoded together."
+)
+@click.option(
+    "--max-queue",
+    default=S.DEFAULT_MAX_QUEUE,
+    show_default=True,
+    type=int,
+    help="Requests waiting beyond those; more get 429.",
 )
 @click.option("--no-batch", is_flag=True, help="One request at a time (no batched graph).")
 @click.option("--no-memory", is_flag=True, help="No cross-request drafter memory.")
 @click.option(
-    "--memory-tokens", default=2_000_000, show_default=True, type=int, help="Drafter memory bound per namespace."
+    "--memory-tokens",
+    default=S.DEFAULT_MEMORY_TOKENS,
+    show_default=True,
+    type=int,
+    help="Drafter memory bound per namespace.",
 )
 @click.option("--memory-key", default=None, help="Drafter memory namespace [default: the served name].")
 @click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from .. import schema as S
 from ..runtime.drafters.base import Drafter
 from ..runtime.drafters.suffix import AdaptiveSam, SuffixDecoding
 from ..runtime.drafters.suffix_index import SEP, SuffixIndex
@@ -25,7 +26,7 @@ MEMORY_METHODS = ("suffix_decoding", "asam", "auto")
 
 
 class Memory:
-    def __init__(self, max_tokens: int = 2_000_000, max_namespaces: int = 64, max_match: int = 32):
+    def __init__(self, max_tokens: int = S.DEFAULT_MEMORY_TOKENS, max_namespaces: int = 64, max_match: int = 32):
         if max_tokens < 1 or max_namespaces < 1:
             raise ValueError("memory bounds must be >= 1")
         self.max_tokens, self.max_namespaces, self.max_match = max_tokens, max_namespaces, max_match

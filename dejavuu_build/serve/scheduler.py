@@ -8,8 +8,9 @@ single-request decoder would feed it. Admission is bounded (``QueueFull`` -> HTT
 cancelled request (client gone) leaves at the next step boundary and its KV slot and drafter
 are dropped at once.
 
-Where the batched graph cannot be made or is not bit-exact on this machine, requests run one
-at a time through ``Model.generate`` (still exact, no batching), with a warning.
+Where the entry holds no gated batched graph (one built before the build wrote it, a variant
+other than the one it was written for) or its rows are not bit-exact on this machine, requests
+run one at a time through ``Model.generate`` (still exact, no batching), with one warning.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..errors import DejavuuError
 from ..log import logger
 from ..runtime.drafters.base import Drafter
 from ..runtime.job import GenerationStats, Job, Rows
-from .batch import BatchDecoder, BatchUnavailable
+from .batch import BatchDecoder, BatchUnavailable, check_exact, open_batch
 from .memory import MEMORY_METHODS, Memory, with_memory
 
 if TYPE_CHECKING:
@@ -141,18 +141,15 @@ class Scheduler:
         self,
         model: Model,
         *,
-        max_batch: int = 8,
-        max_queue: int = 64,
+        max_batch: int = S.DEFAULT_MAX_BATCH,
+        max_queue: int = S.DEFAULT_MAX_QUEUE,
         batch: bool = True,
         memory: Memory | None = None,
         datastore=None,
-        cache: Path | None = None,
         width: int = S.DEFAULT_TREE_WIDTH,
         max_depth: int = S.DEFAULT_MAX_DEPTH,
         max_nodes: int | None = None,
     ):
-        from ..cache import cache_root
-
         if max_batch < 1 or max_queue < 0:
             raise DejavuuError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model
@@ -165,8 +162,8 @@ class Scheduler:
         self.why_sequential = "batching off (--no-batch)"
         if batch:
             try:
-                self.batch = BatchDecoder(model, max_batch, (cache or cache_root()) / S.SERVE_DIR)
-                if not check_exact(model, self.batch):
+                self.batch = open_batch(model, max_batch)
+                if not check_exact(model.decoder, self.batch):
                     self.batch = None
                     self.why_sequential = "the batched graph's rows are not bit-identical to single requests here"
             except BatchUnavailable as e:
@@ -423,51 +420,3 @@ class Scheduler:
             self._finish_error(req, e)
         finally:
             self._active.remove(req)
-
-
-def check_exact(model: Model, batch: BatchDecoder[Any]) -> bool:
-    """Whether the batched graph's rows equal the single-request decoder's bit for bit here: two
-    requests at different pasts, steps of 1, 3 and 5 rows side by side. Measured once at start."""
-    rng = np.random.default_rng(0)
-    V = model.contract.vocab_size
-    k = min(2, batch.max_batch)
-    prompts = [rng.integers(0, V, n).tolist() for n in (11, 23)][:k]
-    steps = [[1, 3, 5], [5, 1, 3]][:k]
-    dec = model.decoder
-    want = []
-    for p, st in zip(prompts, steps):
-        kv = dec.new_cache()
-        try:
-            _, _, pr = dec.forward(p, None, kv)
-            kv.commit(pr, len(p), list(range(len(p))))
-            outs = []
-            for n in st:
-                toks = rng.integers(0, V, n).tolist()
-                lg, _, pr = dec.forward(toks, None, kv)
-                kv.commit(pr, n, list(range(n)))
-                outs.append((toks, lg.copy()))
-            want.append(outs)
-        finally:
-            kv.release()
-    slots = [batch.acquire(None) for _ in prompts]
-    try:
-        for s, p in zip(slots, prompts):
-            ((lg, _),) = batch.forward(s, [Rows(p, None)])
-            batch.commit(s, len(p), list(range(len(p))))
-        for j in range(3):
-            rows = [Rows(want[b][j][0], None) for b in range(k)]
-            outs = batch.forward(slots[0], rows)
-            for b in range(k):
-                if not np.array_equal(outs[b][0], want[b][j][1]):
-                    logger.debug(
-                        "batched row mismatch: request %d step %d, max diff %.3g",
-                        b,
-                        j,
-                        float(np.abs(outs[b][0] - want[b][j][1]).max()),
-                    )
-                    return False
-                batch.commit(slots[b], len(rows[b].tokens), list(range(len(rows[b].tokens))))
-        return True
-    finally:
-        for s in reversed(slots):
-            batch.release(s)

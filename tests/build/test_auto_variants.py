@@ -54,6 +54,9 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
         )
     assert after.variants["int8"].passed and "quality" in after.variants["int8"].gates
     assert after.build_config["variants"] == ["fp32", "int8", "int4"]  # no longer what auto builds
+    # the batched serving graph follows its static variant: rewritten byte for byte, its gate holds
+    assert after.batched == before.batched and before.batched["variant"] == "int4-static"
+    assert (auto_build.folder / after.batched["file"]).is_file() and after.batched["file"] in after.files
     # int4 again: the deterministic quantizer rewrites the same bytes, whose gates hold
     again = quant_only("auto-llama", variants=("int4",), timing=False).manifest
     names = [n for n, _ in again.steps]
@@ -69,6 +72,7 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
     names = [n for n, _ in third.steps]
     assert "validate int4" in names and "validate int4-rowwise" not in names, names
     assert third.variants["int4"].passed and third.variants["int4"].sha256 == before.variants["int4"].sha256
+    assert third.batched == before.batched
 
 
 def test_auto_adds_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):

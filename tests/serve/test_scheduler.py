@@ -2,10 +2,12 @@
 give exactly the tokens each gives alone (every method, chain and tree, greedy and seeded
 sampling); cancellation frees the slot; the drafter memory is bounded and namespaced."""
 
+import logging
 import threading
 
 import pytest
 
+from dejavuu_build import schema as S
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.drafters.base import DraftBudget
 from dejavuu_build.serve.memory import Memory, MemorySuffixDecoding
@@ -135,15 +137,61 @@ def test_memory_is_bounded_and_namespaced():
 
 def test_a_batched_server_loads_the_static_twin_of_a_rowwise_default(tiny_llama):
     """Batches need GroupQueryAttention's ragged rows: `serve` without --variant swaps a rowwise
-    (or concat) default for its static twin, and keeps a static one."""
+    (or concat) default for its static twin, the one the build wrote a batched graph for (the
+    default precision's), and keeps a static one."""
     from dejavuu_build.serve.batch import batch_twin
     from dejavuu_build.serve.cli import ServeConfig, build_app
 
+    assert S.read_manifest(tiny_llama).batched["variant"] == "int4-static"
     assert batch_twin(load(tiny_llama, variant="int4-rowwise")) == "int4-static"
-    assert batch_twin(load(tiny_llama, variant="int8")) == "int8-static"
+    assert batch_twin(load(tiny_llama, variant="int8")) is None  # int8-static has no batched graph
     assert batch_twin(load(tiny_llama, variant="int4-static")) is None
     app, sched = build_app(ServeConfig(name=str(tiny_llama)))
     try:
         assert sched.batched and sched.model.contract.kv_layout == "static"
+    finally:
+        sched.close()
+
+
+def test_the_build_writes_and_gates_the_batched_graph(tiny_llama):
+    """The batched graph is part of the entry: one file, for the default precision's static variant,
+    listed with its sha256, gated (requests side by side bit-identical to each alone, past 64 and
+    256 positions) on the machine that built it."""
+    m = S.read_manifest(tiny_llama)
+    b = m.batched
+    assert b["file"] == S.batched_file("int4-static") and (tiny_llama / b["file"]).is_file()
+    assert m.files[b["file"]] == {"sha256": b["sha256"], "bytes": b["bytes"]}
+    assert b["source_sha256"] == m.variants["int4-static"].sha256
+    assert b["passed"] and b["graph_version"] == S.BATCHED_GRAPH_VERSION
+    g = b["gate"]
+    assert g["requests"] == 3 and g["mismatches"] == 0 and g["machine"]
+    assert max(p + sum(st) for p, st in zip(g["pasts"], g["steps"])) > 256  # steps cross 64 and 256 positions
+    assert [f.name for f in tiny_llama.iterdir() if ".batched." in f.name] == [b["file"]]
+    assert any(n.startswith("batched serving graph of int4-static") for n, _ in m.steps)
+
+
+def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog):
+    """An entry whose manifest has no batched graph (built before the build wrote it) serves its
+    default one request per forward, with one line saying to rebuild it."""
+    from conftest import clone_entry
+
+    from dejavuu_build.serve.cli import ServeConfig, build_app
+
+    folder = clone_entry(tiny_llama, "tiny-llama-old")
+    m = S.read_manifest(folder)
+    (folder / m.batched["file"]).unlink()
+    del m.files[m.batched["file"]]
+    d = m.to_json()
+    del d["batched"]  # what an older build wrote
+    S.write_json(folder / S.MANIFEST_FILE, d)
+    with caplog.at_level(logging.WARNING, logger="dejavuu"):
+        app, sched = build_app(ServeConfig(name="tiny-llama-old"))
+    try:
+        assert not sched.batched and sched.model.variant == m.default_variant
+        lines = [r.getMessage() for r in caplog.records if "one request at a time" in r.getMessage()]
+        assert len(lines) == 1 and "rebuild it with" in lines[0] and "no batched graph" in lines[0], lines
+        ids = sched.model.encode(PROMPTS[1])
+        (r,) = run_all(sched, [(ids, Params(max_new_tokens=20, method="pld"))])
+        assert not r.batched and r.tokens == sched.model.generate(ids, max_new_tokens=20).tokens
     finally:
         sched.close()

@@ -1,10 +1,9 @@
-"""Issue 25 (trust, round two), the server: its batched graph under <cache>/.serve/ is checked on
-every start and rebuilt when wrong (truncated, edited, a killed writer's temp file), an
-unwritable cache serves one request at a time with one warning, a large prompt does not stall
+"""Issue 25 (trust, round two), the server: its batched graph (written and gated by the build) is
+checked against the manifest on every start and refused when wrong (truncated, edited, lost), a
+graph that fails its gate is never batched on, serving writes nothing, a large prompt does not stall
 the event loop, a body of any depth is a 400, a taken port fails before "serving ...", and bad
 bounds are one line. The server runs as a real process where the existing tests do so."""
 
-import errno
 import logging
 import socket
 import subprocess
@@ -19,8 +18,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("fastapi")
 
+from dejavuu_build import schema as S
 from dejavuu_build.runtime import load
-from dejavuu_build.serve import graph
 from dejavuu_build.serve.bench import free_port, start_server
 from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler
 
@@ -34,14 +33,6 @@ def model(tiny_llama):
     return load(tiny_llama, variant=VARIANT)
 
 
-def _graph_path(model, cache):
-    return graph.batched_path(model.folder / model.manifest.variants[model.variant].file, cache)
-
-
-def _temps(folder):
-    return sorted(p.name for p in folder.iterdir() if graph.TMP_MARK in p.name)
-
-
 def _one(sched, ids, n=12):
     done = threading.Event()
     out = []
@@ -53,11 +44,16 @@ def _one(sched, ids, n=12):
 
 
 # ---------------------------------------------------------------- point 6: the batched graph is verified
-def test_a_damaged_batched_graph_is_rebuilt_not_trusted(model, tmp_path):
-    s = Scheduler(model, max_batch=2, cache=tmp_path)
-    s.close()
-    assert s.batched, s.why_sequential
-    path = _graph_path(model, tmp_path / ".serve")
+def test_a_damaged_batched_graph_is_refused_not_trusted(tiny_llama):
+    """The build's batched graph is checked against the manifest's sha256 like every other file the
+    runtime reads: a truncated, flipped or lost one is refused with the command that rebuilds it
+    (nothing is written at serve time)."""
+    from conftest import clone_entry
+
+    from dejavuu_build.errors import IntegrityError
+
+    m = load(clone_entry(tiny_llama, "tiny-llama-damaged"), variant=VARIANT)
+    path = m.folder / m.manifest.batched["file"]
     good = path.read_bytes()
 
     def flip():
@@ -68,92 +64,43 @@ def test_a_damaged_batched_graph_is_rebuilt_not_trusted(model, tmp_path):
     damages = {
         "truncated": lambda: path.write_bytes(good[: len(good) // 2]),
         "flipped": flip,
-        "record lost": lambda: (path.parent / graph.BATCHED_RECORD_FILE).unlink(),
         "graph lost": path.unlink,
-        "killed writer's temp": lambda: (path.parent / f"{path.name}{graph.TMP_MARK}99999").write_bytes(b"x" * 4096),
     }
-    alone = model.generate(model.encode(LONG), max_new_tokens=12).tokens
     for what, damage in damages.items():
         damage()
-        s = Scheduler(model, max_batch=2, cache=tmp_path)
-        try:
-            assert s.batched, (what, s.why_sequential)
-            r = _one(s, model.encode(LONG))
-            assert isinstance(r, Result) and r.batched and r.tokens == alone, what
-        finally:
-            s.close()
-        assert path.read_bytes() == good, what
-        assert _temps(path.parent) == [], what
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
-def test_an_unwritable_cache_serves_one_request_at_a_time_with_one_warning(model, tmp_path, monkeypatch):
-    import onnx
-
-    real_save = onnx.save
-
-    def full_disk(m, f, *a, **kw):
-        with open(f, "wb") as fh:
-            fh.write(b"\0" * 100_000)  # half a file, then the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(onnx, "save", full_disk)
-    alone = model.generate(model.encode(LONG), max_new_tokens=12).tokens
-    seen = _Records()
-    logging.getLogger("dejavuu").addHandler(seen)  # the package logger may not propagate (setup_logging)
-    try:
-        s = Scheduler(model, max_batch=2, cache=tmp_path / "full")
-        try:
-            assert not s.batched and "No space left on device" in s.why_sequential
-            r = _one(s, model.encode(LONG))
-            assert isinstance(r, Result) and r.tokens == alone and not r.batched
-        finally:
-            s.close()
-    finally:
-        logging.getLogger("dejavuu").removeHandler(seen)
-    warnings = seen.records
-    assert len(warnings) == 1 and "one request at a time" in warnings[0].getMessage(), warnings
-    folder = _graph_path(model, tmp_path / "full" / ".serve").parent
-    assert _temps(folder) == [] and not (folder / "decoder_batched.onnx").exists()
-    monkeypatch.setattr(onnx, "save", real_save)
-
-    # read-only: nothing can be created; with a good graph already there it still serves batched
-    from pathlib import Path
-
-    real_mkdir = Path.mkdir
-
-    def read_only(self, *a, **kw):
-        if str(self).startswith(str(tmp_path)):
-            raise OSError(errno.EROFS, "Read-only file system")
-        return real_mkdir(self, *a, **kw)
-
-    monkeypatch.setattr(Path, "mkdir", read_only)
-    s = Scheduler(model, max_batch=2, cache=tmp_path / "ro")
-    s.close()
-    assert not s.batched and "Read-only file system" in s.why_sequential
-    monkeypatch.setattr(Path, "mkdir", real_mkdir)
-    Scheduler(model, max_batch=2, cache=tmp_path / "ro").close()  # written while writable
-    monkeypatch.setattr(Path, "mkdir", read_only)
-    s = Scheduler(model, max_batch=2, cache=tmp_path / "ro")
+        with pytest.raises(IntegrityError, match="rebuild it with"):
+            Scheduler(m, max_batch=2).close()
+            pytest.fail(f"{what}: served")
+        path.write_bytes(good)
+    s = Scheduler(m, max_batch=2)
     s.close()
     assert s.batched, s.why_sequential
 
 
-def _zero_rope_past(path, rows=64):
-    """The adversarial edit: every GroupQueryAttention's cos/sin rows past ``rows`` zeroed (a
-    start-up check at ~40 positions cannot see it)."""
-    import onnx
+def test_serving_writes_nothing_to_the_cache(model, cache_dir):
+    """The batched graph comes with the entry: a server writes no graph (a read-only cache serves
+    batched); only the runtime's machine-local calibrations may be added."""
+
+    def files():
+        return sorted(p for p in cache_dir.rglob("*") if S.RUNTIME_DIR not in p.parts)
+
+    before = files()
+    s = Scheduler(model, max_batch=2)
+    try:
+        assert s.batched, s.why_sequential
+        r = _one(s, model.encode(LONG))
+        assert isinstance(r, Result) and r.batched
+        assert r.tokens == model.generate(model.encode(LONG), max_new_tokens=12).tokens
+    finally:
+        s.close()
+    assert files() == before
+
+
+def _zero_rope_past(m, rows=64):
+    """The adversarial edit of an onnx model: every GroupQueryAttention's cos/sin rows past ``rows``
+    zeroed (a start-up check at ~40 positions cannot see it)."""
     from onnx import numpy_helper
 
-    m = onnx.load(str(path))
     names = {i for n in m.graph.node if n.op_type == "GroupQueryAttention" for i in n.input[7:9] if i}
     hit = 0
     for init in m.graph.initializer:
@@ -163,58 +110,30 @@ def _zero_rope_past(path, rows=64):
             init.CopyFrom(numpy_helper.from_array(a, init.name))
             hit += 1
     assert hit, "no cos/sin caches found"
-    onnx.save(m, str(path))
+    return m
 
 
-def test_a_tampered_batched_graph_is_not_served(model, tmp_path):
-    """The start-up check compares ~40 positions; the batched rows must equal the single decoder's
-    bit for bit past 64 too, which only a graph checked against its record guarantees."""
-    from dejavuu_build.runtime.job import Rows
+def test_a_batched_graph_wrong_past_64_fails_its_gate_and_is_not_served(tiny_llama, monkeypatch, caplog):
+    """The build's gate decodes requests past 64 and 256 positions: a batched graph whose rows
+    differ there (what the server's short start-up check cannot see) is recorded as failed, named
+    in the summary, and never batched on: the server serves one request per forward."""
+    from conftest import clone_entry
 
-    src = model.folder / model.manifest.variants[model.variant].file
-    path = graph.batched_path(src, tmp_path / ".serve")
-    graph.batched_graph(src, path)
-    _zero_rope_past(path)
-    ids = np.random.default_rng(0).integers(0, model.contract.vocab_size, 100).tolist()
-    kv = model.decoder.new_cache()
-    try:
-        want = model.decoder.forward(ids, None, kv)[0].copy()
-    finally:
-        kv.release()
-    s = Scheduler(model, max_batch=2, cache=tmp_path)
-    try:
-        assert s.batched, s.why_sequential
-        slot = s.batch.acquire(None)
-        ((got, _),) = s.batch.forward(slot, [Rows(ids, None)])
-        s.batch.release(slot)
-    finally:
-        s.close()
-    assert np.array_equal(got[:64], want[:64])
-    assert np.array_equal(got, want), "rows past 64 differ: the tampered graph was served"
+    from dejavuu_build.build.pipeline import quant_only
+    from dejavuu_build.export.passes import serve_batch
 
-
-def test_serve_rebuilds_a_tampered_batched_graph(model, cache_dir, tmp_path):
-    src = model.folder / model.manifest.variants[model.variant].file
-    path = graph.batched_path(src, cache_dir / ".serve")
-    if not path.is_file():
-        graph.batched_graph(src, path)
-    good = path.read_bytes()
-    _zero_rope_past(path)
-    assert path.read_bytes() != good
-    proc, url = start_server(NAME, "--variant", VARIANT, "--method", "baseline", log_path=str(tmp_path / "server.log"))
-    try:
-        assert httpx.get(url + "/health").json()["batched"] is True
-        r = httpx.post(
-            url + "/v1/completions",
-            timeout=120,
-            json={"model": NAME, "prompt": LONG, "max_tokens": 24, "temperature": 0},
-        )
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == model.generate(LONG, max_new_tokens=24).text
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    assert path.read_bytes() == good
+    clone_entry(tiny_llama, "tiny-llama-badbatch")
+    real = serve_batch.to_serve_batch
+    monkeypatch.setattr(serve_batch, "to_serve_batch", lambda m, source="": _zero_rope_past(real(m, source)))
+    with caplog.at_level(logging.INFO, logger="dejavuu"):
+        b = quant_only("tiny-llama-badbatch", variants=("int4",), timing=False).manifest.batched
+    assert b["variant"] == VARIANT and b["passed"] is False and b["gate"]["mismatches"] > 0, b
+    assert "failed its gate" in caplog.text and "✗ (batched)" in caplog.text
+    m = load("tiny-llama-badbatch", variant=VARIANT)
+    assert m.manifest.variants[VARIANT].passed  # the static variant itself is fine
+    s = Scheduler(m, max_batch=2)
+    s.close()
+    assert not s.batched and "failed its gate at build" in s.why_sequential
 
 
 # ---------------------------------------------------------------- point 7: availability

@@ -1,6 +1,7 @@
 """The serving batch graph: a static-KV decoder whose GroupQueryAttention nodes take a batch of
 requests. Why: the server verifies several requests' rows in one forward (serve.batch), and each
-request's rows still get the bits decoding it alone gives.
+request's rows still get the bits decoding it alone gives. The build writes it for the static
+variant `serve` loads and gates it (build.pipeline); its input names live in schema.
 
 The static graph (export.passes.static_kv) has batch 1 and derives GroupQueryAttention's
 ``seqlens_k`` from the bias's width, so it can only run one request. This pass, on the graph
@@ -11,7 +12,7 @@ the cache and real rows never attend to them; ``query_seqlens = 0`` leaves an id
 
 Everything else (MatMulNBits, norms, the lm-head) works row by row, and rows are bit-identical
 for any row count >= 2, which is what keeps each request's tokens equal to decoding it alone
-(checked per machine by serve.batch.check_exact, and by the tests).
+(gated at build and checked per serving machine by serve.batch.check_exact, and by the tests).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ContractError
-from ...schema import ATTENTION_BIAS, ROW_SLOTS, SLOT_ROWS
-
-# the batched graph's new inputs
-SEQLENS_K = "seqlens_k"  # [B] int32: tokens in each entry's cache after this step, minus one
-QUERY_SEQLENS = "query_seqlens"  # [B] int32: valid (unpadded) rows of each entry this step
-PAD_INDEX = "pad_index"  # [B, S] int64: packed row of each padded row (pads: any valid row)
-UNPAD_INDEX = "unpad_index"  # [1, T] int64: padded row (b * S + s) of each packed row
-GQA_POSITIONS = "padded_position_ids"  # [B, S] int64: positions in the padded layout
+from ...schema import (
+    ATTENTION_BIAS,
+    GQA_POSITIONS,
+    PAD_INDEX,
+    QUERY_SEQLENS,
+    ROW_SLOTS,
+    SEQLENS_K,
+    SLOT_ROWS,
+    UNPAD_INDEX,
+)
 
 # com.microsoft.GroupQueryAttention's inputs, by position
 QKV_INPUTS = (0, 1, 2)  # query (or packed q/k/v), key, value
@@ -37,7 +40,7 @@ BIAS_INPUT = 10  # attention_bias
 QUERY_SEQLENS_INPUT = 16  # onnxruntime >= 1.32
 
 BATCH_DIM = "batch"
-GRAPH_VERSION = 3  # part of the served graph's cache key (serve.graph): bump when this pass changes
+# schema.BATCHED_GRAPH_VERSION is recorded with the graph (Manifest.batched): bump it when this pass changes
 
 
 def to_serve_batch(m, source: str = "the decoder"):
