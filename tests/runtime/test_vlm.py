@@ -48,6 +48,8 @@ def test_vlm_build_records_everything(vlm_build):
     for f in ("vision_encoder.onnx", "embed_tokens.onnx", "vlm.json", "preprocessor_config.json"):
         assert f in m.files
     assert m.export["vision"]["nodes"] > 0
+    # the serving batch graph on inputs_embeds: written and gated like a text build's
+    assert m.batched["passed"] and m.batched["file"] in m.files and m.batched["gate"]["mismatches"] == 0
 
 
 @pytest.mark.parametrize("n_images", [1, 2])
