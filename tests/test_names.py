@@ -42,11 +42,6 @@ OWNED = {
     S.INT8,
     S.INT4,
 }
-# Modules that still spell some of these themselves, until they import them from schema.
-PENDING = {
-    "bench/genai.py": {S.FP32, S.INT4},
-    "quantize/nbits.py": {S.INT8, S.INT4},
-}
 
 
 def test_shared_names_are_spelled_in_schema_only():
@@ -58,5 +53,5 @@ def test_shared_names_are_spelled_in_schema_only():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in OWNED:
                 spelled.setdefault(rel, set()).add(node.value)
-    extra = {rel: sorted(v - PENDING.get(rel, set())) for rel, v in spelled.items()}
+    extra = {rel: sorted(v) for rel, v in spelled.items()}
     assert {rel: v for rel, v in extra.items() if v} == {}, "import these names from dejavuu_build.schema"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence, cast
 
 from ..log import logger, step
-from ..schema import PEER_FILE, PEERS_DIR
+from ..schema import FP32, INT4, PEER_FILE, PEERS_DIR
 from .report import PEER_NGRAM as GENAI_NGRAM  # genai's n-gram speculative decoding, beside its plain one
 from .runner import BenchError
 
@@ -211,7 +211,7 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
 
 def _run_builder(src: dict, out: Path, version: str) -> dict:
     hf, work, report, log = out / ".hf", out / ".builder-cache", out / ".shim.json", out / ".builder.log"
-    builder_args = ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(work)]
+    builder_args = ["-o", str(out), "-p", INT4, "-e", "cpu", "-c", str(work)]  # the precision our default is
     cmd = [
         sys.executable,
         "-m",
@@ -249,7 +249,7 @@ def _run_builder(src: dict, out: Path, version: str) -> dict:
         "builder": "onnxruntime_genai.models.builder",
         "onnxruntime_genai": version,
         "transformers": tf_version,
-        "precision": "int4",
+        "precision": INT4,
         "execution_provider": "cpu",
         "command": [
             "python",
@@ -532,7 +532,7 @@ def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, co
 
     folder = Path(model_folder)
     contract = read_contract(folder)
-    fp32 = Runner(make_session(folder / variant_file("fp32"), threads=threads), contract)
+    fp32 = Runner(make_session(folder / variant_file(FP32), threads=threads), contract)
     ref = Reference.load(folder / REFERENCE_FILE) if (folder / REFERENCE_FILE).is_file() else None
     qs = scoring_set(folder, fp32, ref, min(x for x in (contract.position_limit, context_length) if x))
     teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))

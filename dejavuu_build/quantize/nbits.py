@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import ExportError
 from ..log import logger, progress
-from ..schema import DEFAULT_THREADS, EMBED_NODE, LM_HEAD_NODE
+from ..schema import DEFAULT_THREADS, EMBED_NODE, INT4, INT8, LM_HEAD_NODE
 from .gguf_blocks import BLOCK
 
 MS = "com.microsoft"
@@ -70,8 +70,8 @@ class QuantPlan:
 # else symmetric. Its table in blocks of 64: half the scales for no measurable loss. (Figures:
 # docs/quantization.md.)
 PLANS: dict[str, QuantPlan] = {
-    "int8": QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
-    "int4": QuantPlan(
+    INT8: QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
+    INT4: QuantPlan(
         body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=False, gguf_min="offset"
     ),
 }
