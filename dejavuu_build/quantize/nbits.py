@@ -5,9 +5,9 @@ the embedding Gather becomes ``GatherBlockQuantized``. Where the fp32 weights ca
 the file's own blocks are carried over exactly (``gguf_blocks.py``, ``carry``) instead of rounding
 them a second time; everything else is rounded by onnxruntime's own blockwise quantizer
 (round-to-nearest; 4-bit blocks with a zero point where this machine's kernel keeps rows exact
-with one, ``zero_points_row_exact``). Its other methods were weighed: HQQ writes float zero points, which the CPU
-kernel runs off its fast path (many times slower per MatMul: docs/quantization.md), and RTN /
-k-quant / GPTQ need Intel Neural Compressor.
+with one, ``zero_points_row_exact``). Its other methods were weighed
+(docs/quantization.md): HQQ writes float zero points, which the CPU kernel runs off its fast path
+(many times slower per MatMul), and k-quant rounds no better than this on the real model measured.
 
 A block with a minimum (Q4_1, Q4_K, Q5_1, Q5_K: ``w = d*q + m``) is carried as the symmetric
 kernel's ``d * (q - 8)`` plus an offset term ``(m + 8d) * sum(x over the block)``: the block sums
