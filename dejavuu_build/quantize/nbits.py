@@ -306,14 +306,19 @@ def quantize_model(
     drop_nodes: set[int] = set()
     block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums, shared by its readers
     report: dict = {"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None}
-    symmetric = plan.symmetric  # what re-rounded 4-bit blocks get: a zero point only where rows stay exact
-    if not symmetric and plan.body_bits == 4:
-        exact, why = zero_points_row_exact(plan.accuracy_level)
-        symmetric = not exact
-        report["rounding"] = {"zero_points": exact, "why": why}
-        if not exact:
-            logger.warning("  %s: re-rounded 4-bit blocks are symmetric here", why)
     fp_bytes = q_bytes = 0
+
+    def symmetric_4bit() -> bool:
+        """What re-rounded 4-bit blocks get: a zero point only where this machine keeps rows exact
+        with one; probed once, when the first 4-bit block is re-rounded or carried with one."""
+        if plan.symmetric:
+            return True
+        if "rounding" not in report:
+            exact, why = zero_points_row_exact(plan.accuracy_level)
+            report["rounding"] = {"zero_points": exact, "why": why}
+            if not exact:
+                logger.warning("  %s: re-rounded 4-bit blocks are symmetric here", why)
+        return not report["rounding"]["zero_points"]
 
     def add_init(arr: np.ndarray, name: str):
         nonlocal q_bytes
@@ -327,7 +332,7 @@ def quantize_model(
         if found is not None:
             where, file_blocks = found
             enc = carry(file_blocks, bits, plan)
-            if enc is not None and symmetric and enc.zp is not None and enc.zp.dtype == np.uint8:
+            if enc is not None and enc.zp is not None and enc.zp.dtype == np.uint8 and symmetric_4bit():
                 enc = None  # a block minimum needs a zero point: round afresh, symmetric
             if enc is not None:
                 report["gguf"]["carried"] += 1
@@ -335,7 +340,7 @@ def quantize_model(
                 return enc
         if blocks is not None:
             report["gguf"]["requantized"] += 1
-        return _quantize_rows(w_nk, bits, block, symmetric=symmetric or bits == 8)
+        return _quantize_rows(w_nk, bits, block, symmetric=bits == 8 or symmetric_4bit())
 
     def offset_term(node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
         """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns
