@@ -444,13 +444,32 @@ class _Gates:
                 rec.passed = rec.passed and g["passed"]
 
     def settle(self, timing: bool) -> None:
-        """Time every variant interleaved, pick the default, calibrate what a runtime opens unasked."""
+        """Time the default's candidates interleaved (_candidates: what timing can choose between;
+        rounds stop once no other can displace the preferred one), pick the default, calibrate
+        what a runtime opens unasked."""
         manifest = self.manifest
+        timed: dict[str, dict] = {}
         if timing:
             from .timing import time_interleaved
 
-            with step(f"time {len(self.sessions)} variants, interleaved"):
-                timed = time_interleaved(self.sessions)
+            cands, _, skip = _candidates(manifest)
+            first = min(cands, key=_preference(manifest, cands)) if cands else None
+            chosen = {v: s for v, s in self.sessions.items() if v in cands}
+            if chosen:
+                with step(f"time {', '.join(sorted(chosen, key=S.variant_order))}, interleaved"):
+                    timed = time_interleaved(
+                        chosen,
+                        min_rounds=min(len(chosen), 2),
+                        settled=lambda per_round: _settled(per_round, str(first)),
+                    )
+            for v in manifest.variants:
+                if v not in timed:  # what this run did not time carries no older figures
+                    rec = manifest.variants[v]
+                    rec.timings_ms, rec.timing_rounds_ms, rec.verify_cost_ratio = {}, [], None
+            if skip:
+                logger.info(
+                    "  not timed (cannot be the default): %s", "; ".join(f"{v}: {w}" for v, w in sorted(skip.items()))
+                )
             for v, t in timed.items():
                 rec = manifest.variants[v]
                 rec.timings_ms, rec.timing_rounds_ms = t["timings_ms"], t["round_costs_ms"]
@@ -464,6 +483,8 @@ class _Gates:
                     "⚠ %s is under its gate (%s): flagged in the manifest, never picked as default", v, _failed(rec)
                 )
         manifest.default_variant, manifest.default_reason = _choose_default(manifest)
+        if timed:
+            manifest.default_reason["timed"] = sorted(timed, key=S.variant_order)
         _serve_batch(self.folder, manifest, self.sessions, self.threads, self.machine, self.embed)
         _calibrate(self.folder, manifest, self.sessions, self.threads, self.embed)
 
@@ -754,31 +775,72 @@ def keeps_answers(rec: VariantRecord) -> bool:
     return q is None or (q["top1"] >= DEFAULT_FLOORS["top1"] and q["mean_kl"] <= DEFAULT_FLOORS["mean_kl"])
 
 
-def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
-    """The default variant and why. Quality first: only variants that passed every gate, and of
-    those the ones that keep the model's answers (DEFAULT_FLOORS; all passing ones if none does).
-    Among those the smallest precision, rowwise then static layout first -- what a user keeps. A larger one replaces it only where interleaved timing shows it faster in every
-    round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the choice.
-    Untimed (--no-timing): the smallest passing file."""
+def _candidates(manifest: Manifest) -> tuple[dict[str, VariantRecord], list[str], dict[str, str]]:
+    """What the default is chosen among (and so what is timed), the passing variants that keep the
+    model's answers, and why each other variant is not a candidate. Quality first: only variants
+    that passed every gate, and of those the ones that keep the model's answers (DEFAULT_FLOORS;
+    all passing ones if none does). fp32 (the reference, several times the size of a quantized
+    file) is a candidate only where no quantized variant keeps the answers."""
+    why: dict[str, str] = {}
     passing = {n: r for n, r in manifest.variants.items() if r.passed}
-    if not passing:
-        return None, {"rule": "no variant passed its gates"}
-    below = sorted(n for n, r in passing.items() if not keeps_answers(r))
-    passing = {n: r for n, r in passing.items() if n not in below} or passing
+    for n in manifest.variants:
+        if n not in passing:
+            why[n] = "failed its gates"
+    below = [n for n, r in passing.items() if not keeps_answers(r)]
+    keep = {n: r for n, r in passing.items() if n not in below} or passing
+    if keep is not passing:
+        why.update(dict.fromkeys(below, "under the default floors"))
+    cands = keep
+    if any(S.split_variant(n)[0] != "fp32" for n in keep):
+        cands = {n: r for n, r in keep.items() if S.split_variant(n)[0] != "fp32"}
+        why.update(
+            dict.fromkeys(
+                (n for n in keep if n not in cands), "the fp32 reference: a quantized variant keeps the answers"
+            )
+        )
+    return cands, sorted(keep), why
+
+
+def _preference(manifest: Manifest, cands: dict[str, VariantRecord]):
+    """The candidates' order before timing: smallest precision, then rowwise, static, concat."""
 
     def pref(n: str):
         precision, layout = S.split_variant(n)
-        size = (manifest.variants.get(precision) or passing[n]).bytes or 0
+        size = (manifest.variants.get(precision) or cands[n]).bytes or 0
         return (size, PREFERRED_LAYOUTS.index(layout), n)
 
+    return pref
+
+
+def _settled(per_round: dict[str, list[float]], first: str) -> bool:
+    """No further timing round can change the default: every other candidate was already, in some
+    round, not faster than ``first`` by MIN_SPEEDUP (the least margin the picker ever asks for, in
+    every round), so it can never be 'clearly faster' whatever later rounds measure."""
+    base = per_round.get(first, [])
+    return all(any(a >= (1 - MIN_SPEEDUP) * b for a, b in zip(x, base)) for n, x in per_round.items() if n != first)
+
+
+def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
+    """The default variant and why, among the candidates (_candidates: passing, keeping the
+    answers, quantized before fp32). The smallest precision, rowwise then static layout first --
+    what a user keeps. A larger one replaces it only where interleaved timing shows it faster in
+    every round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the
+    choice. Untimed (--no-timing): the smallest passing file."""
+    if not any(r.passed for r in manifest.variants.values()):
+        return None, {"rule": "no variant passed its gates"}
+    passing, keep, not_candidates = _candidates(manifest)
+    below = sorted(n for n, w in not_candidates.items() if w == "under the default floors")
+    pref = _preference(manifest, passing)
     first = min(passing, key=pref)
     why: dict = {
         "rule": "passing variants that keep the model's answers (top-1 >= "
-        f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), smallest "
-        "precision and in-place layout (rowwise, then static) preferred; a larger one only if "
-        f"faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
+        f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), quantized "
+        "before the fp32 reference, smallest precision and in-place layout (rowwise, then static) "
+        f"preferred; a larger one only if faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
         "preferred": first,
-        "passing": sorted(passing),
+        "passing": keep,
+        "candidates": sorted(passing),
+        "not_candidates": dict(sorted(not_candidates.items())),
         "below_default_floors": below,
     }
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
@@ -882,6 +944,13 @@ def _summary(manifest: Manifest) -> None:
         else:
             how = "the smallest passing file (not timed)"
         logger.info(" default %s: %s", manifest.default_variant, how)
+        if why.get("timed"):
+            skip = why.get("not_candidates") or {}
+            logger.info(
+                " timed %s%s",
+                ", ".join(why["timed"]),
+                f"; not timed, as no default: {', '.join(f'{v} ({w})' for v, w in skip.items())}" if skip else "",
+            )
     if manifest.steps:
         total = sum(sec for _, sec in manifest.steps)
         top = sorted(manifest.steps, key=lambda x: -x[1])[:6]

@@ -5,12 +5,15 @@ and hidden states, and the quality set's continuations."""
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..log import logger
 from .quality import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, QualitySet
 
 TREE_PARENTS = [-1, -1, 0, 0, 2, 1, 4]  # siblings at two levels, a deep branch, a cousin
@@ -105,6 +108,45 @@ def compute_reference(
     primary: str = "input_ids",
 ) -> Reference:
     """Torch fp32 references, with transformers' own masks (eager attention), never our wrapper."""
+    with torch_threads():
+        return _compute_reference(
+            model,
+            recipe,
+            tokenizer,
+            hidden_layer=hidden_layer,
+            new_tokens=new_tokens,
+            min_chain=min_chain,
+            seed=seed,
+            primary=primary,
+        )
+
+
+@contextmanager
+def torch_threads():
+    """torch's intra-op threads for the references: one per core left free by the machine's other
+    load (the 1-minute load average, less this build's own thread), at least one. Oversubscribed,
+    OpenMP threads wait on each other at every op: on 2 shared cores under load, SmolLM2's references
+    took 949 s with 2 threads and ~100 s with one (the same tokens either way: measured 2026-12-02)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        others = max(0.0, os.getloadavg()[0] - 1.0)
+    except OSError:
+        others = 0.0
+    want = max(1, min(before, int((os.cpu_count() or 1) - round(others))))
+    if want != before:
+        logger.info("  %d torch thread%s (load average: the machine is shared)", want, "" if want == 1 else "s")
+    torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _compute_reference(
+    model, recipe, tokenizer, *, hidden_layer: int, new_tokens: int, min_chain: int, seed: int, primary: str
+) -> Reference:
     import torch
 
     lm = recipe.text_causal_lm(model).eval()

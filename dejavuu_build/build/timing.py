@@ -5,6 +5,7 @@ Decoder, so load that comes and goes hits them all alike."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,11 +20,20 @@ def timing_keys(dec) -> tuple[str, ...]:
     return tuple(k.replace("n2_", "n1_") for k in TIMING_KEYS) if dec.rowwise else TIMING_KEYS
 
 
-def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: int = 6) -> dict[str, dict]:
+def time_interleaved(
+    sessions: dict[str, tuple],
+    *,
+    rounds: int = 5,
+    repeats: int = 6,
+    min_rounds: int = 1,
+    settled: Callable[[dict[str, list[float]]], bool] | None = None,
+) -> dict[str, dict]:
     """Forward timings of several variants, interleaved: every round times every variant at every
     (rows, past) once, fastest of ``repeats``; so load that comes and goes hits them all alike.
     Returns per variant the fastest over all rounds per key (ms) and the per-round cost (mean over
-    TIMING_KEYS present) from which the picker reads the noise."""
+    TIMING_KEYS present) from which the picker reads the noise. ``settled(per_round)``, asked after
+    each round from ``min_rounds`` on, stops early when no further round can change what the
+    timings decide (the picker's rule: pipeline._settled)."""
     from ..runtime.decoder import Decoder
 
     rng = np.random.default_rng(0)
@@ -37,7 +47,7 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
                 dec.forward(toks, None, kv, embeds=embeds)
     best: dict[str, dict[str, float]] = {n: {} for n in sessions}
     per_round: dict[str, list[float]] = {n: [] for n in sessions}
-    for _ in range(rounds):
+    for done in range(rounds):
         for name, (dec, cases) in plans.items():
             this = {}
             for key, n, toks, embeds, kv in cases:
@@ -45,6 +55,8 @@ def time_interleaved(sessions: dict[str, tuple], *, rounds: int = 5, repeats: in
                 best[name][key] = round(min(best[name].get(key, 1e9), this[key]), 3)
             keys = [k for k in timing_keys(dec) if k in this]
             per_round[name].append(round(float(np.mean([this[k] for k in keys])), 3))
+        if settled is not None and done + 1 >= min_rounds and settled(per_round):
+            break
     for _, cases in plans.values():
         _release(cases)
     return {n: {"timings_ms": best[n], "round_costs_ms": per_round[n]} for n in sessions}

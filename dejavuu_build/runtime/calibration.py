@@ -101,6 +101,7 @@ def _periods(dec, periods=PERIODS):
     logits bit-identical to the plain chain, at 16 consecutive pasts (every tail of the key loop)
     and two token streams (a wrong G can match by luck on one; a right one never misses)."""
     kv = dec.new_cache()
+    chains: dict[tuple[int, int], np.ndarray] = {}  # (seed, past) -> the plain chain's logits, whatever the gap
 
     def exact(gap: int, seed: int) -> bool:
         toks = _tokens(dec, 64, seed)
@@ -110,7 +111,9 @@ def _periods(dec, periods=PERIODS):
         for past in range(24, 8, -1):  # descending: a step only overwrites rows >= past
             kv.truncate(past)
             a, b, c, d = toks[past : past + 4]
-            chain, _, _ = dec.forward([a, b, c, d], None, kv)
+            if (seed, past) not in chains:
+                chains[seed, past] = dec.forward([a, b, c, d], None, kv)[0]
+            chain = chains[seed, past]
             # b hangs off a after `gap` pads; c off b directly; d off c after 2*gap pads (depth 3)
             nodes = [a] + [a] * gap + [b, c] + [a] * (2 * gap) + [d]
             parents = [-1] + [-1] * gap + [0, gap + 1] + [-1] * (2 * gap) + [gap + 2]
@@ -133,7 +136,9 @@ def _periods(dec, periods=PERIODS):
 
 def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
     """(found, tile): the least-pruning tile rule under which a two-branch tree laid out by
-    aligned_layout matches its chains bit for bit at pasts just before 64..1024-key boundaries."""
+    aligned_layout matches its chains bit for bit at pasts just before 64..1024-key boundaries.
+    Tile rules are tried in order, each at every past until one fails: the first that holds
+    everywhere is the answer, and the rules after it are never run."""
     lim = _limit(dec)
     toks = _tokens(dec, 1100)
     draft_parents = [-1, -1, 0, 1, 2]  # two branches: 1-3-5 first-child path, 2-4
@@ -143,29 +148,56 @@ def _tile(dec, period: int, tiles=TILES) -> tuple[bool, int | None]:
     if not pasts:
         return True, None
     kv = dec.new_cache()
-    ok = dict.fromkeys(tiles, True)
+    top = max(pasts)
+    chains: dict[int, dict[int, np.ndarray]] = {}  # past -> node -> its chain's logits
     try:
-        _, _, pres = dec.forward(toks[: max(pasts)], None, kv)
-        kv.commit(pres, max(pasts), list(range(max(pasts))))
-        step = toks[max(pasts) : max(pasts) + 6]
-        for past in sorted(pasts, reverse=True):  # descending: a forward only overwrites rows >= past
+        _, _, pres = dec.forward(toks[:top], None, kv)
+        kv.commit(pres, top, list(range(top)))
+        # a forward writes the rows at and after its past (in place); the prefilled cache is put
+        # back before the next rule walks the pasts again from the top
+        saved = _snapshot(kv, top)
+        step = toks[top : top + 6]
+
+        def holds(tile: int | None, past: int) -> bool:
             kv.truncate(past)
-            chains = {}
-            for leaf in (5, 4):
-                out, _, _ = dec.forward([step[i] for i in paths[leaf]], None, kv)
-                for d, node in enumerate(paths[leaf]):
-                    chains[node] = out[d]
-            for tile in (t for t in tiles if ok[t]):
-                slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
-                kept = [i for i, s_ in enumerate(slot) if s_ >= 0]  # as the engine feeds it
-                out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
-                ok[tile] = all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
-        for t in tiles:  # the first that held (None, no tile rule, is one of them)
-            if ok[t]:
-                return True, t
+            if past not in chains:
+                chains[past] = {}
+                for leaf in (5, 4):
+                    out, _, _ = dec.forward([step[i] for i in paths[leaf]], None, kv)
+                    for d, node in enumerate(paths[leaf]):
+                        chains[past][node] = out[d]
+            slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
+            kept = [i for i, s_ in enumerate(slot) if s_ >= 0]  # as the engine feeds it
+            out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
+            return all(np.array_equal(out[j], chains[past][i]) for j, i in enumerate(kept) if i)
+
+        for n, tile in enumerate(tiles):
+            if n:
+                _restore(kv, saved)
+            # descending: a forward only overwrites rows >= past
+            if all(holds(tile, past) for past in sorted(pasts, reverse=True)):
+                return True, tile  # the first that held (None, no tile rule, is one of them)
         return False, None
     finally:
         kv.release()
+
+
+def _snapshot(kv, rows: int) -> tuple:
+    """What a cache holds of its first ``rows`` rows, to be put back by _restore: an in-place
+    buffer's rows (forwards overwrite them), or a concat cache's arrays (never written in place)."""
+    buf = getattr(kv, "buf", None)
+    if buf is not None:
+        return kv.length, buf[:, :, :, :rows].copy(), None
+    return kv.length, None, dict(kv.arrays)
+
+
+def _restore(kv, snap: tuple) -> None:
+    length, rows, arrays = snap
+    if rows is not None:
+        kv.buffers()[:, :, :, : rows.shape[3]] = rows
+    else:
+        kv.arrays = dict(arrays)
+    kv.length = length
 
 
 def calibrate(dec, hint: Calibration | None = None) -> Calibration:

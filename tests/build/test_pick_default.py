@@ -106,3 +106,79 @@ def test_a_default_keeps_the_answers_whatever_its_size_or_speed():
     assert _pick_default(m) == "int4-rowwise"
     m.variants["int4-rowwise"].gates["quality"].update(top1=0.96, mean_kl=0.03)  # KL over its floor
     assert _pick_default(m) == "int8-rowwise"
+
+
+def test_only_what_can_be_the_default_is_a_candidate_and_timed():
+    """fp32 (the reference) is no candidate once a quantized variant keeps the answers; failed and
+    under-the-floors variants never are: each says why, and only the candidates are timed."""
+    from dejavuu_build.build.pipeline import _candidates
+
+    m = Manifest(
+        variants={
+            "int4": _quality(_rec(None, 97), 0.97, 0.004),
+            "int4-rowwise": _quality(_rec(None, 97, layout="rowwise"), 0.97, 0.004),
+            "int4-static": _rec(None, 99, passed=False, layout="static"),
+            "int8": _quality(_rec(None, 150), 0.90, 0.05),
+            "fp32": _rec(None, 538),
+        }
+    )
+    cands, keep, why = _candidates(m)
+    assert sorted(cands) == ["int4", "int4-rowwise"] and keep == ["fp32", "int4", "int4-rowwise"]
+    assert why == {
+        "int4-static": "failed its gates",
+        "int8": "under the default floors",
+        "fp32": "the fp32 reference: a quantized variant keeps the answers",
+    }
+    name, reason = _choose_default(m)
+    assert name == "int4" and reason["candidates"] == ["int4", "int4-rowwise"]  # untimed: the smallest file
+    assert reason["not_candidates"]["fp32"].startswith("the fp32 reference")
+    # no quantized variant keeps the answers: fp32 is the candidate (and the default)
+    m.variants["int4"].gates["quality"]["top1"] = m.variants["int4-rowwise"].gates["quality"]["top1"] = 0.5
+    cands, _, why = _candidates(m)
+    assert list(cands) == ["fp32"] and "fp32" not in why and _pick_default(m) == "fp32"
+
+
+def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
+    """Rounds stop as soon as every other candidate was, in some round, not MIN_SPEEDUP faster
+    than the preferred one (it can then never be 'faster in every round'); a candidate that
+    still could keeps the rounds going, up to the cap."""
+    from dejavuu_build.build import timing
+    from dejavuu_build.build.pipeline import _settled
+    from dejavuu_build.runtime import decoder
+
+    class FakeDecoder:
+        rowwise = False
+
+        def __init__(self, session, contract):
+            self.name = session
+
+    class KV:
+        def release(self):
+            pass
+
+    cost = {"a": 10.0, "b": 9.5, "c": 6.0}  # b within MIN_SPEEDUP of a; c clearly faster
+    monkeypatch.setattr(decoder, "Decoder", FakeDecoder)
+    monkeypatch.setattr(
+        timing, "_timing_cases", lambda dec, c, rng: [(k, 2, [1, 2], None, KV()) for k in timing.TIMING_KEYS]
+    )
+    monkeypatch.setattr(timing, "_fastest_ms", lambda dec, n, toks, e, kv, r, skip: cost[dec.name])
+
+    class Padding:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(FakeDecoder, "padding", lambda self, pad: Padding(), raising=False)
+    monkeypatch.setattr(FakeDecoder, "forward", lambda self, *a, **k: None, raising=False)
+
+    def rounds(names, **kw):
+        out = timing.time_interleaved({n: (n, None) for n in names}, settled=lambda pr: _settled(pr, "a"), **kw)
+        return {n: len(t["round_costs_ms"]) for n, t in out.items()}
+
+    assert rounds(["a", "b"]) == {"a": 1, "b": 1}
+    assert rounds(["a", "b"], min_rounds=2) == {"a": 2, "b": 2}
+    assert rounds(["a", "b", "c"]) == {"a": 5, "b": 5, "c": 5}  # c may still win: every round is run
+    assert rounds(["a"]) == {"a": 1}
+    assert 1 - 9.5 / 10 < MIN_SPEEDUP < 1 - 6.0 / 10

@@ -3,6 +3,7 @@
 import json
 import logging
 
+import numpy as np
 import pytest
 
 from dejavuu_build.runtime import calibration as C
@@ -109,3 +110,43 @@ def test_a_recorded_exactness_claim_is_rechecked(tiny_llama, tmp_path, caplog):
             cal = C.cached_calibration(dec, "forged", 2, tmp_path / "rt")
     assert cal.chain_exact is False and "contradicts" in caplog.text
     assert json.loads(f.read_text())["chain_exact"] is False
+
+
+def _tile_exhaustive(dec, period, tiles=C.TILES):
+    """The tile rule as the search defines it: every rule at every past, the first that held."""
+    from dejavuu_build.runtime.tree import aligned_layout, with_root
+
+    toks = C._tokens(dec, 1100)
+    parents = with_root([-1, -1, 0, 1, 2])
+    paths = {1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 1, 3, 5]}
+    lim = C._limit(dec)
+    pasts = [b - o for b in (64, 128, 256, 512, 1024) for o in (1, 3, 8) if b + 2 * period + 8 < lim]
+    ok = dict.fromkeys(tiles, True)
+    for past in pasts:
+        kv = dec.new_cache()
+        _, _, pres = dec.forward(toks[:past], None, kv)
+        kv.commit(pres, past, list(range(past)))
+        step = toks[max(pasts) : max(pasts) + 6]
+        chains = {}
+        for leaf in (5, 4):
+            out, _, _ = dec.forward([step[i] for i in paths[leaf]], None, kv)
+            chains.update({node: out[d] for d, node in enumerate(paths[leaf])})
+        for tile in tiles:
+            slot, slot_parents = aligned_layout(parents, period, 2 * period, past=past, tile=tile)
+            kept = [i for i, s_ in enumerate(slot) if s_ >= 0]
+            out, _, _ = dec.forward([step[i] for i in kept], slot_parents, kv, slots=[slot[i] for i in kept])
+            ok[tile] &= all(np.array_equal(out[j], chains[i]) for j, i in enumerate(kept) if i)
+        kv.release()
+    return next(((True, t) for t in tiles if ok[t]), (False, None))
+
+
+@pytest.mark.parametrize("variant", ["int4", "int4-static"])
+def test_the_tile_search_stops_at_the_first_rule_that_holds(tiny_llama, variant):
+    """The search tries the rules in order and stops at the first that holds at every past (the
+    cache put back between rules): the same answer as every rule at every past, fewer forwards;
+    and with None listed last, it still finds the first rule that holds."""
+    dec = load(tiny_llama, variant=variant).decoder
+    period = C.calibrate(dec).period
+    assert period is not None
+    for tiles in (C.TILES, (16, 32, None), (None,)):
+        assert C._tile(dec, period, tiles) == _tile_exhaustive(dec, period, tiles), tiles
