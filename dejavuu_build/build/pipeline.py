@@ -791,8 +791,8 @@ def _candidates(manifest: Manifest) -> tuple[dict[str, VariantRecord], list[str]
     if keep is not passing:
         why.update(dict.fromkeys(below, "under the default floors"))
     cands = keep
-    if any(S.split_variant(n)[0] != "fp32" for n in keep):
-        cands = {n: r for n, r in keep.items() if S.split_variant(n)[0] != "fp32"}
+    if any(S.split_variant(n)[0] != S.FP32 for n in keep):
+        cands = {n: r for n, r in keep.items() if S.split_variant(n)[0] != S.FP32}
         why.update(
             dict.fromkeys(
                 (n for n in keep if n not in cands), "the fp32 reference: a quantized variant keeps the answers"
