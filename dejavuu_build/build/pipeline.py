@@ -829,7 +829,7 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     if not any(r.passed for r in manifest.variants.values()):
         return None, {"rule": "no variant passed its gates"}
     passing, keep, not_candidates = _candidates(manifest)
-    below = sorted(n for n, w in not_candidates.items() if w == "under the default floors")
+    below = sorted(n for n, r in manifest.variants.items() if r.passed and not keeps_answers(r))
     pref = _preference(manifest, passing)
     first = min(passing, key=pref)
     why: dict = {

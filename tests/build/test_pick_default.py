@@ -182,3 +182,17 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     assert rounds(["a", "b", "c"]) == {"a": 5, "b": 5, "c": 5}  # c may still win: every round is run
     assert rounds(["a"]) == {"a": 1}
     assert 1 - 9.5 / 10 < MIN_SPEEDUP < 1 - 6.0 / 10
+
+
+def test_below_floors_listed_even_when_no_variant_keeps_the_answers():
+    """With every passing variant under the floors the default falls back to them all, and the
+    reason still names each of them as below the floors."""
+    m = Manifest(
+        variants={
+            "int4-rowwise": _quality(_rec(None, 97, layout="rowwise"), 0.80, 0.2),
+            "int8-rowwise": _quality(_rec(None, 152, layout="rowwise"), 0.90, 0.05),
+        }
+    )
+    name, why = _choose_default(m)
+    assert name == "int4-rowwise"
+    assert why["below_default_floors"] == ["int4-rowwise", "int8-rowwise"]
