@@ -34,9 +34,8 @@ from .tree import aligned_layout, with_root
 PERIODS = (4, 8, 16, 32, 64)
 PERIOD_STREAMS = 6  # token streams a candidate period must hold on (_periods)
 TILES = (None, 256, 128, 64, 32, 16)  # tried in this order: the least pruning first
-CALIBRATION_VERSION = (
-    3  # 3: periods searched on PERIOD_STREAMS streams; records of the 2-stream search are measured again
-)
+# 3: periods searched on PERIOD_STREAMS streams; records of the 2-stream search are measured again
+CALIBRATION_VERSION = 3
 
 
 @dataclass
