@@ -56,6 +56,11 @@ class QuantPlan:
     gguf_min: str = "offset"  # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
     # kernels + an fp32 block-sum term), "nearest" integer zero point
     # (fast, not exact) or "float_zp" (exact, slow kernels)
+    # The 8-bit lm-head (tied: the embedding table too) takes the largest block from lm_head_block
+    # down to 16 whose MatMulNBits keeps rows exact on this machine (choose_table_block); the GGUF's
+    # own table blocks are carried instead where they keep rows exact too and run at most this
+    # factor slower, at 1, 2 and 8 rows, than that block (measured at build time).
+    table_carry_slowdown: float = 1.10
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -157,6 +162,168 @@ def zero_points_row_exact(accuracy_level: int, threads: int = DEFAULT_THREADS) -
             if not np.array_equal(among[r], alone):
                 return False, f"4-bit zero points: row {r} of {m} differs from it beside a pad row on this CPU"
     return True, f"4-bit zero points: every row of {', '.join(map(str, PROBE_ROWS))} equal to it beside a pad row"
+
+
+# Row counts the table probe compares each row across (as export.exactness), and the row counts its
+# timing reads: a plain step, the row guard's two rows, a verify step of a chain of 7 drafts.
+TABLE_ROWS = (2, 3, 5, 8, 17)
+TABLE_TIMED_ROWS = (1, 2, 8)
+VERDICTS = ("invariant", "guardable", "variant")
+
+
+def _nbits_session(bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int, seed: int = 0):
+    """One MatMulNBits [1, M, K] -> [1, M, N] with random levels and scales, symmetric (the table's form)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nb = k // block
+    q = rng.integers(0, 256, size=(n, nb, block * bits // 8), dtype=np.uint8)
+    scales = (rng.random((n, nb), dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
+    node = helper.make_node(
+        "MatMulNBits", ["x", "w", "s"], ["y"], domain=MS, K=k, N=n, bits=bits, block_size=block,
+        accuracy_level=accuracy_level,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "table_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "M", n])],
+        [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scales, "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    del q, scales, graph
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = threads, 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@lru_cache(maxsize=None)
+def nbits_rows(bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int) -> tuple[int, int, int]:
+    """(rows compared, rows equal to the row alone, rows equal to it beside one zero pad row) of one
+    MatMulNBits signature on this machine's kernel, every row of 2, 3, 5, 8 and 17-row forwards:
+    export.exactness's per-op measure, made before the graph exists so that the quantizer can pick
+    a form the graph keeps exact (docs/exactness.md)."""
+    sess = _nbits_session(bits, block, k, n, accuracy_level, threads)
+    x = np.random.default_rng(1).standard_normal((1, max(TABLE_ROWS), k)).astype(np.float32)
+    pad = np.zeros((1, 1, k), np.float32)
+    alone = [sess.run(None, {"x": x[:, r : r + 1]})[0][0, 0] for r in range(x.shape[1])]
+    padded = [sess.run(None, {"x": np.concatenate([x[:, r : r + 1], pad], 1)})[0][0, 0] for r in range(x.shape[1])]
+    rows = eq_alone = eq_padded = 0
+    for m in TABLE_ROWS:
+        out = sess.run(None, {"x": x[:, :m]})[0][0]
+        for r in range(m):
+            rows += 1
+            eq_alone += int(np.array_equal(out[r], alone[r]))
+            eq_padded += int(np.array_equal(out[r], padded[r]))
+    return rows, eq_alone, eq_padded
+
+
+def rows_verdict(rows: int, eq_alone: int, eq_padded: int) -> str:
+    """export.exactness's verdict: invariant (nothing to pay), guardable (the row guard's pad row
+    makes it exact), variant (no graph with it is exact)."""
+    if eq_padded < rows:
+        return "variant"
+    return "invariant" if eq_alone == rows else "guardable"
+
+
+def nbits_slowdown(
+    bits: int, base: int, other: int, k: int, n: int, accuracy_level: int, threads: int, rounds: int = 7, reps: int = 5
+) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """How much slower one MatMulNBits signature runs in blocks of ``other`` than of ``base``, at each
+    row count of TABLE_TIMED_ROWS: the two interleaved forward by forward group (a shared machine's
+    load drifts), the fastest of ``reps`` forwards each, the ratio taken within each round and its
+    median over rounds. Returns (median ms per block and row count, ratio per row count)."""
+    sessions = {b: _nbits_session(bits, b, k, n, accuracy_level, threads) for b in (base, other)}
+    x = np.random.default_rng(2).standard_normal((1, max(TABLE_TIMED_ROWS), k)).astype(np.float32)
+    got: dict[tuple[int, int], list[float]] = {(b, m): [] for b in sessions for m in TABLE_TIMED_ROWS}
+    for _ in range(rounds):
+        for m in TABLE_TIMED_ROWS:
+            feed = {"x": x[:, :m]}
+            for b, sess in sessions.items():
+                sess.run(None, feed)
+                best = float("inf")
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    sess.run(None, feed)
+                    best = min(best, time.perf_counter() - t)
+                got[(b, m)].append(best)
+    ms = {b: {m: round(1e3 * float(np.median(got[(b, m)])), 3) for m in TABLE_TIMED_ROWS} for b in sessions}
+    ratio = {
+        m: round(float(np.median(np.array(got[(other, m)]) / np.array(got[(base, m)]))), 3) for m in TABLE_TIMED_ROWS
+    }
+    return ms, ratio
+
+
+def table_blocks(k: int, largest: int) -> list[int]:
+    """The blocks the lm-head table may take: ``largest`` halved down to 16, those dividing K."""
+    out, b = [], largest
+    while b >= 16:
+        if k % b == 0:
+            out.append(b)
+        b //= 2
+    return out
+
+
+def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None = None) -> dict:
+    """The block of the 8-bit lm-head (a tied model's embedding table too) on this machine.
+
+    Each candidate block (``plan.lm_head_block`` halved down to 16, dividing K, and the GGUF's own
+    table block ``file_block`` where the file holds the table in a centred 8-bit-exact type) is
+    measured as the graph will run it (``nbits_rows`` at the real K and N, with 1 thread and the
+    default threads): rows must be ``invariant``, else ``guardable`` (the row guard pads them); a
+    ``variant`` block would fail the batched gate (Gemma-3-270M's K=640 lm-head in blocks of 128
+    on an Intel AMX Xeon: docs/exactness.md). Within the best verdict reached, the largest block
+    (fewest scales), unless the file's own blocks reach it too and run at most
+    ``plan.table_carry_slowdown`` times slower at 1, 2 and 8 rows (timed here): then the table is
+    the file's, exactly. Returns the record the quantize report keeps (block, carried, why, what
+    was measured)."""
+    bits, acc = plan.lm_head_bits, plan.accuracy_level
+    cands = table_blocks(k, plan.lm_head_block)
+    if file_block and k % file_block == 0 and file_block not in cands:
+        cands = sorted({*cands, file_block}, reverse=True)
+    threads = sorted({1, DEFAULT_THREADS})
+    measured: dict[int, dict] = {}
+
+    def verdict(b: int) -> str:
+        if b not in measured:
+            per = [nbits_rows(bits, b, k, n, acc, t) for t in threads]
+            worst = max((rows_verdict(*p) for p in per), key=VERDICTS.index)
+            rows, alone, padded = (sum(c) for c in zip(*per))
+            measured[b] = {"verdict": worst, "rows": rows, "equal_alone": alone, "equal_padded": padded}
+        return measured[b]["verdict"]
+
+    sig = f"MatMulNBits bits={bits} acc={acc} K={k} N={n}"
+    rec: dict = {"signature": sig, "candidates": cands, "file_block": file_block, "threads": threads}
+    for tier in VERDICTS[:2]:
+        best = next((b for b in cands if verdict(b) == tier), None)
+        if best is None:
+            continue
+        rec.update(block=best, verdict=tier, carried=file_block == best)
+        if file_block is not None and file_block < best and verdict(file_block) == tier:
+            ms, ratio = nbits_slowdown(bits, best, file_block, k, n, acc, DEFAULT_THREADS)
+            slow = max(ratio.values())
+            rec["ms"] = {str(b): {str(m): t for m, t in v.items()} for b, v in ms.items()}
+            rec["file_block_slowdown"] = {str(m): r for m, r in ratio.items()}
+            if slow <= plan.table_carry_slowdown:
+                rec.update(block=file_block, carried=True)
+        what = "the file's own blocks" if rec["carried"] else "re-rounded"
+        others = ", ".join(f"{b}: {measured[b]['verdict']}" for b in sorted(measured, reverse=True))
+        rec["why"] = f"{sig}: blocks of {rec['block']} ({what}), {tier} here ({others})" + (
+            f"; the file's blocks of {file_block} ran {slow:.2f}x the time of {best}'s at worst "
+            f"over {', '.join(map(str, TABLE_TIMED_ROWS))} rows (limit {plan.table_carry_slowdown}x)"
+            if "file_block_slowdown" in rec
+            else ""
+        )
+        rec["measured"] = {str(b): v for b, v in sorted(measured.items(), reverse=True)}
+        return rec
+    block = cands[0]
+    rec.update(
+        block=block, verdict="variant", carried=file_block == block, measured={str(b): v for b, v in measured.items()}
+    )
+    rec["why"] = f"{sig}: no block of {cands} keeps rows exact here; blocks of {block} (the batched gate decides)"
+    logger.warning("  %s", rec["why"])
+    return rec
 
 
 def _quantize_rows(w_rows: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Encoded:
@@ -342,6 +509,29 @@ def quantize_model(
             report["gguf"]["requantized"] += 1
         return _quantize_rows(w_nk, bits, block, symmetric=bits == 8 or symmetric_4bit())
 
+    def head_encoding(w_nk: np.ndarray) -> Encoded:
+        """The 8-bit lm-head (tied: the embedding table) at the block ``choose_table_block`` measured
+        on this machine: the GGUF's own blocks where the file holds them in a centred type and
+        they keep rows exact (and fast enough), else a symmetric re-rounding at that block."""
+        n, k = w_nk.shape
+        found = blocks.find(w_nk) if blocks is not None else None
+        own = carry(found[1], 8, plan) if found is not None else None
+        if own is not None and (own.bits != 8 or own.zp is not None or own.offset is not None):
+            own = None  # a table with block minima has no exact 8-bit form without an offset term
+        choice = choose_table_block(k, n, plan, own.block if own is not None else None)
+        report["lm_head_block"] = choice
+        logger.info("  lm-head table: %s", choice["why"])
+        if own is not None and found is not None and choice["carried"]:
+            report["gguf"]["carried"] += 1
+            own.note = f"{found[0]} {own.note}"
+            return own
+        if blocks is not None:
+            report["gguf"]["requantized"] += 1
+        enc = _quantize_rows(w_nk, 8, choice["block"], symmetric=True)
+        if found is not None:
+            enc.note = f"{found[0]} {found[1].kind} re-rounded ({enc.note})"
+        return enc
+
     def offset_term(node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
         """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns
         (nodes, the MatMulNBits' own output name). The block sums of ``x`` are computed once."""
@@ -451,9 +641,12 @@ def quantize_model(
         eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
         if eb != 8 or eblock is None:
             raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
-        enc = encode(table, 8, eblock)
-        if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
-            enc = _quantize_rows(table, 8, eblock, symmetric=True)  # a 4-bit or Q6_K table: 8 bits, the plan's block
+        if lm_tied:  # the lm-head's table: its block measured on this machine
+            enc = head_encoding(table)
+        else:  # a gather reads rows whole: any block keeps them exact
+            enc = encode(table, 8, eblock)
+            if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
+                enc = _quantize_rows(table, 8, eblock, symmetric=True)  # a 4-bit or Q6_K table: 8 bits
         eblock = enc.block
         data_name = add_init(enc.q.reshape(table.shape), "model.embed_tokens.q8")
         s_name = add_init(enc.scales, "model.embed_tokens.q8_scales")
@@ -476,7 +669,9 @@ def quantize_model(
         if lm_tied:
             replaced[id(lm)] = matmul_nbits(lm, None, "lm_head", shared=(data_name, s_name, eblock))
             drop_nodes.add(id(producers[lm_w]))
-            report["nodes"][LM_HEAD_NODE] = f"tied to the embedding table --> q8 bs{eblock} (one shared table)"
+            report["nodes"][LM_HEAD_NODE] = (
+                f"tied to the embedding table --> q8 bs{eblock} (one shared table; {report['lm_head_block']['why']})"
+            )
     if tied is not None and tied != lm_tied and emb is not None:
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
     report["tied_embeddings"] = bool(lm_tied)
@@ -524,7 +719,7 @@ def quantize_model(
                 drop_nodes.add(id(producers[nd.input[1]]))
                 w = w.T
             fp_bytes += w.nbytes
-            enc = encode(w.T, bits, block)
+            enc = head_encoding(w.T) if is_head and bits == 8 else encode(w.T, bits, block)
             del w
             encoded.append((nd, enc, nd.input[1].removesuffix(".weight_T") or nd.name))
             note = enc.note or f"q{enc.bits} bs{enc.block}"
