@@ -240,6 +240,18 @@ def cut_step(
     return committed, reason
 
 
+class StepTokens(list):
+    """The ids one step commits, as ``on_tokens`` receives them: a plain list of ids to every caller,
+    with how they were produced, for callers that show it (the server's stream). The first
+    ``accepted`` ids are draft tokens the verify accepted, the rest the model's own picks;
+    ``drafted``: the draft's size that step (a fill's guess included); ``step`` False for the token
+    prefill picks (no verify step)."""
+
+    def __init__(self, ids: Sequence[int], drafted: int = 0, accepted: int = 0, step: bool = True):
+        super().__init__(ids)
+        self.drafted, self.accepted, self.step = drafted, min(accepted, len(self)), step
+
+
 @dataclass
 class Rows:
     """What one request feeds a forward: graph rows (tokens, parents per row or None for a chain)
@@ -340,7 +352,7 @@ class Job:
             )
         )
         if self.on_tokens:
-            self.on_tokens([first])
+            self.on_tokens(StepTokens([first], step=False))
         _, self.reason = cut_step([], [first], self.eos, self.max_new, self.should_stop)
         if self.reason:
             self._finish()
@@ -436,7 +448,7 @@ class Job:
         self.tokens += committed
         self.new += committed
         if self.on_tokens and committed:
-            self.on_tokens(committed)
+            self.on_tokens(StepTokens(committed, len(draft), len(path) - 1))
         d = self.drafter
         # about the drafter's own nodes, never a fill: a fill's own row (rowwise) is the engine's
         # cost, so that step reports a lone token's rows and no verify time to fit

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the scheduler.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent events,
-``usage`` filled in), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``usage`` filled in; each streamed piece says in ``dejavuu`` which text came from accepted draft
+tokens: serve.marks), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text),
+``GET /info`` (methods and defaults) and ``GET /`` (the chat page, files in ``static/``).
 Request fields: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``stream`` (+ ``stream_options.include_usage``), ``n`` = 1; our
 extensions: ``method``, ``tree``, ``top_k``, ``memory_key`` (the drafter-memory namespace).
@@ -26,17 +28,20 @@ import json
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Literal, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DejavuuError, GenerationError
 from ..log import logger
-from ..runtime.stops import TextStream, cut
+from ..runtime.stops import cut
+from .guard import DEFAULT_BODY_TIMEOUT, BodyGuard
+from .marks import MarkedStream
 from .scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
 
 if TYPE_CHECKING:
@@ -92,6 +97,12 @@ class _Body(_Strict):
     tree: bool | None = None
     top_k: int = Field(0, ge=0)
     memory_key: str | None = Field(None, min_length=1, max_length=200)
+    # OpenAI fields this server does not implement: refused (400) rather than silently ignored
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -147,11 +158,15 @@ def create_app(
     method: str = "auto",
     tree: bool = False,
     memory_key: str | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
-    """The FastAPI app serving ``model`` through ``scheduler`` under the name ``served_name``."""
+    """The FastAPI app serving ``model`` through ``scheduler`` under the name ``served_name``
+    (request bodies capped at ``MAX_BODY`` and ``body_timeout`` seconds while they are read: guard)."""
+    from ..runtime.drafters import METHODS
     from .metrics import render_metrics
 
-    app = FastAPI(title="dejavuu-build", docs_url=None, redoc_url=None)
+    app = FastAPI(title="dejavuu-build", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyGuard, max_body=MAX_BODY, body_timeout=body_timeout)
     app.state.scheduler = scheduler
     created = int(time.time())
     namespace = memory_key or served_name
@@ -209,6 +224,31 @@ def create_app(
     async def metrics():
         return PlainTextResponse(render_metrics(scheduler), media_type="text/plain; version=0.0.4")
 
+    @app.get("/info")
+    async def info():
+        """What the page (and any client) may choose from: methods, defaults, images or not."""
+        return {
+            "model": served_name,
+            "methods": list(METHODS),
+            "method": method,
+            "tree": tree,
+            "tree_capable": bool(model.tree_capable and model.tree_period is not None),
+            "vision": model.vision is not None,
+            "batched": scheduler.batched,
+            "context": limit,
+            "max_tokens": DEFAULT_MAX_TOKENS,
+        }
+
+    @app.get("/")
+    async def page():
+        return page_file("index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str):
+        if name not in PAGE_FILES or name == "index.html":
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return page_file(name)
+
     async def parse(request: HTTPRequest, cls):
         raw = await request.body()
         if len(raw) > MAX_BODY:
@@ -223,6 +263,7 @@ def create_app(
             )
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        refuse_unsupported(body)
         return body
 
     def params(body: _Body, max_tokens: int | None, n_prompt: int) -> Params:
@@ -413,21 +454,25 @@ def create_app(
         raise APIError(500, f"internal error: {type(val).__name__}", "server_error")
 
     async def sse(req: Request, q: asyncio.Queue, rid: str, prm: Params, kind: str, include_usage: bool, n_prompt: int):
-        ts = TextStream(tok, prm.stop) if tok is not None else None  # without a tokenizer: no text
+        ts = MarkedStream(tok, prm.stop) if tok is not None else None  # without a tokenizer: no text
         created_ = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
+        def chunk(
+            text: str | None, finish: str | None = None, first: bool = False, spans: list[dict] | None = None
+        ) -> str:
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return (
-                "data: "
-                + json.dumps({"id": rid, "object": obj, "created": created_, "model": served_name, "choices": [choice]})
-                + "\n\n"
-            )
+            out = {"id": rid, "object": obj, "created": created_, "model": served_name, "choices": [choice]}
+            if ts is not None and not first:  # our extension: how this piece was produced (docs/serving.md)
+                out["dejavuu"] = {"spans": spans or [], "steps": ts.take_steps()}
+            return "data: " + json.dumps(out) + "\n\n"
+
+        def piece(spans: list[dict]) -> str:
+            return chunk("".join(s["text"] for s in spans), spans=spans)
 
         try:
             if kind == "chat":
@@ -435,8 +480,8 @@ def create_app(
             while True:
                 what, val = await q.get()
                 if what == "tokens":
-                    if ts is not None and (piece := ts.push(val)):
-                        yield chunk(piece)
+                    if ts is not None and (spans := ts.push(val)):
+                        yield piece(spans)
                     continue
                 try:
                     res = done_result(val)
@@ -450,7 +495,7 @@ def create_app(
                     )
                     return
                 if ts is not None and (rest := ts.finish()):
-                    yield chunk(rest)
+                    yield piece(rest)
                 yield chunk(None, FINISH.get(res.stop_reason, "stop"))
                 if include_usage:
                     yield (
@@ -533,6 +578,76 @@ def parse_body(raw: bytes, cls):
         raise APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param=param) from None
 
 
+# The chat page (docs/serving.md): static files shipped in the package, served from a fixed list.
+# Its policy lets it load only its own files and talk only to this origin; text is inserted as text.
+STATIC = Path(__file__).parent / "static"
+PAGE_FILES = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
+
+
+def page_file(name: str) -> Response:
+    try:
+        data = (STATIC / name).read_bytes()
+    except OSError:
+        raise APIError(
+            500, f"the page's file {name} is missing from this install (reinstall dejavuu-build)", "server_error"
+        ) from None
+    return Response(
+        data,
+        media_type=PAGE_FILES[name],
+        headers={
+            "Content-Security-Policy": PAGE_POLICY,
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-cache",
+        },
+    )
+
+
+def refuse_unsupported(body: _Body) -> None:
+    """A 400 naming the field for what this server would otherwise silently ignore: tools and
+    function calling, structured output, and an empty ``method`` (which would mean the default)."""
+    if body.method is not None and not body.method.strip():
+        raise APIError(
+            400,
+            "method is empty: name a method (GET /info lists them) or leave the field out for the server's default",
+            param="method",
+            code="unknown_method",
+        )
+    for name in ("tools", "functions"):
+        if getattr(body, name) not in (None, []):
+            raise APIError(
+                400,
+                f"{name} (tool / function calling) are not supported by this server: leave `{name}` out",
+                param=name,
+                code="unsupported_parameter",
+            )
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none", "auto"):
+            raise APIError(
+                400,
+                f"{name} is not supported by this server (it calls no tools): leave `{name}` out",
+                param=name,
+                code="unsupported_parameter",
+            )
+    rf = body.response_format
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(
+            400,
+            "response_format (JSON mode, structured output) is not supported by this server: only "
+            '{"type": "text"}, or leave `response_format` out',
+            param="response_format",
+            code="unsupported_parameter",
+        )
+
+
 def longest_token(tok) -> int:
     """The most characters any one token of ``tok`` stands for (decoded, specials included)."""
     vocab = tok.tok.get_vocab(with_added_tokens=True)
@@ -550,6 +665,8 @@ def ext_stats(res: Result) -> dict:
         "steps": res.stats.steps,
         "accepted": res.stats.accepted,
         "drafted": res.stats.drafted,
+        "seconds": round(res.stats.total_s, 4),  # from admission to the last token, prefill included
+        "prefill_seconds": round(res.stats.prefill_s, 4),
     }
 
 

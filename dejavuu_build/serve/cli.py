@@ -14,6 +14,7 @@ from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger
 from ..runtime.cli import friendly
+from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ServeConfig:
     width: int = S.DEFAULT_TREE_WIDTH
     max_depth: int = S.DEFAULT_MAX_DEPTH
     max_nodes: int | None = None
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds for a request's line and headers (serve.guard)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds for its whole body
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -56,6 +59,13 @@ class ServeConfig:
                     f"{flag} must be an integer >= {lo}, got {v!r}"
                     + ("; pass --no-memory for no drafter memory" if flag == "--memory-tokens" else "")
                 )
+        for flag, t in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout)):
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+                raise DejavuuError(f"{flag} must be a number of seconds > 0, got {t!r}")
+        # an empty name would silently mean the default (the folder's name, the served name)
+        for flag, name in (("--served-name", self.served_name), ("--memory-key", self.memory_key)):
+            if name is not None and not name.strip():
+                raise DejavuuError(f"{flag} is empty: give a name, or leave the option out for the default")
         return self
 
 
@@ -122,7 +132,15 @@ def build_app(cfg: ServeConfig):
         max_nodes=cfg.max_nodes,
     )
     served = cfg.served_name or model.folder.name
-    app = create_app(model, sched, served_name=served, method=cfg.method, tree=cfg.tree, memory_key=cfg.memory_key)
+    app = create_app(
+        model,
+        sched,
+        served_name=served,
+        method=cfg.method,
+        tree=cfg.tree,
+        memory_key=cfg.memory_key,
+        body_timeout=cfg.body_timeout,
+    )
     return app, sched
 
 
@@ -158,6 +176,20 @@ def build_app(cfg: ServeConfig):
 @click.option("--memory-key", default=None, help="Drafter memory namespace [default: the served name].")
 @click.option("--datastore", default=None, help="Datastore name for rest / sam_decoding / asam.")
 @click.option("--served-name", default=None, help="Model name in the API [default: NAME's folder name].")
+@click.option(
+    "--header-timeout",
+    default=DEFAULT_HEADER_TIMEOUT,
+    show_default=True,
+    type=float,
+    help="Seconds a request's line and headers may take; then the connection is closed.",
+)
+@click.option(
+    "--body-timeout",
+    default=DEFAULT_BODY_TIMEOUT,
+    show_default=True,
+    type=float,
+    help="Seconds a request's body may take (408).",
+)
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (pip install 'dejavuu-build[cluster]').")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: runtime replicas.")
 @friendly
@@ -177,10 +209,12 @@ def serve(
     memory_key,
     datastore,
     served_name,
+    header_timeout,
+    body_timeout,
     use_ray,
     replicas,
 ):
-    """Serve NAME over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+    """Serve NAME over an OpenAI-compatible HTTP API (FastAPI + uvicorn), with a chat page at /."""
     cfg = ServeConfig(
         name=name,
         variant=variant,
@@ -195,6 +229,8 @@ def serve(
         memory_key=memory_key,
         datastore=datastore,
         served_name=served_name,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
     )
     if not 0 < port < 65536:
         raise DejavuuError(f"--port must be in 1..65535, got {port}")
@@ -207,6 +243,8 @@ def serve(
         run_ray(cfg, host=host, port=port, replicas=replicas)
         return
     uvicorn = need("uvicorn", "serve")
+    from .guard import guarded_h11
+
     sock = listen_socket(host, port)  # before the model loads: a taken port fails at once
     try:
         app, sched = build_app(cfg)
@@ -220,7 +258,13 @@ def serve(
             ", tree" if tree else "",
         )
         try:
-            uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+            config = uvicorn.Config(
+                app,
+                log_level="warning",
+                timeout_graceful_shutdown=5,
+                http=guarded_h11(cfg.header_timeout),  # h11 (not httptools): headers bounded in time and size
+            )
+            uvicorn.Server(config).run(sockets=[sock])
         finally:
             sched.close()
     finally:
