@@ -1,19 +1,21 @@
 """Tokenizer and chat template without transformers: `tokenizers` + jinja2.
 
-Chat templates come from model folders, so they run in jinja2's immutable sandbox *and* within
-bounds: TEMPLATE_SECONDS of rendering (checked between the template's Python lines), and
-TEMPLATE_MAX_CHARS for any string or list it builds and for its output (checked before a
-repetition, concatenation, padding or join allocates). A template past either bound is a
-GenerationError, never a hang or an aborted process.
+Chat templates come from model folders, so they run in jinja2's immutable sandbox, in a process of
+their own, *and* within bounds (runtime.template_render): TEMPLATE_SECONDS of rendering (a hard
+wall-clock limit: the process is killed, whatever single operation it is in), TEMPLATE_MAX_CHARS
+for any string or list it builds and for its output, and a bound on the integers it computes. A
+template past any bound is a GenerationError, never a hang, a held GIL or an aborted process.
 """
 
 from __future__ import annotations
 
-import functools
+import atexit
 import json
-import re
+import os
+import queue
+import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from ..errors import CacheError, GenerationError
@@ -105,164 +107,150 @@ class IncrementalDecoder:
 
 
 # ------------------------------------------------------------------------------ bounded chat templates
-class _TemplateLimit(BaseException):
-    """Raised from inside a render; a BaseException so no `except Exception` on the way swallows it."""
+# Templates render in worker processes (runtime.template_render): a pool of idle ones, each taking
+# one render at a time, killed at the wall-clock bound whatever the template is doing, so a template
+# never holds this process's GIL, memory or other requests.
+_HARD_GRACE_S = 1.0  # past TEMPLATE_SECONDS: the worker's own tracer answers first where it can
+_START_S = 60.0  # a worker's start (python + jinja2): a loaded machine can take seconds
+_MAX_IDLE = 4
+_idle: list[_TemplateWorker] = []
+_pool_lock = threading.Lock()
+_forked_away: list[_TemplateWorker] = []  # a forked child's copies of its parent's workers, never used
 
 
-def _too_big(n, what: str = "a string or list") -> None:
-    if n > TEMPLATE_MAX_CHARS:
-        raise _TemplateLimit(f"builds {what} of {n:,} items (the bound is {TEMPLATE_MAX_CHARS:,})")
+class _TemplateWorker:
+    def __init__(self):
+        script = Path(__file__).with_name("template_render.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(script)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+        )
+        self.answers: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, name="dejavuu-template-reader", daemon=True)
+        self.reader.start()
+        first = self._answer(_START_S)
+        if not (isinstance(first, dict) and first.get("ready")):
+            self.kill()
+            raise GenerationError(
+                "cannot start the chat template renderer (a Python process with jinja2): "
+                "check that jinja2 is installed, or pass a plain prompt"
+            )
+
+    def _read(self) -> None:
+        out = self.proc.stdout
+        assert out is not None
+        try:
+            for line in out:
+                try:
+                    self.answers.put(json.loads(line))
+                except ValueError:
+                    self.answers.put(None)
+        except (OSError, ValueError):
+            pass
+        self.answers.put(None)  # the worker is gone
+
+    def _answer(self, seconds: float):
+        try:
+            return self.answers.get(timeout=seconds)
+        except queue.Empty:
+            return TimeoutError
+
+    def render(self, request: dict, seconds: float):
+        data = json.dumps(request).encode() + b"\n"
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(data)
+            stdin.flush()
+        except (OSError, ValueError):
+            return None
+        return self._answer(seconds)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
 
 
-def _size(x) -> int:
-    return len(x) if isinstance(x, (str, list, tuple, bytes)) else 0
+def _take_worker() -> _TemplateWorker:
+    with _pool_lock:
+        while _idle:
+            w = _idle.pop()
+            if w.alive():
+                return w
+            w.kill()
+    return _TemplateWorker()
 
 
-def _check_repeat(a, b) -> None:
-    for seq, n in ((a, b), (b, a)):
-        if isinstance(seq, (str, list, tuple, bytes)) and isinstance(n, int) and not isinstance(n, bool):
-            _too_big(len(seq) * max(n, 0))
+def _give_back(w: _TemplateWorker) -> None:
+    with _pool_lock:
+        if w.alive() and len(_idle) < _MAX_IDLE:
+            _idle.append(w)
+            return
+    w.kill()
 
 
-_WIDE = re.compile(r"\d{7,}")  # a width or precision of a million or more
+@atexit.register
+def _stop_workers() -> None:
+    with _pool_lock:
+        workers = list(_idle)
+        _idle.clear()
+    for w in workers:
+        w.kill()
 
 
-def _check_format(fmt, args=(), kwargs=None) -> None:
-    if isinstance(fmt, str) and _WIDE.search(fmt):
-        raise _TemplateLimit("formats with a width of millions of characters")
-    vals = list(args if isinstance(args, (list, tuple)) else [args]) + list((kwargs or {}).values())
-    if (
-        isinstance(fmt, str)
-        and any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > TEMPLATE_MAX_CHARS for v in vals)
-        and ("*" in fmt or "{" in fmt)
-    ):
-        raise _TemplateLimit("formats with a computed width of millions of characters")
+def _after_fork_in_child() -> None:
+    """A forked child never writes to its parent's workers (their pipes are shared): it starts its own."""
+    global _pool_lock
+    _forked_away.extend(_idle)  # kept referenced: closing them here could wait on a reader's lock
+    _idle.clear()
+    _pool_lock = threading.Lock()
 
 
-def _check_join(items, sep="") -> list:
-    items = list(items)
-    _too_big(len(items), "a list")
-    _too_big(sum(len(x) if isinstance(x, str) else 0 for x in items) + len(sep or "") * len(items), "a string")
-    return items
-
-
-def _check_str_call(s: str, name: str, args, kwargs) -> None:
-    first = args[0] if args else None
-    if name in ("center", "ljust", "rjust", "zfill") and isinstance(first, int):
-        _too_big(first)
-    elif name == "expandtabs":
-        _too_big(len(s) + s.count("\t") * (first if isinstance(first, int) else 8))
-    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-        _too_big(len(s) + (s.count(args[0]) + (not args[0]) * (len(s) + 1)) * len(args[1]))
-    elif name == "join" and args:
-        _check_join(args[0], s)
-    elif name in ("format", "format_map"):
-        _check_format(s, args, kwargs)
-
-
-def _bounded_env():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-        @staticmethod
-        def concat(parts):  # the template's, macros' and call blocks' output
-            return "".join(_check_join(parts))
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                _check_repeat(left, right)
-            elif operator == "+":
-                _too_big(_size(left) + _size(right))
-            elif operator == "%":
-                _check_format(left, right)
-            elif (
-                operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 1024
-            ):
-                raise _TemplateLimit(f"computes {left} ** {right}")
-            out = super().call_binop(context, operator, left, right)
-            _too_big(_size(out))
-            return out
-
-        def call(__self, __context, __obj, *args, **kwargs):
-            target = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
-            if isinstance(getattr(target, "__self__", None), str):
-                _check_str_call(target.__self__, getattr(target, "__name__", ""), args, kwargs)
-            out = super().call(__context, __obj, *args, **kwargs)
-            _too_big(_size(out))
-            return out
-
-    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals.pop("lipsum", None)  # generates text of any length
-
-    def guard(name, check):
-        real = env.filters[name]
-
-        @functools.wraps(real)
-        def filt(*a, **kw):
-            check(*a, **kw)
-            return real(*a, **kw)
-
-        env.filters[name] = filt
-
-    guard("center", lambda value, width=80, *a, **k: _too_big(width) if isinstance(width, int) else None)
-    guard(
-        "indent",
-        lambda s, width=4, *a, **k: _too_big(
-            len(str(s)) + (str(s).count("\n") + 1) * (len(width) if isinstance(width, str) else int(width))
-        ),
-    )
-    guard("replace", lambda ctx, s, old, new, *a, **k: _check_str_call(str(s), "replace", (str(old), str(new)), {}))
-    guard("join", lambda ctx, value, d="", *a, **k: _check_join(value, d) if isinstance(value, (list, tuple)) else None)
-    guard("format", lambda value, *args, **kw: _check_format(value, args, kw))
-    return env
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def render_bounded(source: str, **context) -> str:
     """Render a chat template within TEMPLATE_SECONDS and TEMPLATE_MAX_CHARS, or raise GenerationError."""
-    env = _bounded_env()
-
-    def raise_exception(msg):
+    request = {"source": source, "context": context, "seconds": TEMPLATE_SECONDS, "max_chars": TEMPLATE_MAX_CHARS}
+    try:
+        json.dumps(request)
+    except (TypeError, ValueError) as e:
+        raise GenerationError(
+            f"chat messages must hold text, numbers, lists and dicts only ({' '.join(str(e).split())[:120]})"
+        ) from None
+    w = _take_worker()
+    answer = w.render(request, TEMPLATE_SECONDS + _HARD_GRACE_S)
+    if not isinstance(answer, dict):
+        w.kill()
+        why = f"ran longer than {TEMPLATE_SECONDS:g}s" if answer is TimeoutError else "stopped its renderer"
+        raise GenerationError(f"chat template refused: it {why}; pass a plain prompt instead")
+    _give_back(w)
+    if "text" in answer and isinstance(answer["text"], str):
+        return answer["text"]
+    kind, msg = answer.get("error"), " ".join(str(answer.get("message", "")).split())[:300]
+    if kind == "limit":
+        raise GenerationError(f"chat template refused: it {msg}; pass a plain prompt instead")
+    if kind == "parse":
+        raise GenerationError(f"chat template does not parse ({msg}): pass a plain prompt instead")
+    if kind == "raised":
         raise GenerationError(f"chat template: {msg}")
-
-    env.globals["raise_exception"] = raise_exception
-    try:
-        tmpl = env.from_string(source)  # constant expressions are folded (and bounded) here
-    except _TemplateLimit as e:
-        raise GenerationError(f"chat template refused: it {e}; pass a plain prompt instead") from None
-    except Exception as e:  # noqa: BLE001 - a syntax error in the model's template
-        raise GenerationError(
-            f"chat template does not parse ({type(e).__name__}: {str(e)[:200]}): pass a plain prompt instead"
-        ) from None
-    # `~` joins through the template's own module globals: bound those joins too.
-    g = tmpl.root_render_func.__globals__
-    for fn in ("str_join", "markup_join"):
-        if fn in g:
-            g[fn] = functools.partial(lambda real, seq: real(_check_join(seq)), g[fn])
-    deadline = time.monotonic() + TEMPLATE_SECONDS
-
-    def tracer(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise _TemplateLimit(f"ran longer than {TEMPLATE_SECONDS:g}s")
-        return tracer
-
-    previous = sys.gettrace()
-    out, n = [], 0
-    sys.settrace(tracer)
-    try:
-        for piece in tmpl.generate(**context):
-            n += len(piece)
-            _too_big(n, "an output")
-            out.append(piece)
-    except _TemplateLimit as e:
-        raise GenerationError(f"chat template refused: it {e}; pass a plain prompt instead") from None
-    except GenerationError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the template's own failure (recursion, type errors, ...)
-        raise GenerationError(
-            f"chat template failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); pass a plain prompt instead"
-        ) from None
-    finally:
-        sys.settrace(previous)
-    return "".join(out)
+    raise GenerationError(f"chat template failed ({msg}); pass a plain prompt instead")
