@@ -17,7 +17,11 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain it in one sentence."
+# an input-grounded task (editing given code), where drafting from the prompt pays
+PROMPT = (
+    "Rename the variables a and b to prev and curr in this function, and show the whole function:\n\n"
+    "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+)
 
 
 def chromium_paths() -> tuple[str, str] | None:
@@ -50,17 +54,26 @@ def open_page(d: webdriver.Chrome, url: str) -> None:
     WebDriverWait(d, 30).until(lambda d: d.execute_script("return document.body.dataset.ready") == "true")
 
 
+def type_text(el, text: str) -> None:
+    """Type ``text`` as a user would, a new line as Shift+Enter (Enter alone sends)."""
+    for i, line in enumerate(text.split("\n")):
+        if i:
+            el.send_keys(Keys.SHIFT, Keys.ENTER, Keys.SHIFT)
+        el.send_keys(line)
+
+
 def set_value(d: webdriver.Chrome, element_id: str, value: str) -> None:
     el = d.find_element(By.ID, element_id)
     el.clear()
-    el.send_keys(value)
+    type_text(el, value)
 
 
 def chat(d: webdriver.Chrome, text: str, timeout: float = 120) -> dict:
     """Type ``text``, press Enter, wait for the streamed reply; its text, draft spans and stats line."""
     n = len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
     box = d.find_element(By.ID, "prompt")
-    box.send_keys(text)
+    box.clear()
+    type_text(box, text)
     box.send_keys(Keys.ENTER)
     WebDriverWait(d, timeout).until(
         lambda d: (
@@ -116,8 +129,8 @@ def main(name: str, out: str) -> None:
     try:
         open_page(d, url)
         set_value(d, "max-tokens", "64")
+        compare(d, PROMPT)  # first: with the chat's answer in the history, compare would draft from it
         chat(d, PROMPT)
-        compare(d, PROMPT)
         full_page_png(d, Path(out))
     finally:
         d.quit()
