@@ -17,6 +17,14 @@ model, so that is what the bench compares with (``--compare genai``):
   ``generate_next_token`` only samples from its logits, so the first token is prefill, as in
   :class:`~dejavuu_build.runtime.job.GenerationStats`; every later ``generate_next_token``
   (one forward + sampling) is a decode step.
+* **Sized for the model.** genai's generator sizes its KV buffers by ``max_length``; a
+  sliding-window layer (Gemma 3's local layers, ``sliding_window_cache``) needs them to hold at
+  least its window, so ``max_length`` is the generation's length or the window (plus genai's
+  ``cache_slack``), whichever is larger (:meth:`GenaiPeer.max_length`); the generation still
+  stops after ``max_new_tokens``.
+* **A peer that cannot run is one line.** :func:`load_genai_peer` builds the peer and runs one
+  short generation; any failure (its builder, its generator) comes back as one line saying why,
+  and the bench goes on without it.
 * **Its own speculative decoding too.** genai 0.18 drafts by n-gram lookup
   (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``); :class:`GenaiNgram`
   times it as the ``genai-ngram`` peer on the same model, options chosen by :mod:`.ngram`.
@@ -79,6 +87,13 @@ def require_genai():
             f"{version}: {INSTALL_HINT}"
         )
     return og
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: onnxruntime's own status message where it has one."""
+    text = " ".join(str(e).split())
+    at = text.find("Status Message:")
+    return (text[at + len("Status Message:") :].strip() if at >= 0 else text) or type(e).__name__
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -327,12 +342,23 @@ class GenaiPeer:
             **rec,
             "intra_op_num_threads": self.threads,
             "eos_token_id": self.eos_ids,
-            "search": "greedy (do_sample false), max_length = prompt + max_new_tokens",
+            "search": "greedy (do_sample false), max_new_tokens per generation; max_length (its KV capacity) = "
+            "prompt + max_new_tokens, or the sliding window + cache_slack where larger",
+            "kv_min_capacity": kv_capacity(self.genai_config["model"], 0),
         }
 
     @property
     def context_length(self) -> int:
         return int(self.genai_config["model"].get("context_length") or 0)
+
+    def max_length(self, total: int) -> int:
+        """genai's ``max_length`` for a generation of ``total`` positions; see :func:`kv_capacity`."""
+        return kv_capacity(self.genai_config["model"], total)
+
+    def preflight(self) -> None:
+        """One short generation (8 prompt ids, 2 new tokens): BenchError with one line if the
+        generator cannot run this model here."""
+        self.generate(list(range(8)), 2)
 
     def quality(self, model_folder: str | Path) -> dict:
         """Its build on our quality gate (``peer_quality``), scored once: the n-gram peer shares the build."""
@@ -372,27 +398,33 @@ class GenaiPeer:
                 f"prompt ({len(ids)}) + {max_new_tokens} new tokens exceed genai's context length {self.context_length}"
             )
         params = og.GeneratorParams(self.model)
-        opts = {"max_length": total, "do_sample": False}
+        opts = {"max_length": self.max_length(total), "do_sample": False}
         if ignore_eos:
             opts["min_length"] = total
-        params.set_search_options(**opts)
-        if speculative:
-            params.set_speculative_options(ngram_size=int(speculative[0]), max_draft_tokens=int(speculative[1]))
-        gen = og.Generator(self.model, params)
-        t0 = time.perf_counter()
-        gen.append_tokens(ids)  # the prefill forward (n-gram: deferred to the first round)
-        gen.generate_next_token()  # samples the first token from the prefill's logits
-        tokens = [int(gen.get_next_tokens()[0])]
-        first_forwards = int(gen.get_speculative_stats()["target_forward_passes"]) if speculative else 0
-        t1 = time.perf_counter()
-        steps: list[float] = []
-        last = t1
-        while not gen.is_done() and len(tokens) < max_new_tokens:
-            gen.generate_next_token()  # one decode forward + sampling
-            tokens.append(int(gen.get_next_tokens()[0]))
-            now = time.perf_counter()
-            steps.append(now - last)
-            last = now
+        try:
+            params.set_search_options(**opts)
+            if speculative:
+                params.set_speculative_options(ngram_size=int(speculative[0]), max_draft_tokens=int(speculative[1]))
+            gen = og.Generator(self.model, params)
+            t0 = time.perf_counter()
+            gen.append_tokens(ids)  # the prefill forward (n-gram: deferred to the first round)
+            gen.generate_next_token()  # samples the first token from the prefill's logits
+            tokens = [int(gen.get_next_tokens()[0])]
+            first_forwards = int(gen.get_speculative_stats()["target_forward_passes"]) if speculative else 0
+            t1 = time.perf_counter()
+            steps: list[float] = []
+            last = t1
+            while not gen.is_done() and len(tokens) < max_new_tokens:
+                gen.generate_next_token()  # one decode forward + sampling
+                tokens.append(int(gen.get_next_tokens()[0]))
+                now = time.perf_counter()
+                steps.append(now - last)
+                last = now
+        except RuntimeError as e:  # onnxruntime-genai raises RuntimeError for anything its session refuses
+            raise BenchError(
+                f"onnxruntime-genai's generator failed on {self.folder.name} (prompt {len(ids)} ids, "
+                f"max_length {opts['max_length']}): {_one_line(e)[:300]}"
+            ) from None
         reason = "eos" if tokens[-1] in self.eos_ids and not ignore_eos else "length"
         forwards = spec = None
         if speculative:
@@ -401,6 +433,32 @@ class GenaiPeer:
             forwards = int(stats["target_forward_passes"]) - first_forwards
         del gen
         return PeerResult(tokens, len(ids), t1 - t0, last - t0, steps, reason, forwards, spec)
+
+
+def kv_capacity(model_cfg: dict, total: int) -> int:
+    """Positions genai's KV buffers must hold for a generation of ``total`` positions, from its
+    ``genai_config.json`` ``model`` section: ``total``, or a sliding-window layer's window plus
+    genai's ``cache_slack`` where that is larger (its kernel refuses a smaller buffer: Gemma-3's
+    window of 512 under a 72-position generation), at most the context length."""
+    sw = model_cfg.get("decoder", {}).get("sliding_window") or {}
+    need = int(sw.get("window_size") or 0) + int(sw.get("cache_slack") or 0) if sw.get("layers", True) else 0
+    cap = max(int(total), need)
+    limit = int(model_cfg.get("context_length") or 0)
+    return min(cap, limit) if limit else cap
+
+
+def load_genai_peer(manifest, threads: int, eos_ids: Sequence[int] = (), cache: Path | None = None):
+    """(genai's peer, None), built once from our build's source and checked by one short
+    generation, or (None, one line saying why it cannot run here): the bench goes on without it."""
+    try:
+        peer = GenaiPeer(ensure_genai_model(manifest, cache), threads, eos_ids)
+        peer.preflight()
+    except Exception as e:  # noqa: BLE001 - its builder, config or generator: whatever stops it is one line
+        why = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {_one_line(e)}"
+        line = f"genai peer skipped, it cannot run this model here: {why[:400]}"
+        logger.warning(line)
+        return None, line
+    return peer, None
 
 
 def parse_ngram(value: str | Sequence[int]) -> tuple[int, int]:
@@ -458,6 +516,7 @@ class GenaiReplay:
         import onnxruntime as ort
 
         cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
+        self.min_capacity = kv_capacity(cfg, 0)  # a sliding-window layer's kernel needs its window
         self.dec = cfg["decoder"]
         self.vocab = int(cfg["vocab_size"])
         self.names_in, self.names_out = self.dec["inputs"], self.dec["outputs"]
@@ -475,11 +534,12 @@ class GenaiReplay:
         self.bind: Any = None  # the onnxruntime IOBinding prefill() makes
 
     def prefill(self, prompt_ids: Sequence[int], max_len: int) -> int:
-        """Fresh zeroed KV buffers of ``max_len`` positions, then the prompt; the argmax of its last row."""
+        """Fresh zeroed KV buffers of ``max_len`` positions (at least what a sliding-window layer needs),
+        then the prompt; the argmax of its last row."""
         import numpy as np
 
         ort, names_in, names_out = self.ort, self.names_in, self.names_out
-        shape = (1, self.dec["num_key_value_heads"], max_len, self.dec["head_size"])
+        shape = (1, self.dec["num_key_value_heads"], max(max_len, self.min_capacity), self.dec["head_size"])
         bind = self.sess.io_binding()
         bind.bind_output(names_out["logits"])  # bound first: output 0 (rebinding keeps the slot)
         for i in range(self.dec["num_hidden_layers"]):
@@ -558,7 +618,7 @@ def genai_host_estimate(
     ids = [int(t) for t in prompt_ids]
     total = len(ids) + max_new_tokens
     params = og.GeneratorParams(peer.model)
-    params.set_search_options(max_length=total, min_length=total, do_sample=False)
+    params.set_search_options(max_length=peer.max_length(total), min_length=total, do_sample=False)
     gen = og.Generator(peer.model, params)
     gen.append_tokens(ids)
     gen.generate_next_token()

@@ -592,11 +592,12 @@ def load_peers(model: Model, cfg: BenchConfig) -> list:
     """The --compare peers, built (once, into the cache) from the source our build records."""
     if not cfg.compare:
         return []
-    from .genai import GenaiPeer, ensure_genai_model
+    from .genai import load_genai_peer
 
     if model.manifest is None:
         raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
-    return [GenaiPeer(ensure_genai_model(model.manifest), cfg.threads, model.eos_ids)]
+    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)  # None: one line said why
+    return [peer] if peer is not None else []
 
 
 def _recorded_peers(out: Path) -> dict:
@@ -696,7 +697,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
             peer.generate(
                 model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
             )
-        if cfg.ngram:  # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
+        if cfg.ngram and peers:  # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
             from .ngram import ngram_peer
 
             peers.append(ngram_peer(model, peers[0], cfg, out, corpus, prompts, fits, resume))
