@@ -21,6 +21,10 @@ What the library lacks and this module keeps: the plan (which node gets which wi
 The lm-head and the embedding are found by name (``/lm_head/MatMul``,
 ``/model/embed_tokens/Gather``, set by the exporter), never by guessing.
 
+The lm-head's 8-bit table is the one weight whose block is measured, not planned: a block whose
+MatMulNBits gives a row other bits alone than among rows would fail the batched gate, and which
+blocks do is a property of the CPU's kernel (``choose_table_block``).
+
 Tied embeddings stay tied: when the lm-head reads the embedding table through a Transpose,
 both ops read ONE 8-bit table ([V, H] rows quantized in blocks along H, which is exactly the
 MatMulNBits layout for N=V, K=H). An untied model keeps two tables.
@@ -72,8 +76,10 @@ class QuantPlan:
 # the file does not hold (other sources, GGUF types it cannot carry) is re-rounded with a zero
 # point per block (asymmetric: closer to the weights than symmetric on both real models measured)
 # where this machine's 4-bit kernel keeps rows exact with zero points (zero_points_row_exact),
-# else symmetric. Its table in blocks of 64: half the scales for no measurable loss. (Figures:
-# docs/quantization.md.)
+# else symmetric. The 8-bit lm-head table (tied: the embedding's too) takes the largest block from
+# lm_head_block (128) down that keeps rows exact on the building machine, or the GGUF's own table
+# where it keeps them exact too and is as fast (choose_table_block; blocks of 128 are row-variant on
+# an Intel AMX Xeon at K = 640). (Figures: docs/quantization.md, docs/exactness.md.)
 PLANS: dict[str, QuantPlan] = {
     INT8: QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
     INT4: QuantPlan(
