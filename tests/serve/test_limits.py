@@ -119,6 +119,50 @@ def test_a_large_body_is_refused_while_it_is_read(server, chunked):
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
 
 
+def test_many_bodies_at_the_cap_together_are_bounded(server):
+    """20 clients each send 30 MiB (under the per-request cap) and stall before the end: all
+    requests' bodies together stay under the server's bound (8 bodies at the cap); the clients
+    past it get 503 at once, the others 408 after the body timeout. (Bounded per request only, the
+    server held all 600 MiB.)"""
+    from dejavuu_build.serve.guard import MAX_HELD_BODIES
+
+    proc, url = server
+    n, each = 20, 30 << 20
+    base = rss(proc.pid)
+    socks, answers, readers = [], [bytearray() for _ in range(n)], []
+
+    def read(s, out):
+        try:
+            while data := s.recv(65536):
+                out.extend(data)
+        except OSError:
+            pass
+
+    block = b"x" * (1 << 20)
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port_of(url)), timeout=60)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        readers.append(threading.Thread(target=read, args=(s, answers[i])))
+        readers[-1].start()
+        try:
+            for _ in range(each // len(block)):
+                s.sendall(b"%x\r\n%b\r\n" % (len(block), block))
+        except OSError:
+            pass  # refused (503) and closed
+        socks.append(s)
+    peak = rss(proc.pid)
+    for t in readers:
+        t.join(BODY_TIMEOUT + 30)
+    for s in socks:
+        s.close()
+    codes = [bytes(a[9:12]) for a in answers]
+    assert set(codes) <= {b"503", b"408"} and b"503" in codes and b"408" in codes, codes
+    assert codes.count(b"408") <= MAX_HELD_BODIES * MAX_BODY // each, codes
+    grew = peak - base
+    assert grew < MAX_HELD_BODIES * MAX_BODY + (96 << 20), f"RSS grew by {grew >> 20} MB for {n * each >> 20} MiB sent"
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
 def test_a_body_under_the_cap_is_still_served(server):
     _, url = server
     r = httpx.post(
