@@ -10,9 +10,11 @@ extensions: ``method``, ``tree``, ``top_k``, ``memory_key`` (the drafter-memory 
 VLM builds take ``image_url`` parts with ``data:`` URLs (nothing is fetched).
 
 Every error is OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``) with its
-status: 400 bad body or settings, 404 unknown model or route, 429 queue full, 500 a bug. The
-body is parsed by hand (not by FastAPI's validator) so that a malformed body is a 400 in that
-shape rather than a 422 in another, whatever its depth.
+status: 400 bad body or settings (unsupported fields such as ``tools`` included), 404 unknown model
+or route, 408/413/503 a body too slow, too large, or past the bound of all bodies together (serve.guard,
+while it is read), 429 queue full, 500 a bug. The body is parsed by hand (not by FastAPI's
+validator) so that a malformed body is a 400 in that shape rather than a 422 in another, whatever
+its depth.
 
 Work that grows with a request (parsing, tokenizing, decoding images) runs in a worker thread,
 never on the event loop, so one large request does not stall /health or the other streams.
