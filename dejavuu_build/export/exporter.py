@@ -229,4 +229,34 @@ def finalize_graph(proto) -> bool:
                 if x in renamed_inits:
                     nd.input[i] = renamed_inits[x]
     del proto.metadata_props[:]
+    dedupe_unary(g)
     return tied
+
+
+DEDUPED_OPS = ("Cos", "Sin")
+
+
+def dedupe_unary(g) -> int:
+    """Drop repeats of an elementwise op on the same input (DEDUPED_OPS), rewiring their readers to
+    the first: the exporter writes RoPE's cos/sin once per q and k of every layer (4 per layer, 120 on
+    SmolLM2) from the same positions. onnxruntime's CSE removes them at load, but the file, the
+    per-op tables and every tool that is not onnxruntime should not carry them. Returns how many."""
+    first: dict[tuple[str, str], str] = {}
+    alias: dict[str, str] = {}
+    keep = []
+    outputs = {o.name for o in g.output}
+    for nd in g.node:
+        for i, x in enumerate(nd.input):
+            if x in alias:
+                nd.input[i] = alias[x]
+        if nd.op_type in DEDUPED_OPS and len(nd.input) == 1 and len(nd.output) == 1 and not nd.attribute:
+            key = (nd.op_type, nd.input[0])
+            if key in first and nd.output[0] not in outputs:
+                alias[nd.output[0]] = first[key]
+                continue
+            first.setdefault(key, nd.output[0])
+        keep.append(nd)
+    if alias:
+        del g.node[:]
+        g.node.extend(keep)
+    return len(alias)

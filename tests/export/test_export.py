@@ -116,3 +116,28 @@ def test_inputs_embeds_build(cache_dir):
 
     m = read_manifest(folder)
     assert m.variants["fp32"].passed and m.variants["fp32"].gates["parity"]["tree_logits_maxdiff"] < 1e-3
+
+
+def test_rope_cos_and_sin_are_computed_once_per_input(tiny_llama):
+    """The exporter writes cos/sin per q and k of every layer from one position tensor; the export
+    keeps one of each (dedupe_unary), so no file carries work onnxruntime's CSE would drop."""
+    from dejavuu_build.export.exporter import dedupe_unary
+
+    m = onnx.load(str(tiny_llama / variant_file("fp32")), load_external_data=False)
+    trig = [(n.op_type, n.input[0]) for n in m.graph.node if n.op_type in ("Cos", "Sin")]
+    assert trig and len(trig) == len(set(trig))
+    # and the pass does remove repeats, rewiring their readers
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [
+            helper.make_node("Cos", ["x"], ["c1"]),
+            helper.make_node("Cos", ["x"], ["c2"]),
+            helper.make_node("Add", ["c1", "c2"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    assert dedupe_unary(g) == 1
+    assert [n.op_type for n in g.node] == ["Cos", "Add"] and list(g.node[1].input) == ["c1", "c1"]
