@@ -492,9 +492,10 @@ class _Gates:
 def _serve_batch(
     folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, machine: dict, embed=None
 ) -> None:
-    """The serving batch graph (export.passes.serve_batch) of the static variant `serve` loads, the
-    default precision's (serve.batch.batch_twin): written beside it, gated (gates.gate_serve_batch:
-    requests side by side bit-identical to each alone) and recorded as Manifest.batched. One
+    """The serving batch graph (export.passes.serve_batch) of the default precision's static variant
+    (what `serve --variant <it>` batches; `serve` of a rowwise default decodes one request per
+    forward, so that the server and `generate` give one answer): written beside it, gated
+    (gates.gate_serve_batch: requests side by side bit-identical to each alone) and recorded as Manifest.batched. One
     variant only, to keep the build short and the entry small; other variants serve one request
     per forward. A failing gate is recorded (passed false) and named in the summary, and the
     server never batches on it. Rewritten byte for byte from the same static graph (quant-only),

@@ -10,11 +10,14 @@ and exist in attention only) — so each row's logits are bit-identical to decod
 request alone (rows are independent for any row count >= 2; ``measure_exact`` measures it: the
 build gates the graph with it, the server re-checks it briefly on its own machine).
 
-The graph is part of the cache entry: the build writes it for the static variant `serve` loads
-(the default precision's, ``batch_twin``), gates it and records it in the manifest
+The graph is part of the cache entry: the build writes it for the default precision's static
+variant, gates it and records it in the manifest
 (``Manifest.batched``); ``open_batch`` checks it against the manifest's sha256 like every other
-file. An entry built before that has no such graph: it is served one request per forward, with
-one line saying to rebuild it (nothing is written at serve time).
+file. `serve` batches only the variant it serves (the default, what `generate` runs): where that
+is another layout (the rowwise default), it decodes one request per forward and says so, since a
+static graph's rows are other bits than the rowwise graph's; `--variant <the static one>` batches.
+An entry built before the graph existed is served one request per forward, with one line saying
+to rebuild it (nothing is written at serve time).
 
 Each request is a runtime.job.Job (the engine's own step machine), so the scheduler can put
 many requests' verify rows into one call and still decode each as Engine.generate would.
@@ -47,20 +50,6 @@ class BatchUnavailable(GenerationError):
     or rows not exact on this machine)."""
 
 
-def batch_twin(model: Model) -> str | None:
-    """The variant a batched server should load instead of ``model``'s: the static-layout twin of
-    the same precision, when ``model`` is not static (e.g. the rowwise default), the twin passed
-    its gates and the entry holds its gated batched graph (Manifest.batched). Batches need
-    GroupQueryAttention's ragged rows (serve_batch); None: keep ``model``."""
-    if model.contract.kv_layout == S.KV_STATIC or model.manifest is None:
-        return None
-    precision, _ = S.split_variant(model.variant)
-    name = S.variant_name(precision, S.KV_STATIC)
-    twin = model.manifest.variants.get(name)
-    b = model.manifest.batched
-    return name if twin is not None and twin.passed and b.get("variant") == name and b.get("passed") else None
-
-
 def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
     """The entry's batched graph of ``model`` (a static variant), checked against the manifest's
     sha256 (IntegrityError on drift, as for every file the runtime reads). BatchUnavailable, with
@@ -74,6 +63,15 @@ def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
         raise BatchUnavailable(
             f"{name} holds no batched graph (built before the build wrote one): "
             f"{rebuild_hint(m, name)} to batch requests"
+        )
+    if m is not None and m.batched.get("variant") and m.batched.get("variant") != model.variant:
+        # the server decodes what `generate` decodes: another variant's graph would give another
+        # answer (a static graph's attention sums keys in another order than the rowwise one's)
+        b = m.batched["variant"]
+        raise BatchUnavailable(
+            f"{name}'s batched graph is {b}'s, and {model.variant} decodes other bits: serving "
+            f"{model.variant} (what `generate` runs) one request per forward; `--variant {b}` batches "
+            f"requests (then `generate --variant {b}` gives the server's answers)"
         )
     if c.kv_layout != S.KV_STATIC or m is None or c.mask_kind != S.MASK_ADDITIVE_4D or c.mask_input is None:
         raise BatchUnavailable(

@@ -81,14 +81,14 @@ def need(module: str, extra: str):
 def build_app(cfg: ServeConfig):
     """(app, scheduler) for ``cfg``: load the model, start the scheduler, make the FastAPI app.
 
-    Batching runs the entry's own batched graph (written and gated by the build: serve.batch); an
-    entry built before the build wrote it keeps working, one request per forward, with one line
-    saying to rebuild it."""
+    Serves ``cfg.variant``, else the manifest's default: what `generate` and ``load()`` decode, so
+    one entry gives one answer. Batching runs the entry's batched graph only when it was made
+    from that variant (serve.batch.open_batch); otherwise one request per forward, with one line
+    saying why and which ``--variant`` batches."""
     need("fastapi", "serve")
     from ..runtime.drafters import METHODS
     from ..runtime.model import _check_settings, load, load_datastore
     from .app import create_app
-    from .batch import batch_twin
     from .memory import Memory
     from .scheduler import Scheduler
 
@@ -107,16 +107,6 @@ def build_app(cfg: ServeConfig):
         stop=[],
     )
     model = load(cfg.name, variant=cfg.variant, threads=cfg.threads)
-    twin = batch_twin(model) if cfg.batch and cfg.variant is None else None
-    if twin is not None:
-        logger.info(
-            "serving %s: the batched scheduler runs the static KV layout (the default %s decodes one "
-            "request at a time); pass --variant %s to serve that one",
-            twin,
-            model.variant,
-            model.variant,
-        )
-        model = load(cfg.name, variant=twin, threads=cfg.threads)
     _ = model.calibration  # measured (or read from its cache) now, not inside the first request
     memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
     ds = load_datastore(cfg.datastore) if cfg.datastore else None

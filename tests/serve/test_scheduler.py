@@ -135,18 +135,21 @@ def test_memory_is_bounded_and_namespaced():
     assert len(mem.namespaces) == 2 and "b" not in mem.namespaces
 
 
-def test_a_batched_server_loads_the_static_twin_of_a_rowwise_default(tiny_llama):
-    """Batches need GroupQueryAttention's ragged rows: `serve` without --variant swaps a rowwise
-    (or concat) default for its static twin, the one the build wrote a batched graph for (the
-    default precision's), and keeps a static one."""
-    from dejavuu_build.serve.batch import batch_twin
+def test_a_server_without_variant_serves_the_default_not_a_twin(tiny_llama):
+    """`serve` without --variant decodes the manifest's default (what `generate` runs), never the
+    static twin whose batched graph the build wrote: one model, one answer
+    (tests/serve/test_one_answer.py compares the texts through a real server)."""
     from dejavuu_build.serve.cli import ServeConfig, build_app
 
-    assert S.read_manifest(tiny_llama).batched["variant"] == "int4-static"
-    assert batch_twin(load(tiny_llama, variant="int4-rowwise")) == "int4-static"
-    assert batch_twin(load(tiny_llama, variant="int8")) is None  # int8-static has no batched graph
-    assert batch_twin(load(tiny_llama, variant="int4-static")) is None
+    m = S.read_manifest(tiny_llama)
+    assert m.batched["variant"] == "int4-static"
     app, sched = build_app(ServeConfig(name=str(tiny_llama)))
+    try:
+        assert sched.model.variant == m.default_variant
+        assert sched.batched == (m.default_variant == m.batched["variant"])
+    finally:
+        sched.close()
+    app, sched = build_app(ServeConfig(name=str(tiny_llama), variant="int4-static"))
     try:
         assert sched.batched and sched.model.contract.kv_layout == "static"
     finally:
