@@ -108,8 +108,28 @@ def finish_layout(m, layout: str, capacity: int):
     TopologicalSortPass()(m)
     out = ir.to_proto(m)
     del out.graph.value_info[:]  # shapes of rewritten values are re-inferred by onnxruntime
+    drop_unused_optional_outputs(out.graph)
     out.metadata_props.add(key=S.KV_LAYOUT_KEY, value=layout)
     out.metadata_props.add(key=S.KV_CAPACITY_KEY, value=str(capacity))
     if tensor_bytes(out) < EXTERNAL_DATA_BYTES:
         onnx.checker.check_model(out)
     return out
+
+
+# op -> its optional outputs by position (what a fused node computes only when they are named)
+OPTIONAL_OUTPUTS = {"SkipSimplifiedLayerNormalization": (1, 2)}  # mean, inv_std_var
+
+
+def drop_unused_optional_outputs(graph) -> int:
+    """Blank (``""``) the optional outputs nobody reads (OPTIONAL_OUTPUTS): onnxruntime allocates
+    and writes every named output, and onnx-ir names them all (``val_N``); the per-row statistics
+    of 60 SkipSimplifiedLayerNormalization nodes were written every step for no reader (genai's
+    graph leaves them blank). Returns how many were blanked."""
+    read = {x for n in graph.node for x in n.input} | {o.name for o in graph.output}
+    blanked = 0
+    for n in graph.node:
+        for j in OPTIONAL_OUTPUTS.get(n.op_type, ()):
+            if j < len(n.output) and n.output[j] and n.output[j] not in read:
+                n.output[j] = ""
+                blanked += 1
+    return blanked
