@@ -629,8 +629,9 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
 
 def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, embed=None) -> None:
     """What the runtime measures before its first speculative step (runtime.calibration: verify
-    exactness, tree period and tile), measured here on this machine for the variants a runtime opens
-    unasked (the default and its static twin; others measure on first use, with a line on screen) and
+    exactness, tree period and tile), measured here on this machine for the variant a runtime opens
+    unasked: the default, which `generate`, ``load()`` and `serve` decode (others measure on first
+    use, with a line on screen; the static twin's tree-period search took 112 s of a 371 s build) and
     stored twice: in the manifest (the record) and in the runtime's calibration cache under the
     file's sha256, so the first ``generate`` after a build measures nothing. Another machine or
     onnxruntime has another key and measures again."""
@@ -641,8 +642,8 @@ def _calibrate(folder: Path, manifest: Manifest, sessions: dict[str, tuple], thr
     # per attention flavour, what the smallest precision found (searched there: its forwards are the cheapest)
     hints: dict[tuple[str, bool], Calibration] = {}
     default = manifest.default_variant
-    # what a runtime opens without being told: the default and the static twin a server batches
-    wanted = {default, S.variant_name(S.split_variant(default)[0], S.KV_STATIC)} if default else set()
+    # what a runtime opens without being told: the default (the server decodes it too)
+    wanted = {default} if default else set()
     for v, (sess, declared) in sorted(
         sessions.items(), key=lambda kv: (S.variant_order(kv[0])[1], -S.variant_order(kv[0])[0])
     ):
