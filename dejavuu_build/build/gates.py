@@ -138,11 +138,12 @@ def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embe
 
 
 def gate_serve_batch(dec, path, threads: int) -> dict:
-    """(d) the serving batch graph at ``path`` (export.passes.serve_batch, made from ``dec``'s static
-    graph): several requests side by side in one forward, every prefill and step BIT-identical to
-    decoding that request alone (serve.batch.measure_exact over GATE_CHECK: pasts whose steps
-    cross 64 and 256 positions, steps of 1 to 8 rows). The server re-checks it briefly where it runs."""
-    from ..serve.batch import GATE_CHECK, BatchDecoder, measure_exact
+    """(d) the serving batch graph at ``path`` (export.passes.serve_batch or serve_batch_rowwise,
+    made from ``dec``'s static or rowwise graph): several requests side by side in one forward,
+    every prefill and step BIT-identical to decoding that request alone (serve.batch.measure_exact
+    over GATE_CHECK: pasts whose steps cross 64 and 256 positions, steps of 1 to 8 rows; a rowwise
+    request alone runs at its own buffer length, side by side at the batch's). The server
+    re-checks it briefly where it runs."""
+    from ..serve.batch import GATE_CHECK, batch_decoder, measure_exact
 
-    batch: BatchDecoder = BatchDecoder(dec, path, len(GATE_CHECK), threads)
-    return measure_exact(dec, batch, GATE_CHECK)
+    return measure_exact(dec, batch_decoder(dec, path, len(GATE_CHECK), threads), GATE_CHECK)

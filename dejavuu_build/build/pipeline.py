@@ -492,23 +492,27 @@ class _Gates:
 def _serve_batch(
     folder: Path, manifest: Manifest, sessions: dict[str, tuple], threads: int, machine: dict, embed=None
 ) -> None:
-    """The serving batch graph (export.passes.serve_batch) of the default precision's static variant
-    (what `serve --variant <it>` batches; `serve` of a rowwise default decodes one request per
-    forward, so that the server and `generate` give one answer): written beside it, gated
-    (gates.gate_serve_batch: requests side by side bit-identical to each alone) and recorded as Manifest.batched. One
-    variant only, to keep the build short and the entry small; other variants serve one request
-    per forward. A failing gate is recorded (passed false) and named in the summary, and the
-    server never batches on it. Rewritten byte for byte from the same static graph (quant-only),
-    it keeps its gate on the same machine and onnxruntime."""
+    """The serving batch graph of the variant `serve` decodes, so that the server batches requests
+    and still gives `generate`'s tokens (one model, one answer): a rowwise default gets its rowwise
+    batched flavour (export.passes.serve_batch_rowwise), a static default its static one
+    (export.passes.serve_batch), a concat default the static twin's (what `serve --variant <it>`
+    batches). Written beside it, gated (gates.gate_serve_batch: requests side by side
+    bit-identical to each alone) and recorded as Manifest.batched. One variant only, to keep the
+    build short and the entry small; other variants serve one request per forward. A failing gate
+    is recorded (passed false) and named in the summary, and the server never batches on it.
+    Rewritten byte for byte from the same graph (quant-only), it keeps its gate on the same
+    machine and onnxruntime."""
     import onnx
 
     from ..export.exporter import save_model
     from ..export.passes.serve_batch import to_serve_batch
+    from ..export.passes.serve_batch_rowwise import to_serve_batch_rowwise
     from ..runtime.decoder import Decoder
     from .gates import gate_serve_batch
 
     old, default = manifest.batched, manifest.default_variant
-    target = S.variant_name(S.split_variant(default)[0], S.KV_STATIC) if default else None
+    layout = S.KV_ROWWISE if default and S.split_variant(default)[1] == S.KV_ROWWISE else S.KV_STATIC
+    target = S.variant_name(S.split_variant(default)[0], layout) if default else None
     rec = manifest.variants.get(target) if target else None
     if target is None or rec is None or not rec.passed:
         why = (
@@ -531,7 +535,8 @@ def _serve_batch(
     )
     with step(f"batched serving graph of {target} (requests side by side, each as alone)"):
         try:
-            proto = to_serve_batch(onnx.load(str(folder / rec.file)), rec.file)
+            to_batch = to_serve_batch_rowwise if layout == S.KV_ROWWISE else to_serve_batch
+            proto = to_batch(onnx.load(str(folder / rec.file)), rec.file)
         except ContractError as e:  # a graph the pass does not apply to: the build goes on without it
             manifest.batched = {"skipped": f"the batch pass does not apply to {target}: {e}"}
             logger.info("  no batched serving graph: %s", manifest.batched["skipped"])
@@ -551,6 +556,7 @@ def _serve_batch(
             gate["machine"] = machine
     manifest.batched = {
         "variant": target,
+        "layout": layout,
         "file": path.name,
         "bytes": path.stat().st_size,
         "sha256": sha,

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import DejavuuError
 from ..log import logger
+from .server import need
 
 SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -178,8 +179,6 @@ def second_turns(client, model: str, data: str | None, n: int, method: str, max_
 
 
 def run_bench(*, url, name, concurrency, methods, n_requests, max_tokens, data, multi_turn: bool, out) -> list[dict]:
-    from .cli import need
-
     openai = need("openai", "serve")
     proc = None
     if url is None:

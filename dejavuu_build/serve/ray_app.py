@@ -21,7 +21,7 @@ import threading
 
 from ..errors import DejavuuError
 from ..log import logger
-from .cli import ServeConfig, build_app, need
+from .server import ServeConfig, build_app, need
 
 REPLICA_HEADER = "x-dejavuu-replica"
 ROUTER = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"

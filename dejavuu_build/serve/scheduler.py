@@ -265,6 +265,7 @@ class Scheduler:
             prefill_embeds=req.prefill_embeds,
             capacity=self.batch.capacity if self.batch else 0,
             fill=plan.fill,
+            single_rows=self.batch.single_rows if self.batch else 2,  # as Engine: what a lone token costs
         )
 
     def _admit(self, batch: BatchDecoder[Request]) -> None:

@@ -1,8 +1,11 @@
 """One model, one answer: `serve` without --variant decodes the manifest's default (what
-`generate` and `load()` run), so a real HTTP client gets `generate`'s tokens, greedy, chat and
-completions, plain and drafted; it batches only a batched graph of that same variant."""
+`generate` and `load()` run) and batches it on the batched graph made from that same variant (the
+rowwise default's rowwise batched flavour), so a real HTTP client gets `generate`'s tokens,
+greedy, chat and completions, plain and drafted, one at a time and side by side."""
 
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from click.testing import CliRunner
@@ -21,8 +24,8 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the", "1 2 3 1 2 3 1 2 3", "q
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     m = S.read_manifest(tiny_llama)
-    # the case this test is about: the default is not the variant the batched graph was made from
-    assert m.batched.get("variant") and m.batched["variant"] != m.default_variant
+    # the case this test is about: the batched graph is the default's own
+    assert m.batched["variant"] == m.default_variant and m.batched["layout"] == S.KV_ROWWISE
     proc, url = start_server(NAME, "--method", "pld", log_path=str(tmp_path_factory.mktemp("one") / "server.log"))
     yield url
     proc.terminate()
@@ -35,7 +38,7 @@ def test_the_server_gives_generates_answer(tiny_llama, server):
     model = load(tiny_llama)
     assert model.variant == S.read_manifest(tiny_llama).default_variant
     health = httpx.get(server + "/health").json()
-    assert health["batched"] is False  # the static graph's rows are other bits: not batched
+    assert health["batched"] is True  # the default's own batched graph: batched and the same bits
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60)
     for text in PROMPTS:
         msgs = [{"role": "user", "content": text}]
@@ -51,12 +54,38 @@ def test_the_server_gives_generates_answer(tiny_llama, server):
         assert json.loads(r.output[r.output.index("{") :])["text"] == comp.choices[0].text
 
 
+def test_requests_side_by_side_give_generates_answer(tiny_llama, server):
+    """Several clients at once: their requests share forwards of the batched graph (the server's
+    /metrics counts them) and each gets the text `generate` gives it alone."""
+    import httpx
+
+    model = load(tiny_llama)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    texts = [p * k for k in (1, 3) for p in PROMPTS]  # different prompt lengths, so different pasts
+
+    def ask(text):
+        return client.completions.create(model=NAME, prompt=text, max_tokens=40, temperature=0.0).choices[0].text
+
+    shared = _shared_forwards(httpx.get(server + "/metrics").text)
+    with ThreadPoolExecutor(len(texts)) as pool:
+        got = list(pool.map(ask, texts))
+    for text, g in zip(texts, got):
+        assert g == model.generate(text, max_new_tokens=40, temperature=0.0, method="baseline").text, text
+    assert _shared_forwards(httpx.get(server + "/metrics").text) > shared  # really side by side
+
+
+def _shared_forwards(metrics: str) -> float:
+    found = re.search(r"^dejavuu_shared_forwards(?:_total)?\s+(\S+)$", metrics, re.M)
+    assert found, metrics[:500]
+    return float(found.group(1))
+
+
 def test_a_batched_graph_of_another_variant_is_not_batched(tiny_llama):
-    """open_batch refuses the static graph for a rowwise model with one line naming --variant."""
-    from dejavuu_build.serve.batch import BatchUnavailable, open_batch
+    """open_batch refuses the default's (rowwise) graph for the static twin with one line naming
+    --variant, and opens it for the default."""
+    from dejavuu_build.serve.batch import BatchUnavailable, RowwiseBatchDecoder, open_batch
 
     m = S.read_manifest(tiny_llama)
-    other = next(v for v in m.variants if v != m.batched["variant"] and S.split_variant(v)[1] == S.KV_ROWWISE)
     with pytest.raises(BatchUnavailable, match=f"--variant {m.batched['variant']}"):
-        open_batch(load(tiny_llama, variant=other), 4)
-    assert open_batch(load(tiny_llama, variant=m.batched["variant"]), 4) is not None
+        open_batch(load(tiny_llama, variant="int4-static"), 4)
+    assert isinstance(open_batch(load(tiny_llama), 4), RowwiseBatchDecoder)

@@ -25,7 +25,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model(tiny_llama):
-    return load(tiny_llama, variant="int4-static")
+    """The default (int4-rowwise): what `serve` decodes, batched on its rowwise batched graph."""
+    m = load(tiny_llama)
+    assert m.variant == S.read_manifest(tiny_llama).default_variant == "int4-rowwise"
+    return m
 
 
 def run_all(sched, jobs):
@@ -135,42 +138,45 @@ def test_memory_is_bounded_and_namespaced():
     assert len(mem.namespaces) == 2 and "b" not in mem.namespaces
 
 
-def test_a_server_without_variant_serves_the_default_not_a_twin(tiny_llama):
-    """`serve` without --variant decodes the manifest's default (what `generate` runs), never the
-    static twin whose batched graph the build wrote: one model, one answer
-    (tests/serve/test_one_answer.py compares the texts through a real server)."""
+def test_a_server_without_variant_serves_the_default_batched(tiny_llama):
+    """`serve` without --variant decodes the manifest's default (what `generate` runs) and batches
+    it on the batched graph the build wrote from that same variant: one model, one answer
+    (tests/serve/test_one_answer.py compares the texts through a real server). Another variant
+    (the static twin) has no batched graph of its own and is served one request per forward."""
     from dejavuu_build.serve.cli import ServeConfig, build_app
 
     m = S.read_manifest(tiny_llama)
-    assert m.batched["variant"] == "int4-static"
+    assert m.batched["variant"] == m.default_variant == "int4-rowwise"
     app, sched = build_app(ServeConfig(name=str(tiny_llama)))
     try:
         assert sched.model.variant == m.default_variant
-        assert sched.batched == (m.default_variant == m.batched["variant"])
+        assert sched.batched and sched.model.contract.kv_layout == "rowwise", sched.why_sequential
     finally:
         sched.close()
     app, sched = build_app(ServeConfig(name=str(tiny_llama), variant="int4-static"))
     try:
-        assert sched.batched and sched.model.contract.kv_layout == "static"
+        assert not sched.batched and "--variant int4-rowwise" in sched.why_sequential
     finally:
         sched.close()
 
 
 def test_the_build_writes_and_gates_the_batched_graph(tiny_llama):
-    """The batched graph is part of the entry: one file, for the default precision's static variant,
-    listed with its sha256, gated (requests side by side bit-identical to each alone, past 64 and
-    256 positions) on the machine that built it."""
+    """The batched graph is part of the entry: one file, for the default variant (rowwise: its
+    rowwise batched flavour), listed with its sha256, gated (requests side by side bit-identical to
+    each alone, past 64 and 256 positions) on the machine that built it."""
     m = S.read_manifest(tiny_llama)
     b = m.batched
-    assert b["file"] == S.batched_file("int4-static") and (tiny_llama / b["file"]).is_file()
+    v = m.default_variant
+    assert b["file"] == S.batched_file(v) and (tiny_llama / b["file"]).is_file()
+    assert b["layout"] == "rowwise"
     assert m.files[b["file"]] == {"sha256": b["sha256"], "bytes": b["bytes"]}
-    assert b["source_sha256"] == m.variants["int4-static"].sha256
+    assert b["source_sha256"] == m.variants[v].sha256
     assert b["passed"] and b["graph_version"] == S.BATCHED_GRAPH_VERSION
     g = b["gate"]
     assert g["requests"] == 3 and g["mismatches"] == 0 and g["machine"]
     assert max(p + sum(st) for p, st in zip(g["pasts"], g["steps"])) > 256  # steps cross 64 and 256 positions
     assert [f.name for f in tiny_llama.iterdir() if ".batched." in f.name] == [b["file"]]
-    assert any(n.startswith("batched serving graph of int4-static") for n, _ in m.steps)
+    assert any(n.startswith(f"batched serving graph of {v}") for n, _ in m.steps)
 
 
 def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog):
