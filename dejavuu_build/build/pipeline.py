@@ -78,8 +78,8 @@ def quant_only(
 
     final = entry_dir(name)
     redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
-    # the batched serving graph is written again from the static variant it follows (_serve_batch)
-    redo |= {S.batched_file(S.variant_name(v, S.KV_STATIC)) for v in S.VARIANTS}
+    # the batched serving graph is written again from the variant it follows (_serve_batch)
+    redo |= {S.batched_file(S.variant_name(v, k)) for v in S.VARIANTS for k in (S.KV_STATIC, S.KV_ROWWISE)}
     try:
         with build_lock(name):
             if not (final / S.MANIFEST_FILE).is_file():

@@ -24,7 +24,7 @@ from dejavuu_build.serve.bench import free_port, start_server
 from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler
 
 NAME = "tiny-llama"
-VARIANT = "int4-static"
+VARIANT = "int4-rowwise"  # the default: its batched graph is the one the build writes
 LONG = "the cat sat on the mat and then the dog sat on the log; " * 4  # > 64 positions
 
 
@@ -96,20 +96,26 @@ def test_serving_writes_nothing_to_the_cache(model, cache_dir):
     assert files() == before
 
 
-def _zero_rope_past(m, rows=64):
-    """The adversarial edit of an onnx model: every GroupQueryAttention's cos/sin rows past ``rows``
-    zeroed (a start-up check at ~40 positions cannot see it)."""
-    from onnx import numpy_helper
+def _clip_positions(m, rows=64):
+    """The adversarial edit of an onnx model: positions past ``rows`` clipped to ``rows - 1``, so
+    RoPE is wrong there (a start-up check at ~40 positions cannot see it)."""
+    from onnx import helper, numpy_helper
 
-    names = {i for n in m.graph.node if n.op_type == "GroupQueryAttention" for i in n.input[7:9] if i}
+    g = m.graph
     hit = 0
-    for init in m.graph.initializer:
-        if init.name in names:
-            a = numpy_helper.to_array(init).copy()
-            a[rows:] = 0
-            init.CopyFrom(numpy_helper.from_array(a, init.name))
-            hit += 1
-    assert hit, "no cos/sin caches found"
+    for n in g.node:
+        for j, x in enumerate(n.input):
+            if x == S.POSITION_IDS:
+                n.input[j] = "position_ids/clipped"
+                hit += 1
+    assert hit, "no position_ids input read"
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(0, np.int64), "clip.lo"),
+            numpy_helper.from_array(np.array(rows - 1, np.int64), "clip.hi"),
+        ]
+    )
+    g.node.insert(0, helper.make_node("Clip", [S.POSITION_IDS, "clip.lo", "clip.hi"], ["position_ids/clipped"]))
     return m
 
 
@@ -120,17 +126,19 @@ def test_a_batched_graph_wrong_past_64_fails_its_gate_and_is_not_served(tiny_lla
     from conftest import clone_entry
 
     from dejavuu_build.build.pipeline import quant_only
-    from dejavuu_build.export.passes import serve_batch
+    from dejavuu_build.export.passes import serve_batch_rowwise
 
     clone_entry(tiny_llama, "tiny-llama-badbatch")
-    real = serve_batch.to_serve_batch
-    monkeypatch.setattr(serve_batch, "to_serve_batch", lambda m, source="": _zero_rope_past(real(m, source)))
+    real = serve_batch_rowwise.to_serve_batch_rowwise
+    monkeypatch.setattr(
+        serve_batch_rowwise, "to_serve_batch_rowwise", lambda m, source="": _clip_positions(real(m, source))
+    )
     with caplog.at_level(logging.INFO, logger="dejavuu"):
         b = quant_only("tiny-llama-badbatch", variants=("int4",), timing=False).manifest.batched
     assert b["variant"] == VARIANT and b["passed"] is False and b["gate"]["mismatches"] > 0, b
     assert "failed its gate" in caplog.text and "✗ (batched)" in caplog.text
     m = load("tiny-llama-badbatch", variant=VARIANT)
-    assert m.manifest.variants[VARIANT].passed  # the static variant itself is fine
+    assert m.manifest.variants[VARIANT].passed  # the variant itself is fine
     s = Scheduler(m, max_batch=2)
     s.close()
     assert not s.batched and "failed its gate at build" in s.why_sequential
