@@ -18,6 +18,7 @@ Guarantees:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -41,11 +42,15 @@ from .schema import (
     KIND_VLM,
     LOCKS_DIR,
     MANIFEST_FILE,
+    MANIFEST_SCHEMA_VERSION,
     PREPROCESSOR_FILE,
+    SCHEMA_VERSION,
     STAGING_DIR,
     VISION_FILE,
     VLM_FILE,
+    Contract,
     Manifest,
+    batched_inputs,
     read_manifest,
     sha256_file,
 )
@@ -465,7 +470,7 @@ def no_manifest(folder: Path) -> CacheError:
     cmd = "datastore --from FILE --tokenizer MODEL" if (folder / DATASTORE_FILE).is_file() else "tree-decoder"
     return CacheError(
         f"{folder} has no {MANIFEST_FILE}, so none of its files can be checked: move that folder "
-        f"away, then rebuild it with `dejavuu-build {cmd} --name {folder.name}`"
+        f"away, then rebuild it with `dejavuu-build {cmd} --name {_name_for_hint(folder)}`"
     )
 
 
@@ -492,22 +497,117 @@ def _check_fields(m: Manifest) -> None:
         raise ValueError(
             f"default_variant {m.default_variant!r} is not one of its variants ({', '.join(m.variants) or 'none'})"
         )
+    if m.default_variant is not None and m.variants[m.default_variant].passed is not True:
+        raise ValueError(
+            f"default_variant {m.default_variant!r} is recorded as failing its gates (passed: "
+            f"{m.variants[m.default_variant].passed!r}); a build only makes a passing variant its default"
+        )
+    _check_batched(m)
+
+
+def _check_batched(m: Manifest) -> None:
+    """Manifest.batched: {} (none), {"skipped": why}, or the record of a graph the entry holds."""
+    b = m.batched
+    if not isinstance(b, dict):
+        raise ValueError(f"batched is {str(json.dumps(b))[:40]}, not a record")
+    if "skipped" in b and not isinstance(b["skipped"], str):
+        raise ValueError("batched.skipped is not text")
+    if "file" not in b:
+        return
+    if not isinstance(b["file"], str) or not b["file"]:
+        raise ValueError(f"batched.file is {str(json.dumps(b['file']))[:40]}, not a file name")
+    if not isinstance(b.get("sha256"), str) or not isinstance(b.get("bytes"), int) or isinstance(b["bytes"], bool):
+        raise ValueError("batched names a file without its sha256 and size")
+    if not isinstance(b.get("variant"), str) or b["variant"] not in m.variants:
+        raise ValueError(f"batched.variant {b.get('variant')!r} is not one of its variants")
+    for key, kind in (("passed", bool), ("graph_version", int)):
+        if key in b and not isinstance(b[key], kind):
+            raise ValueError(f"batched.{key} is {str(json.dumps(b[key]))[:40]}")
+
+
+def _provenance_files(raw: dict, m: Manifest) -> list[tuple[str, str | None, str | None]]:
+    """(path, sha256 or None, the file the manifest's own fields name for it or None) of every file
+    manifest.json's `provenance` view names: what the `dejavuu` package opens. Types only here;
+    verify_entry checks the paths."""
+    view = raw.get("provenance")
+    if view is None:
+        return []
+    if not isinstance(view, dict):
+        raise ValueError("provenance is not a mapping")
+    out: list[tuple[str, str | None, str | None]] = []
+    variants = view.get("variants", {})
+    if not isinstance(variants, dict):
+        raise ValueError("provenance.variants is not a mapping")
+    for v, rec in variants.items():
+        if not isinstance(rec, dict) or not isinstance(rec.get("file"), str):
+            raise ValueError(f"provenance.variants.{v} names no file")
+        sha = rec.get("sha256")
+        if sha is not None and not isinstance(sha, str):
+            raise ValueError(f"provenance.variants.{v}.sha256 is not text")
+        out.append((rec["file"], sha, m.variants[v].file if v in m.variants else None))
+    graphs = view.get("graphs", {})
+    if not isinstance(graphs, dict):
+        raise ValueError("provenance.graphs is not a mapping")
+    own = {"embed_tokens": EMBED_FILE, "vision_encoder": VISION_FILE}
+    for role, per in graphs.items():
+        if not isinstance(per, dict) or not all(isinstance(rel, str) for rel in per.values()):
+            raise ValueError(f"provenance.graphs.{role} is not a mapping of variant -> file")
+        for v, rel in per.items():
+            want = (m.variants[v].file if v in m.variants else None) if role == "decoder" else own.get(role)
+            out.append((rel, None, want if v in m.variants else None))
+    return out
+
+
+def _unknown_version(folder: Path, version) -> CacheError:
+    from . import __version__
+
+    return CacheError(
+        f"{folder / MANIFEST_FILE} has schema_version {version!r}, which dejavuu-build {__version__} does "
+        f"not read (it reads 1 to {MANIFEST_SCHEMA_VERSION}): use the dejavuu-build that wrote it, or rebuild "
+        f"it with `dejavuu-build tree-decoder --name {_name_for_hint(folder)} --force`"
+    )
+
+
+def _name_for_hint(folder: Path) -> str:
+    """The entry's name for a command to suggest: its folder's, or NAME where that is no cache name
+    (``..``, ``.``)."""
+    name = folder.resolve().name if folder.name in ("", ".", "..") else folder.name
+    return name if _NAME_RE.fullmatch(name or "") else "NAME"
 
 
 def read_checked_manifest(folder: str | os.PathLike) -> Manifest:
-    """The manifest of ``folder``, parsed and type-checked; CacheError when missing or corrupted."""
-    folder = Path(folder)
+    """The manifest of ``folder``, parsed and type-checked; CacheError when missing, of a schema
+    version this code does not read, or corrupted."""
+    return _read_checked(Path(folder))[0]
+
+
+def _read_checked(folder: Path) -> tuple[Manifest, list[tuple[str, str | None, str | None]]]:
+    """(the checked manifest, the files its provenance view names)."""
     if not (folder / MANIFEST_FILE).is_file():
         raise no_manifest(folder)
     try:
-        m = read_manifest(folder)
-        _check_fields(m)
+        raw = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        version = raw.get("schema_version", 1)
     except Exception as e:  # noqa: BLE001 - any parse failure is corruption
-        raise CacheError(
-            f"{folder / MANIFEST_FILE} is corrupted ({' '.join(str(e).split())[:200]}); rebuild it with "
-            f"`dejavuu-build tree-decoder --name {folder.name} --force`"
-        ) from None
-    return m
+        raise _corrupted(folder, e) from None
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MANIFEST_SCHEMA_VERSION:
+        raise _unknown_version(folder, version)
+    try:
+        m = Manifest.from_json(raw)
+        _check_fields(m)
+        provenance = _provenance_files(raw, m)
+    except Exception as e:  # noqa: BLE001 - any parse failure is corruption
+        raise _corrupted(folder, e) from None
+    return m, provenance
+
+
+def _corrupted(folder: Path, e: BaseException) -> CacheError:
+    return CacheError(
+        f"{folder / MANIFEST_FILE} is corrupted ({' '.join(str(e).split())[:200]}); rebuild it with "
+        f"`dejavuu-build tree-decoder --name {_name_for_hint(folder)} --force`"
+    )
 
 
 def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, skip: Iterable[str] = ()) -> Manifest:
@@ -518,12 +618,28 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, s
     present, plain files inside the entry and match its sha256; each checked variant's own recorded
     sha256 must agree. With ``files``: just those (and the variants among them)."""
     folder = Path(folder)
-    m = read_checked_manifest(folder)
-    rebuild = rebuild_hint(m, folder.name)
+    m, provenance = _read_checked(folder)
+    rebuild = rebuild_hint(m, _name_for_hint(folder))
     for rel in m.files:
         member(folder, rel, rebuild)
     for rec in m.variants.values():
         member(folder, rec.file, rebuild)
+    # the serving batch graph and the provenance view's files: inside the entry, and listed (so
+    # hashed) with the sha256 their records give
+    named = [(rel, sha, want, "the manifest's provenance view") for rel, sha, want in provenance]
+    if "file" in m.batched:
+        named.append((m.batched["file"], m.batched["sha256"], "", "its batched graph record"))
+    for rel, sha, want, what in named:
+        member(folder, rel, rebuild)
+        if want is None or (want and rel != want):
+            raise IntegrityError(f"{what} names {rel} where the manifest's own records name another file; {rebuild}")
+        listed = m.files.get(rel)
+        if listed is None:
+            raise IntegrityError(f"{what} names {rel}, which is not listed in the manifest's files; {rebuild}")
+        if sha is not None and sha != listed["sha256"]:
+            raise IntegrityError(f"{what} records another sha256 for {rel} than its files do; {rebuild}")
+    if "file" in m.batched and m.batched["bytes"] != m.files[m.batched["file"]]["bytes"]:
+        raise IntegrityError(f"its batched graph record gives another size for {m.batched['file']}; {rebuild}")
     if files is None:
         on_disk = {
             p.relative_to(folder).as_posix()
@@ -558,6 +674,48 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, s
                 f"variant {v} ({rec.file}): its recorded sha256/size disagree with the file's; {rebuild}"
             )
     return m
+
+
+def read_checked_contract(folder: str | os.PathLike, m: Manifest | None = None) -> Contract:
+    """contract.json, parsed and type-checked; CacheError when it is not one this code reads."""
+    folder = Path(folder)
+    hint = rebuild_hint(m, _name_for_hint(folder)) if m is not None else "rebuild it"
+    try:
+        raw = json.loads((folder / CONTRACT_FILE).read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise CacheError(f"{folder / CONTRACT_FILE} is missing; {hint}") from None
+    except Exception as e:  # noqa: BLE001 - any parse failure is corruption
+        raise CacheError(f"{folder / CONTRACT_FILE} is corrupted ({' '.join(str(e).split())[:200]}); {hint}") from None
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
+        raise CacheError(
+            f"{folder / CONTRACT_FILE} has schema_version {version!r}, which this dejavuu-build does not "
+            f"read (it reads 1 to {SCHEMA_VERSION}); {hint}"
+        )
+    try:
+        c = Contract.from_json(raw)
+        for f in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size"):
+            v = getattr(c, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f} is {v!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in c.eos_token_ids):
+            raise ValueError("eos_token_ids are not token ids")
+    except Exception as e:  # noqa: BLE001
+        raise CacheError(f"{folder / CONTRACT_FILE} is corrupted ({' '.join(str(e).split())[:200]}); {hint}") from None
+    return c
+
+
+def check_batched_graph(input_names: Iterable[str], contract: Contract, path: str | os.PathLike, hint: str) -> None:
+    """Refuse a graph recorded as a static variant's serving batch graph that does not take the
+    batch inputs (schema.batched_inputs): the server would fail on its first batch."""
+    missing = batched_inputs(contract) - set(input_names)
+    if missing:
+        raise IntegrityError(
+            f"{path} is recorded as the serving batch graph but is not one (it takes no "
+            f"{', '.join(sorted(missing))}); {hint}"
+        )
 
 
 def rebuild_hint(m: Manifest, name: str) -> str:

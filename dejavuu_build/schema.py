@@ -122,6 +122,17 @@ DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those; more get HTTP 429
 DEFAULT_MEMORY_TOKENS = 2_000_000  # cross-request drafter memory, tokens per namespace
 
 
+def batched_inputs(contract: "Contract") -> set[str]:
+    """What the server feeds the serving batch graph of a variant with this contract (serve.batch),
+    by KV layout: a graph that takes none of one of these is not that variant's batch graph."""
+    own = {contract.primary_input} | {n for n in (contract.mask_input, contract.position_input) if n}
+    if contract.kv_layout == KV_STATIC:  # the ragged GroupQueryAttention graph (export.passes.serve_batch)
+        return (own - {contract.position_input}) | {GQA_POSITIONS, SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX}
+    if contract.kv_layout == KV_ROWWISE:
+        return own | {KV_WRITE_INDEX}
+    return set()
+
+
 def batched_file(variant: str) -> str:
     return BATCHED_FILE.format(variant=variant)
 

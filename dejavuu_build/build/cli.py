@@ -196,23 +196,39 @@ def verify(name):
     """Check every file's sha256 and the contract of each variant; non-zero exit on drift.
 
     NAME is a cache name, or a path (./folder) to an entry elsewhere."""
-    from ..cache import locate, member, read_entry, verify_entry
+    from ..cache import (
+        check_batched_graph,
+        locate,
+        member,
+        read_checked_contract,
+        read_entry,
+        rebuild_hint,
+        verify_entry,
+    )
     from ..errors import CacheError
     from ..runtime.session import cross_check, derive_contract, make_session
-    from ..schema import read_contract, variant_contract
+    from ..runtime.tokenizer import TextTokenizer
+    from ..schema import variant_contract
 
     def check(folder: Path):
         if not folder.is_dir():
             raise CacheError(f"no entry {name!r} at {folder}: see `dejavuu-build tree-decoder --help`")
         m = verify_entry(folder)
-        if m.kind in S.DECODER_KINDS:
-            c = read_contract(folder)
+        if m.kind in S.DECODER_KINDS:  # what load and serve open: every graph, the tokenizer
+            c = read_checked_contract(folder, m)
             for rec in m.variants.values():
                 cross_check(
                     derive_contract(make_session(member(folder, rec.file), threads=1)),
                     variant_contract(c, rec),
                     rec.file,
                 )
+            if "file" in m.batched:
+                path = member(folder, m.batched["file"])
+                inputs = [i.name for i in make_session(path, threads=1).get_inputs()]
+                twin = variant_contract(c, m.variants[m.batched["variant"]])
+                check_batched_graph(inputs, twin, path, rebuild_hint(m, folder.resolve().name))
+            if (folder / S.TOKENIZER_FILE).is_file():
+                TextTokenizer(folder)
         return m
 
     folder = locate(name)

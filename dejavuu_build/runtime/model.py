@@ -27,6 +27,7 @@ from ..cache import (
     locate,
     member,
     no_manifest,
+    read_checked_contract,
     read_checked_manifest,
     read_entry,
     verify_entry,
@@ -743,7 +744,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
                 others |= {manifest.batched["file"], manifest.batched["file"] + ".data"}
             verify_entry(folder, skip=others)
         sess = make_session(onnx_path, threads)
-        contract = S.variant_contract(S.read_contract(folder), manifest.variants[variant])
+        contract = S.variant_contract(read_checked_contract(folder, manifest), manifest.variants[variant])
         cross_check(derive_contract(sess), contract, str(onnx_path))
         eos = list(contract.eos_token_ids)
     else:  # a third-party export: the graph is the only contract

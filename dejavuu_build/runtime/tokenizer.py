@@ -33,19 +33,38 @@ class TextTokenizer:
         path = folder / TOKENIZER_FILE
         if not path.is_file():
             raise CacheError(f"{folder} has no {TOKENIZER_FILE}; rebuild it with `dejavuu-build tree-decoder`")
-        self.tok = Tokenizer.from_file(str(path))
+
+        def unreadable(name: str, e: BaseException) -> CacheError:
+            return CacheError(
+                f"{folder / name} cannot be read as a tokenizer file ({' '.join(str(e).split())[:160]}); "
+                f"rebuild the entry with `dejavuu-build tree-decoder --force`"
+            )
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library's own error types
+            raise unreadable(TOKENIZER_FILE, e) from None
         cfg = {}
-        if (folder / TOKENIZER_CONFIG_FILE).is_file():
-            cfg = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text())
+        try:
+            if (folder / TOKENIZER_CONFIG_FILE).is_file():
+                cfg = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+                if not isinstance(cfg, dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError, RecursionError) as e:
+            raise unreadable(TOKENIZER_CONFIG_FILE, e) from None
         self.template = None
-        if (folder / CHAT_TEMPLATE_FILE).is_file():
-            self.template = (folder / CHAT_TEMPLATE_FILE).read_text()
-        elif isinstance(cfg.get("chat_template"), str):
-            self.template = cfg["chat_template"]
+        try:
+            if (folder / CHAT_TEMPLATE_FILE).is_file():
+                self.template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            elif isinstance(cfg.get("chat_template"), str):
+                self.template = cfg["chat_template"]
+        except (OSError, ValueError) as e:
+            raise unreadable(CHAT_TEMPLATE_FILE, e) from None
 
         def special(key):
             v = cfg.get(key)
-            return v.get("content") if isinstance(v, dict) else v
+            v = v.get("content") if isinstance(v, dict) else v
+            return v if isinstance(v, str) else None
 
         self.bos_token = special("bos_token")
         self.eos_token = special("eos_token")
