@@ -181,3 +181,22 @@ def test_a_hint_never_suggests_a_name_that_is_not_one(tiny_llama, monkeypatch):
     r = invoke("verify", "..")
     one_line_error(r, "--name hint-name")
     assert "--name .." not in r.output
+
+
+def test_the_server_refuses_a_batched_record_naming_a_graph_that_is_not_batched(tiny_llama):
+    """What serve opens at start-up: one IntegrityError (one line, exit 2), not onnxruntime's
+    "Failed to find NodeArg" from the first batch."""
+    from dejavuu_build.runtime import load
+    from dejavuu_build.serve.batch import open_batch
+
+    folder = clone_entry(tiny_llama, "batched-plain-serve")
+    plain = S.variant_file("int4")
+
+    def point(d):
+        d["batched"].update(file=plain, sha256=d["files"][plain]["sha256"], bytes=d["files"][plain]["bytes"])
+
+    _edit(folder, point)
+    variant = json.loads((folder / S.MANIFEST_FILE).read_text())["batched"]["variant"]
+    model = load(folder, variant=variant)
+    with pytest.raises(IntegrityError, match="recorded as the serving batch graph but is not one"):
+        open_batch(model, 2)

@@ -78,7 +78,7 @@ def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
     BatchUnavailable, with the reason in one line, where there is none to serve: not an in-place
     variant, an entry built before the build wrote the graph, another variant's graph, or one
     that failed its gate."""
-    from ..cache import rebuild_hint, verify_entry
+    from ..cache import check_batched_graph, rebuild_hint, verify_entry
 
     c, m = model.contract, model.manifest
     name = model.folder.name
@@ -137,7 +137,9 @@ def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
     if now.batched.get("sha256") != rec.get("sha256"):
         raise BatchUnavailable(f"{name} was rebuilt since {model.variant} was loaded: restart to batch requests")
     threads = model.decoder.s.get_session_options().intra_op_num_threads
-    return batch_decoder(model.decoder, model.folder / rec["file"], max_batch, threads)
+    out = batch_decoder(model.decoder, model.folder / rec["file"], max_batch, threads)
+    check_batched_graph([i.name for i in out.s.get_inputs()], c, model.folder / rec["file"], rebuild_hint(m, name))
+    return out
 
 
 def batch_decoder(decoder: Decoder, path: Path, max_batch: int, threads: int) -> BatchDecoder[Any]:
