@@ -25,6 +25,8 @@ import importlib
 import shutil
 from pathlib import Path
 
+import pytest
+
 import dejavuu_build
 from dejavuu_build import cache
 
@@ -283,6 +285,32 @@ def test_cache_key_closure_covers_the_build_folder():
     assert cache.BUILD_ROOT in closure
     for part in ("build/__init__.py", "build/gates.py", "build/config.py", "build/sources.py", "build/timing.py"):
         assert part in build and part in closure, part
+
+
+def test_tools_do_not_skip_the_build_folder():
+    """Tools that skip folders named `build` (pytest's default norecursedirs, .gitignore templates,
+    structure tools) must not skip the package's: packaging, ruff, mypy, pytest and git all see it."""
+    import subprocess
+    import sys
+
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    repo = ROOT.parent
+    build = sorted(f.relative_to(repo).as_posix() for f in (ROOT / "build").glob("*.py"))
+    assert len(build) > 5
+    assert PACKAGE + ".build" in find_packages(str(repo), include=[PACKAGE + "*"])
+    shown = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--show-files", PACKAGE], cwd=repo, capture_output=True, text=True
+    ).stdout
+    assert all(f in shown for f in build), "ruff skips the package's build/ folder"
+    cfg = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]
+    assert "build" not in cfg["pytest"]["ini_options"]["norecursedirs"]  # else tests/build is never collected
+    assert PACKAGE in cfg["mypy"]["files"] and "exclude" not in cfg["mypy"]
+    if (repo / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", *build], cwd=repo, capture_output=True, text=True).stdout
+        assert not ignored.strip(), f"git ignores: {ignored}"
 
 
 def test_runtime_package_keeps_model_and_drafters_out_of_the_closure(tmp_path):
