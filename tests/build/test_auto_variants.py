@@ -54,8 +54,8 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
         )
     assert after.variants["int8"].passed and "quality" in after.variants["int8"].gates
     assert after.build_config["variants"] == ["fp32", "int8", "int4"]  # no longer what auto builds
-    # the batched serving graph follows its static variant: rewritten byte for byte, its gate holds
-    assert after.batched == before.batched and before.batched["variant"] == "int4-static"
+    # the batched serving graph follows the default variant: rewritten byte for byte, its gate holds
+    assert after.batched == before.batched and before.batched["variant"] == before.default_variant
     assert (auto_build.folder / after.batched["file"]).is_file() and after.batched["file"] in after.files
     # int4 again: the deterministic quantizer rewrites the same bytes, whose gates hold
     again = quant_only("auto-llama", variants=("int4",), timing=False).manifest

@@ -134,6 +134,27 @@ def test_a_request_leaving_moves_the_last_and_shrinks_the_buffer(model, batched_
             batch.commit(s, len(rows[s].tokens), list(range(len(rows[s].tokens))))
 
 
+def test_pad_rows_past_the_capacity_get_room(model, batched_path):
+    """A request near the capacity beside one with many rows: the other's pad rows would be written
+    past the capacity; the buffer makes room for them (a fresh memory) and both stay exact."""
+    dec = model.decoder
+    batch = batch_decoder(dec, batched_path, 2, 1)
+    rng = np.random.default_rng(2)
+    V, cap = dec.c.vocab_size, dec.c.kv_capacity
+    prompts = [rng.integers(0, V, n).tolist() for n in (cap - 3, 10)]
+    steps = [rng.integers(0, V, n).tolist() for n in (2, 100)]
+    want = [alone(dec, p, [t]) for p, t in zip(prompts, steps)]
+    slots = [batch.acquire(None) for _ in prompts]
+    for s, p in zip(slots, prompts):
+        batch.forward(s, [Rows(p, None)])
+        batch.commit(s, len(p), list(range(len(p))))
+    room = batch.room
+    outs = batch.forward(0, [Rows(t, None) for t in steps])
+    assert batch.size > room >= cap and batch.room > room
+    for (lg, _), w in zip(outs, want):
+        assert np.array_equal(lg, w[1])
+
+
 def test_the_pass_refuses_what_it_cannot_batch_exactly(tiny_llama):
     """A graph whose row guard record says it is not length-invariant (side by side its rows would
     get other bits), or a static one, is refused with the reason."""
