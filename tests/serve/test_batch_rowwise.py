@@ -155,6 +155,29 @@ def test_pad_rows_past_the_capacity_get_room(model, batched_path):
         assert np.array_equal(lg, w[1])
 
 
+def test_a_row_guarded_graph_batches(model, tiny_llama, tmp_path):
+    """Where the probe guards the projections (an AVX2 CPU's 4-bit kernels: a lone row padded to
+    two inside the graph), the batched graph keeps the guard per request: lone tokens side by side
+    (B requests of one row each) and mixed row counts stay bit-identical to the guarded graph alone."""
+    from dejavuu_build.export.exporter import save_model
+    from dejavuu_build.export.passes.row_guard import guard_rows, strip_row_guard
+    from dejavuu_build.runtime.decoder import Decoder
+    from dejavuu_build.runtime.session import make_session
+
+    proto = strip_row_guard(onnx.load(str(tiny_llama / S.variant_file(VARIANT))))
+    nodes = [n.name for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    guarded = tmp_path / "guarded.onnx"
+    save_model(guard_rows(proto, nodes, length_invariant=True, record={"guarded": ["MatMulNBits"]}), guarded)
+    assert any("/row_guard/Pad" in n.name for n in onnx.load(str(guarded)).graph.node)
+    path = tmp_path / "guarded.batched.onnx"
+    save_model(to_serve_batch_rowwise(onnx.load(str(guarded))), path)
+    dec = Decoder(make_session(guarded, 1), model.contract)
+    batch = batch_decoder(dec, path, 3, 1)
+    for cases in (((5, (1, 1, 1)), (9, (1, 1, 1)), (70, (1, 1, 1))), ((11, (1, 3, 8)), (70, (5, 1, 1)))):
+        res = measure_exact(dec, batch, cases)
+        assert res["passed"] and res["mismatches"] == 0, res
+
+
 def test_the_pass_refuses_what_it_cannot_batch_exactly(tiny_llama):
     """A graph whose row guard record says it is not length-invariant (side by side its rows would
     get other bits), or a static one, is refused with the reason."""
