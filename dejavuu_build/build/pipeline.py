@@ -146,7 +146,7 @@ def _export(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: 
     from .sources import load_model_and_tokenizer
 
     with step(f"load {src.id}"):
-        model, tok, gen, recipe = load_model_and_tokenizer(src)
+        model, tok, gen, recipe = load_model_and_tokenizer(src, hidden_layer=cfg.hidden_layer)
     with step(f"export fp32 ({recipe.name} recipe, dynamo, opset 23)") as t_exp:
         info = export_decoder(
             model, recipe, tmp / variant_file(S.FP32), hidden_layer=cfg.hidden_layer, primary=cfg.primary_input

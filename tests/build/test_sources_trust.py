@@ -85,3 +85,134 @@ def test_a_dependency_that_is_not_a_plain_name_is_never_fetched(tmp_path, monkey
     pieces, _ = sources._download_dist("tiny-gguf", tmp_path / "target")
     assert fetched == ["tiny-gguf", "tiny-gguf-part1"]
     assert [p.name for p in pieces] == ["m.gguf"]
+
+
+# ---------------------------------------------------------------- point 5: metadata bounded before allocation
+def _gguf(path, meta=None, layers=1):
+    """A one-layer Llama GGUF whose metadata may say otherwise (``meta``: h, ff, heads, kv, layers,
+    vocab): its tensors hold the one layer of width 16."""
+    import gguf
+    import numpy as np
+
+    meta = meta or {}
+    h, ff, heads, kv, v = 16, 32, 2, 1, 14
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(meta.get("h", h))
+    w.add_block_count(meta.get("layers", layers))
+    w.add_feed_forward_length(meta.get("ff", ff))
+    w.add_head_count(meta.get("heads", heads))
+    w.add_head_count_kv(meta.get("kv", kv))
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(h // heads)
+    w.add_vocab_size(meta.get("vocab", v))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", *"abcdefghijk"])
+    w.add_token_scores([0.0] * v)
+    w.add_token_types([2, 3, 3] + [1] * (v - 3))
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (h,),
+            f"blk.{i}.attn_q.weight": (h, h),
+            f"blk.{i}.attn_k.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_v.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_norm.weight": (h,),
+            f"blk.{i}.ffn_gate.weight": (ff, h),
+            f"blk.{i}.ffn_up.weight": (ff, h),
+            f"blk.{i}.ffn_down.weight": (h, ff),
+        }
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+HOSTILE_META = {
+    "layers 10^7": ({"layers": 10**7}, "num_hidden_layers is 10,000,000"),
+    "layers 2 of 1": ({"layers": 2}, "says 2 layers but its tensors hold 1"),
+    "width 2^30": ({"h": 2**30}, "hidden_size is 1,073,741,824"),
+    "width 64 of 16": ({"h": 64}, "token_embd.weight is 14 x 16"),
+    "heads 0": ({"heads": 0}, "num_attention_heads is 0"),
+    "kv heads 0": ({"kv": 0}, "num_key_value_heads is 0"),
+    "heads 4": ({"heads": 4, "kv": 4}, "blk.0.attn_q.weight is 16 x 16"),
+    "vocab 0": ({"vocab": 0}, "vocab_size is 0"),
+    "ffn 65536": ({"ff": 65536}, "its files hold"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_META))
+def test_gguf_metadata_is_bounded_by_its_tensors_before_anything_is_allocated(tmp_path, monkeypatch, case):
+    meta, needle = HOSTILE_META[case]
+    f = _gguf(tmp_path / "m.gguf", meta)
+    src = sources.Source("gguf", str(f), str(f), sha256=sources.sha256_file(f))
+    import transformers
+
+    built = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: built.append(a) or 1 / 0)
+    with pytest.raises(ModelSourceError, match="corrupted or hostile") as e:
+        sources.load_model_and_tokenizer(src)
+    assert needle in str(e.value)
+    assert built == []  # refused before the model was built
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    f = _gguf(tmp_path / "m.gguf")
+    src = sources.Source("gguf", str(f), str(f), sha256=sources.sha256_file(f))
+    monkeypatch.setattr(sources, "_machine_memory", lambda: 10_000)
+    with pytest.raises(ModelSourceError, match="GiB in fp32, more than this machine's memory"):
+        sources.load_model_and_tokenizer(src)
+
+
+def test_a_folders_config_is_bounded_by_its_safetensors(tmp_path):
+    import json
+
+    from tiny import save_tiny
+
+    folder = save_tiny("llama", tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value, needle in (
+        ("num_hidden_layers", 64, "its files hold"),
+        ("hidden_size", 65536, "its files hold"),
+        ("num_attention_heads", 0, "num_attention_heads is 0"),
+    ):
+        (folder / "config.json").write_text(json.dumps({**cfg, key: value}))
+        src = sources.resolve(str(folder))
+        with pytest.raises(ModelSourceError, match=needle):
+            sources.load_model_and_tokenizer(src)
+
+
+def test_a_hidden_layer_the_model_lacks_is_refused_before_the_export(tmp_path, monkeypatch, cache_dir):
+    from click.testing import CliRunner
+    from tiny import save_tiny
+
+    from dejavuu_build.cli import main
+    from dejavuu_build.export import exporter
+
+    folder = save_tiny("llama", tmp_path / "m")
+    exported = []
+    monkeypatch.setattr(exporter, "export_decoder", lambda *a, **k: exported.append(1) or 1 / 0)
+    r = CliRunner().invoke(
+        main, ["tree-decoder", "--model", str(folder), "--name", "bad-hidden", "--hidden-layer", "999", "--no-timing"]
+    )
+    assert r.exit_code == 2 and "unexpected" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: --hidden-layer 999: this model has 2 layers"), r.output
+    assert exported == []
+
+
+def test_a_hostile_gguf_through_the_cli_is_one_line(tmp_path, cache_dir):
+    from click.testing import CliRunner
+
+    from dejavuu_build.cli import main
+
+    for i, meta in enumerate(({"layers": 10**7}, {"h": 2**30}, {"heads": 0})):
+        f = _gguf(tmp_path / f"m{i}.gguf", meta)
+        r = CliRunner().invoke(main, ["tree-decoder", "--model", str(f), "--name", f"hostile-gguf-{i}", "--no-timing"])
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert lines[-1].startswith("error: ") and "corrupted or hostile" in lines[-1], r.output
+        assert "unexpected" not in r.output and "Traceback" not in r.output, r.output
