@@ -153,7 +153,9 @@ def batch_decoder(decoder: Decoder, path: Path, max_batch: int, threads: int) ->
 
 
 class BatchDecoder(Generic[Owner]):
-    """The batched graph, its KV buffer and the slot of every active request."""
+    """A static variant's batched graph, its KV buffer and the slot of every active request; the
+    interface the scheduler and measure_exact drive every layout's batch through (acquire,
+    release, forward, commit, lengths, capacity, single_rows, last_run_s)."""
 
     def __init__(self, decoder: Decoder, path: Path, max_batch: int, threads: int):
         """``decoder``: the static variant ``path`` (its batched flavour) was made from."""
