@@ -160,6 +160,22 @@ class _StreamClosed(Exception):
 
 
 _LIVE_STREAMS: "weakref.WeakSet" = weakref.WeakSet()
+_MODELS: "weakref.WeakValueDictionary[int, Model]" = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the thread that forked: a Model's lock held by another thread would
+    never be released there. Each Model gets a fresh lock; one that was generating at the fork is
+    refused with a clear line (its decoder stopped mid-step), an idle one works as before."""
+    for m in list(_MODELS.values()):
+        m._forked_mid_run = m._forked_mid_run or m._owner is not None
+        m._lock = threading.Lock()
+        m._owner = None
+    _LIVE_STREAMS.clear()  # their threads did not come along
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
@@ -235,12 +251,22 @@ class Model:
     fill: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _owner: int | None = field(default=None, repr=False, compare=False)
+    # set in a forked child when a generation was running in another thread at the fork
+    _forked_mid_run: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _MODELS[id(self)] = self
 
     @contextmanager
     def _exclusive(self, reentrant: bool = False):
         """One generation (or calibration) at a time on this Model: its decoder reuses output
         buffers, bindings and KV memory between calls, so two at once would read each other's.
         Other threads wait their turn; a generate from inside this Model's own callback is refused."""
+        if self._forked_mid_run:
+            raise GenerationError(
+                "this process was forked while this Model was generating in another thread, so its "
+                "decoder stopped mid-step: load the model again in this process (or fork while it is idle)"
+            )
         me = threading.get_ident()
         if self._owner == me:
             if not reentrant:
