@@ -10,6 +10,13 @@ the same prompt (all turns of it), geo-meaned over the prompts of a category; it
 the geo-mean of the categories, like the speedup's. "× genai-ngram" is the same ratio over genai's
 own n-gram speculative decoding, and that row's "vs genai" is its token match with genai's plain
 decoding (genai's drafting is not lossless by construction: it verifies drafts as multi-row forwards).
+
+"oracle" is the copy-drafting bound of ``bench.oracle`` on the baseline's own answers at the row
+costs measured in the same run: its tokens per step and speedup per category, and each method's
+share of the oracle's gain, ``(speedup - 1) / (oracle speedup - 1)``. A method whose speedup is
+below 1 by more than noise (``NOISE_FLOOR``, or twice the standard error of its per-prompt log
+ratios to baseline) is flagged ``slower``; the bench calls it a failure for ``auto``, which must
+never be slower than plain decoding.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ OVERALL = "overall"
 PEER = "genai"  # the method name of onnxruntime-genai's plain decoding in the records
 PEER_NGRAM = "genai-ngram"  # and of its n-gram speculative decoding (bench.ngram picks its options)
 PEER_METHODS = (PEER, PEER_NGRAM)
+NOISE_FLOOR = 0.03  # a speedup within 3% of 1.0 is noise on any machine (log-ratio margin)
+NOISE_ONE_PROMPT = 0.10  # the margin where one prompt gives no spread to measure
+NEVER_SLOWER = ("auto",)  # methods that must never be slower than baseline (the bench flags them)
 
 
 @dataclass
@@ -53,6 +63,12 @@ class Row:
     match_genai_pct: float | None = None  # genai-ngram: % of tokens equal to genai plain's (common prefix)
     top1_vs_fp32: float | None = None  # the quality gate: teacher-forced top-1 agreement with our fp32 export
     kl_vs_fp32: float | None = None  # and mean KL(fp32 || variant or peer); None: not measured
+    ttft_ms: float = 0.0  # time to first token: a turn's prompt in, its first token out (mean)
+    oracle_tokens_per_step: float | None = None  # the copy oracle's (bench.oracle) on the baseline's answers
+    oracle_speedup: float | None = None  # ... and its speedup at the run's measured row costs
+    oracle_share: float | None = None  # this method's share of the oracle's gain: (speedup - 1) / (oracle - 1)
+    slower: bool | None = None  # speedup below 1 by more than noise (None: baseline, or no speedup)
+    noise: float | None = None  # the speedup's noise margin (relative), from its per-prompt ratios
 
 
 @dataclass
@@ -77,19 +93,30 @@ class Report:
     def has_quality(self) -> bool:
         return any(r.top1_vs_fp32 is not None for r in self.rows)
 
+    @property
+    def has_oracle(self) -> bool:
+        return any(r.oracle_speedup is not None for r in self.rows)
+
+    def slower(self, methods: Sequence[str] = NEVER_SLOWER) -> list[Row]:
+        """Rows of ``methods`` (default: those that must never lose to plain decoding) flagged slower."""
+        return [r for r in self.rows if r.method in methods and r.slower]
+
     def table(self) -> str:
-        peer, ngram, qual = self.has_peer, self.has_ngram, self.has_quality
+        peer, ngram, qual, orc = self.has_peer, self.has_ngram, self.has_quality, self.has_oracle
         head = (
             f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
             + (f"{'× genai':>8} " if peer else "")
             + (f"{'× genai-ngram':>13} {'vs genai':>8} " if ngram else "")
             + (f"{'top-1/KL vs fp32':>17} " if qual else "")
-            + f"{'prefill ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}"
+            + (f"{'oracle':>13} {'share':>6} " if orc else "")
+            + f"{'TTFT ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}"
         )
         lines = [head, "-" * len(head)]
         for r in self.rows:
             split = f"{r.draft_ms_per_step:.2f}/{r.verify_ms_per_step:.2f}/{r.overhead_ms_per_step:.2f}"
-            speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+            speed = "-" if r.speedup is None else f"{r.speedup:.2f}x" + ("!" if r.slower else "")
+            oc = "-" if r.oracle_speedup is None else f"{r.oracle_tokens_per_step:.2f}t {r.oracle_speedup:.2f}x"
+            sh = "-" if r.oracle_share is None else f"{100 * r.oracle_share:.0f}%"
             xg = "-" if r.x_genai is None else f"{r.x_genai:.2f}x"
             xn = "-" if r.x_genai_ngram is None else f"{r.x_genai_ngram:.2f}x"
             mg = "-" if r.match_genai_pct is None else f"{r.match_genai_pct:.1f}%"
@@ -101,9 +128,20 @@ class Report:
                 + (f"{xg:>8} " if peer else "")
                 + (f"{xn:>13} {mg:>8} " if ngram else "")
                 + (f"{qv:>17} " if qual else "")
-                + f"{r.prefill_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
+                + (f"{oc:>13} {sh:>6} " if orc else "")
+                + f"{r.ttft_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
                 f"{r.match_pct:>6.1f}%"
             )
+        if flagged := self.slower():
+            lines.append(
+                "! slower than baseline by more than noise: "
+                + ", ".join(
+                    f"{r.method} on {r.category} ({r.speedup:.2f}x, noise ±{100 * (r.noise or 0):.0f}%)"
+                    for r in flagged
+                )
+            )
+        elif any(r.slower for r in self.rows):
+            lines.append("! = slower than baseline by more than noise")
         return "\n".join(lines)
 
 
@@ -155,6 +193,7 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
         decode_tok_s_std=statistics.stdev(rates) if len(rates) > 1 else 0.0,
         speedup=t_b / t_m if t_m and t_b else None,
         prefill_ms=1e3 * statistics.fmean(r["prefill_s"] for r in recs) if recs else 0.0,
+        ttft_ms=1e3 * statistics.fmean(r["prefill_s"] for r in recs) if recs else 0.0,
         acceptance_rate=sum(r["accepted"] for r in recs) / drafted if drafted else None,
         tokens_per_step=sum(map(_decode_tokens, recs)) / steps if steps else 0.0,
         draft_ms_per_step=per_step("draft_s"),
@@ -174,12 +213,62 @@ def geomean(values: Sequence[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in vals)) if vals else None
 
 
-def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Sequence[str]) -> Report:
+def noise_margin(recs: Sequence[dict], base: Sequence[dict]) -> float:
+    """The relative margin within which a speedup is noise: twice the standard error of the
+    per-prompt log ratios of decode tok/s to baseline's (at least ``NOISE_FLOOR``)."""
+    mine, theirs = prompt_rates(recs), prompt_rates(base)
+    logs = [math.log(mine[q] / theirs[q]) for q in mine if mine[q] > 0 and theirs.get(q)]
+    if len(logs) < 2:
+        return NOISE_ONE_PROMPT
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    return max(NOISE_FLOOR, math.expm1(2 * se))
+
+
+def flag_slower(row: Row, margin: float) -> None:
+    row.noise = margin
+    row.slower = row.speedup is not None and row.speedup < 1.0 / (1.0 + margin)
+
+
+def oracle_of(base: Sequence[dict], cost: dict[int, float] | None) -> tuple[float, float] | None:
+    """(tokens per step, speedup) of the copy oracle over these baseline records, at ``cost``
+    (relative row costs), or None without the runs (records from before the oracle) or costs."""
+    from .oracle import plan
+
+    if not cost or not base or any("oracle_runs" not in r for r in base):
+        return None
+    steps = tokens = 0
+    spent = 0.0
+    for r in base:
+        n, c = plan(r["oracle_runs"], cost)
+        steps, spent, tokens = steps + n, spent + c, tokens + _decode_tokens(r)
+    return (tokens / steps, tokens / spent) if steps and spent else None
+
+
+def _set_oracle(row: Row, oracle: tuple[float, float] | None) -> None:
+    if oracle is None:
+        return
+    row.oracle_tokens_per_step, row.oracle_speedup = oracle
+    if row.speedup is not None and oracle[1] > 1.0:
+        row.oracle_share = (row.speedup - 1.0) / (oracle[1] - 1.0)
+
+
+def aggregate(
+    records: Sequence[dict],
+    methods: Sequence[str],
+    categories: Sequence[str],
+    row_costs: dict[int, float] | None = None,
+) -> Report:
     """Rows per category (in the asked order) × method, then the overall rows.
 
     When ``methods`` holds the peer (``genai``) and it has records, every row gets ``x_genai``;
     likewise ``x_genai_ngram`` for genai's n-gram speculative decoding (``genai-ngram``).
+    ``row_costs`` (seconds of a step of R graph rows, ``bench.oracle.measure_row_costs``) adds the
+    copy oracle's bound and each method's share of it, where the baseline records carry its runs.
     """
+    from .oracle import relative_costs
+
+    cost = relative_costs(row_costs) if row_costs and 1 in row_costs else None
+    oracles: dict[str, tuple[float, float] | None] = {}
     by: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         by[r["category"], r["method"]].append(r)
@@ -196,6 +285,10 @@ def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Seque
                 row = _row(c, m, by[c, m], by[c, "baseline"])
                 for key, pm in peers:
                     setattr(row, key, x_peer(by[c, m], by[c, pm]))
+                if m != "baseline" and m not in PEER_METHODS:
+                    flag_slower(row, noise_margin(by[c, m], by[c, "baseline"]))
+                oracles.setdefault(c, oracle_of(by[c, "baseline"], cost))
+                _set_oracle(row, oracles[c])
                 rows.append(row)
     for m in methods:
         mine = [r for r in records if r["method"] == m]
@@ -205,6 +298,11 @@ def aggregate(records: Sequence[dict], methods: Sequence[str], categories: Seque
         row.speedup = geomean([r.speedup for r in rows if r.method == m and r.speedup])
         for key, _ in peers:
             setattr(row, key, geomean([getattr(r, key) for r in rows if r.method == m and getattr(r, key)]))
+        if m != "baseline" and m not in PEER_METHODS:
+            flag_slower(row, noise_margin(mine, [r for r in records if r["method"] == "baseline"]))
+        known = [o for c in cats if (o := oracles.get(c))]
+        if known and len(known) == len(cats):
+            _set_oracle(row, (geomean([o[0] for o in known]) or 0.0, geomean([o[1] for o in known]) or 0.0))
         rows.append(row)
     return Report(rows, tuple(methods), tuple(cats))
 

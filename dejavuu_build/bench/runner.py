@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger, progress
-from .report import PEER, PEER_NGRAM, Report, aggregate, write_outputs
+from .oracle import MAX_DRAFT, measure_row_costs, runs
+from .report import NEVER_SLOWER, PEER, PEER_NGRAM, Report, aggregate, write_outputs
 
 if TYPE_CHECKING:
     from ..runtime.model import GenerationResult, Model
@@ -52,6 +53,7 @@ def base_method(method: str) -> str:
 PEERS: tuple[str, ...] = (PEER,)  # --compare: other systems' plain decoding, timed on the same prompt ids
 NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"  # BenchConfig.genai_ngram, besides a fixed "N,K"
 RECORDS_FILE = "records.jsonl"
+ROW_COSTS_FILE = "row_costs.json"  # seconds of a decode step of R graph rows, measured by the run (bench.oracle)
 CONFIG_FILE = "config.json"
 WARMUP_TOKENS = 8
 
@@ -566,10 +568,12 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
                     temperature=cfg.temperature,
                     seed=cfg.seed,
                 )
-            messages.append({"role": "assistant", "content": res.text})
             if method == "baseline":
                 baseline.append(list(res.tokens))
             rec = make_record(p, turn, method, res, baseline[turn - 1], gated=not raw)
+            if method == "baseline":  # what the copy oracle could draft at each step (bench.oracle)
+                rec["oracle_runs"] = runs(model.encode(list(messages)), res.tokens)
+            messages.append({"role": "assistant", "content": res.text})
             if cfg.greedy and not rec["match"] and not raw:
                 logger.error(
                     "✗ %s differs from baseline on prompt %s turn %d at token %d",
@@ -640,6 +644,24 @@ def _gate_message(failures: Sequence[dict], total: int, out: Path) -> str:
     )
 
 
+def _row_costs(model: Model, out: Path, messages: list[dict] | None) -> dict[int, float]:
+    """The run's row costs: measured now (a run starting or resumed with prompts to do), else those
+    the run recorded."""
+    path = out / ROW_COSTS_FILE
+    if messages is None:
+        try:
+            return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+    costs = measure_row_costs(model, messages, rows=MAX_DRAFT + 1)
+    path.write_text(json.dumps({str(r): t for r, t in costs.items()}, indent=2) + "\n")
+    logger.info(
+        "decode step cost by graph rows (× one row): %s",
+        ", ".join(f"{r}: {t / costs[1]:.2f}" for r, t in costs.items()) if 1 in costs else "-",
+    )
+    return costs
+
+
 def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False) -> Report:
     """Run (or continue) the benchmark into ``out``; returns the Report.
 
@@ -704,11 +726,14 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
             peers[-1].generate(
                 model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
             )
+        row_costs = _row_costs(model, out, [{"role": "user", "content": todo[0].turns[0]}])
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))
+    else:
+        row_costs = _row_costs(model, out, None)
     records = store.for_prompts(prompts, cfg.timed)
     failures = gate_failures(records) if cfg.greedy else []
-    report = aggregate(records, cfg.timed, cfg.categories)
+    report = aggregate(records, cfg.timed, cfg.categories, row_costs)
     meta: dict[str, Any] = {
         "config": cfg.to_json(),
         "model_folder": str(model.folder),
@@ -735,6 +760,24 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
             *([PEER_NGRAM] if cfg.ngram else []),
             *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else []),
         ]
+    if row_costs:
+        meta["row_costs_ms"] = {str(r): round(1e3 * t, 3) for r, t in row_costs.items()}
+    slower = report.slower()
+    meta["never_slower"] = {
+        "methods": [m for m in NEVER_SLOWER if m in cfg.methods],
+        "passed": not slower,
+        "slower": [
+            {"method": r.method, "category": r.category, "speedup": r.speedup, "noise": r.noise} for r in slower
+        ],
+    }
+    for r in slower:
+        logger.error(
+            "✗ %s is slower than baseline on %s: %.2fx (noise ±%.0f%%)",
+            r.method,
+            r.category,
+            r.speedup,
+            100 * (r.noise or 0.0),
+        )
     write_outputs(report, out, meta)
     if failures:
         raise ExactnessError(_gate_message(failures, len(records), out), failures, report)

@@ -36,16 +36,25 @@ def cfg_for(model: Path, data: Path, **kw) -> BenchConfig:
     return BenchConfig(model=str(model), data=str(data), **kw)
 
 
+class Calls(list):
+    """Method names of Model.generate calls; ``probes``: those of the row-cost probe, kept apart."""
+
+    probes: list[str]
+
+
 @pytest.fixture
 def calls(monkeypatch) -> list[str]:
     """Record the method name of every Model.generate call."""
-    seen: list[str] = []
+    seen: Calls = Calls()
     original = Model.generate
 
     def counting(self, prompt, **kw):
         m = kw.get("method", "baseline")
-        seen.append(m if isinstance(m, str) else m.name)
+        name = m if isinstance(m, str) else m.name
+        (probes if name == "row_probe" else seen).append(name)  # the row-cost probe (bench.oracle) apart
         return original(self, prompt, **kw)
+
+    seen.probes = probes = []
 
     monkeypatch.setattr(Model, "generate", counting)
     return seen
@@ -68,9 +77,17 @@ def test_end_to_end_writes_results_and_passes_gate(tiny_llama, data, tmp_path, c
     assert report.row("mt_bench", "pld").generations == 4 and report.row("mt_bench", "pld").prompts == 2
     assert "overall" in report.table()
     assert (out / "results.csv").read_text().splitlines()[0].startswith("category,method,prompts")
-    # warm-up, then per prompt baseline first and the methods right after it
+    # warm-up, then per prompt baseline first and the methods right after it; the row-cost probe
+    # (1..8 rows, 3 rounds) before the prompts
+    assert calls.probes == ["row_probe"] * 24
     assert calls[:4] == ["baseline", "baseline", "pld", "rest"]
     assert len(calls) == 1 + 3 * (2 + 4)
+    # the copy oracle and each method's share of it, TTFT beside tok/s
+    assert set(res["row_costs_ms"]) == {str(r) for r in range(1, 9)}
+    qa = report.row("qa", "pld")
+    assert qa.oracle_tokens_per_step >= 1.0 and qa.oracle_speedup > 0 and qa.ttft_ms > 0
+    assert qa.slower is not None and report.row("qa", "baseline").slower is None
+    assert res["never_slower"]["methods"] == []
 
 
 def test_gate_catches_a_changed_output(tiny_llama, data, tmp_path, monkeypatch):
@@ -203,7 +220,8 @@ def test_methods_decode_as_generate_does(tiny_llama, data, tmp_path, monkeypatch
     original = Model.generate
 
     def spy(self, prompt, **kw):
-        seen.append(self.decoder.pad_single)
+        if getattr(kw.get("method"), "name", None) != "row_probe":  # bench.oracle's row-cost probe
+            seen.append(self.decoder.pad_single)
         return original(self, prompt, **kw)
 
     monkeypatch.setattr(Model, "generate", spy)
