@@ -41,6 +41,7 @@ class HistoryDrafter(Drafter):
         self._hist: list[int] = []
         self.last_draft = Draft()
         self._draft_at = -1
+        self.match_len = 0  # how long a match the latest draft came from (0: none, or not a copy)
 
     # -- lifecycle (the Drafter contract) -----------------------------------------------------
 
@@ -50,6 +51,7 @@ class HistoryDrafter(Drafter):
     def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
         self._sync(context)
         draft = Draft()
+        self.match_len = 0
         if self._hist and budget.max_nodes > 0 and budget.max_depth > 0:
             draft = self._draft(budget)
         self.observe_verified(draft)
@@ -64,6 +66,10 @@ class HistoryDrafter(Drafter):
 
     def end(self) -> None:
         self._finish()
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Catch up with the engine's context without drafting (``auto``'s members it did not ask)."""
+        self._sync(context)
 
     def observe_verified(self, draft: Draft) -> None:
         """Record the draft the engine is verifying now (``auto`` sets it to another member's)."""

@@ -63,6 +63,7 @@ class Lookahead(HistoryDrafter):
                 break
         else:
             return Draft()
+        self.match_len = k
         nodes, depth = self.sizer.size(budget, k)
         seqs = [cont[:depth] for cont in reversed(bucket)]
         weights = [bucket[cont] for cont in reversed(bucket)]

@@ -55,6 +55,7 @@ class PromptLookup(HistoryDrafter):
         cands = self._candidates()
         if not cands:
             return Draft()
+        self.match_len = cands[0][0]
         nodes, depth = self.sizer.size(budget, cands[0][0])
         seqs = [self._index.continuation(e, depth, periodic=True) for _, e in cands]
         weights = [self.recency**r for r in range(len(seqs))]

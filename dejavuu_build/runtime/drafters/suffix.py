@@ -53,6 +53,7 @@ class SuffixRetrieval(HistoryDrafter):
         if best is None:
             return Draft()
         index, live = best
+        self.match_len = best_len
         nodes, depth = self.sizer.size(budget, best_len)
         if nodes <= 0:
             return Draft()

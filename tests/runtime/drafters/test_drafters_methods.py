@@ -17,6 +17,7 @@ from dejavuu_build.runtime.drafters import (
     Feedback,
     make_drafter,
 )
+from dejavuu_build.runtime.drafters.trees import accepted_length
 
 NEEDS_DATASTORE = {"rest", "sam_decoding", "asam", "asam_verify"}
 # Methods whose tree mode must branch when the context offers two continuations.
@@ -369,35 +370,89 @@ def test_cost_aware_sizer_drafts_nothing_where_a_lone_token_is_one_row():
     assert trained(b=1e-6, accepted=8).size(DraftBudget(8, 8), match_len=5)[0] == 8
 
 
-def test_auto_drafts_nothing_where_a_lone_token_is_one_row(monkeypatch):
-    """Once a step with no draft reports one graph row (rowwise), ``auto`` plays "no draft" when
-    no member's draft earns its rows (a member never accepted, rows costly), and still plays
-    members now and then (``explore``); where a lone token is two rows it always plays one."""
+def _never_member(monkeypatch, good_after: int | None = None):
+    """Register a member drafting 3 tokens that are never accepted (until step ``good_after``, from
+    which on it drafts the true continuation); returns the list of its propose calls' steps."""
     from dejavuu_build.runtime.drafters import Drafter
     from dejavuu_build.runtime.drafters.history import REGISTRY
+
+    asked: list[int] = []
 
     class Never(Drafter):
         name = "never"
 
         def propose(self, context, budget):
-            return Draft.chain([7] * min(3, budget.max_nodes))
+            asked.append(len(context))
+            good = good_after is not None and len(context) >= good_after
+            return Draft.chain([5 if good else 7] * min(3, budget.max_nodes))
 
     monkeypatch.setitem(REGISTRY, "never", Never)
+    return asked
 
-    def played(single_rows: int) -> int:
-        d = make("auto", members=("never",), explore=0.1, seed=1)
-        d.begin([1, 2, 3])
-        d.feedback(Feedback(committed=[4], drafted=0, accepted=0, verify_seconds=1e-3, rows=single_rows))
-        drafts = 0
-        for _ in range(200):
-            n = len(d.propose([1, 2, 3, 4], DraftBudget(8, 8)))
-            drafts += n > 0
-            rows = max(n + 1, single_rows)
-            d.feedback(
-                Feedback(committed=[5], drafted=n, accepted=0, verify_seconds=1e-3 + 1e-3 * (rows - 1), rows=rows)
+
+def _drive(d, steps: int, single_rows: int, start: int = 4) -> list[int]:
+    """Steps of a fake verifier whose every token is 5 (a row costs 1 ms); the draft size per step."""
+    ctx = [1, 2, 3, 4]
+    d.begin(ctx[:3])
+    d.feedback(Feedback(committed=[4], drafted=0, accepted=0, verify_seconds=1e-3, rows=single_rows))
+    sizes = []
+    for _ in range(steps):
+        draft = d.propose(list(ctx), DraftBudget(8, 8))
+        n = len(draft)
+        acc = accepted_length(draft, [5] * 9)
+        rows = max(n + 1, single_rows)
+        committed = [5] * (acc + 1)
+        d.feedback(
+            Feedback(
+                committed=committed,
+                drafted=n,
+                accepted=acc,
+                accepted_path=list(range(acc)),
+                verify_seconds=1e-3 * (1 + 0.3 * (rows - 1)),
+                rows=rows,
             )
-        return drafts
+        )
+        ctx += committed
+        sizes.append(n)
+    d.end()
+    return sizes
 
-    assert played(2) == 200  # the pad row makes one node free: always a draft
-    n = played(1)
-    assert 3 < n < 60, n  # mostly nothing; explore (10%) and the first steps still draft
+
+def test_auto_drafts_nothing_where_a_lone_token_is_one_row(monkeypatch):
+    """Once a step with no draft reports one graph row (rowwise), ``auto`` plays "no draft" when
+    no member's draft earns its rows (a member never accepted, rows costly); where a lone token is
+    two rows a draft's first node is free, so every step it asks the members plays a draft."""
+    asked = _never_member(monkeypatch)
+    d = make("auto", members=("never",), explore=0.0, seed=1)
+    sizes = _drive(d, 200, single_rows=2)
+    assert sum(n > 0 for n in sizes) == len(asked) > 0
+    asked.clear()
+    d = make("auto", members=("never",), explore=0.0, seed=1)
+    sizes = _drive(d, 200, single_rows=1)
+    assert sum(n > 0 for n in sizes) <= 6  # the first steps, before the row costs are fitted
+
+
+def test_auto_falls_back_to_plain_steps_without_asking_its_members(monkeypatch):
+    """Where drafting does not pay (drafts never accepted), ``auto`` stops asking its members for
+    drafts (their time is spent for nothing) and decodes plainly, probing again now and then with
+    growing waits; with the fallback removed the member would be asked on every step."""
+    asked = _never_member(monkeypatch)
+    d = make("auto", members=("never",), explore=0.0)
+    _drive(d, 400, single_rows=1)
+    assert len(asked) < 60, len(asked)
+    assert d.plain_steps > 300
+    asked.clear()
+    d = make("auto", members=("never",), explore=0.0, fallback=False)  # plain steps only where no draft pays
+    _drive(d, 400, single_rows=1)
+    assert len(asked) == 400
+
+
+def test_auto_re_decides_when_drafts_start_to_pay(monkeypatch):
+    """A request whose drafts turn good after a plain stretch: ``auto``'s probes notice, and it
+    drafts (long chains, cut where their acceptance stops paying) for the rest of the request."""
+    _never_member(monkeypatch, good_after=200)
+    d = make("auto", members=("never",), explore=0.0)
+    sizes = _drive(d, 400, single_rows=1)
+    assert sum(n > 0 for n in sizes[:150]) < 40
+    late = sizes[-100:]
+    assert sum(n == 3 for n in late) > 80, late
