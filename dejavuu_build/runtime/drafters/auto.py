@@ -141,6 +141,7 @@ class Auto(Drafter):
             self._backoff = self.min_backoff
         self._spent = 0.0  # draft seconds of the step in flight
         self.plain_steps = 0  # steps this request decoded plainly without asking the members
+        self._asked = True  # whether the members were asked this step (else their feedback waits)
 
     @property
     def chosen_name(self) -> str | None:
@@ -203,9 +204,13 @@ class Auto(Drafter):
         if self._plain_left > 0:
             self._plain_left -= 1
             self.plain_steps += 1
+            self.wants_topk = False  # nobody drafts from this step's top-k: the engine skips it
+            self._asked = False
             return Draft()
+        self._asked = True
         pos = len(self._hist)
         asked = self._ask()
+        self.wants_topk = any(self.members[i].wants_topk for i in asked)
         for i, m in enumerate(self.members):
             if i not in asked and isinstance(m, HistoryDrafter):
                 m.sync(context)  # constant time when in step (the engine's context grows by feedback)
@@ -269,6 +274,11 @@ class Auto(Drafter):
         self._cost.learn(fb)
         if proposed:
             self._learn_gain(fb)
+        elif not self._asked:
+            # a plain stretch: the members catch up with the context when next asked (in one
+            # extend of their indices) or at the end of the request
+            self.chosen = -1
+            return
         chosen = self._drafts[self.chosen] if self.chosen >= 0 else Draft()
         quiet = replace(fb, drafted=0, accepted=0, accepted_path=[], draft_seconds=0.0, verify_seconds=0.0)
         for i, m in enumerate(self.members):
@@ -289,7 +299,8 @@ class Auto(Drafter):
         one = self._time(0)
         rows = max((fb.rows or fb.drafted + 1) - 1, 0)
         spent = self._time(rows) if fb.drafted else one
-        saved = len(fb.committed) * one - spent - self._spent
+        # the draft's accepted tokens (an engine's fill guess is the engine's, in both modes alike)
+        saved = (1 + fb.accepted) * one - spent - self._spent
         w = self._gain_w * self.gain_forget
         self._gain = (self._gain * w + saved) / (w + 1.0)
         self._gain_w = w + 1.0
@@ -304,4 +315,6 @@ class Auto(Drafter):
     def end(self) -> None:
         self._score_pending(final=True)
         for m in self.members:
+            if isinstance(m, HistoryDrafter):
+                m.sync(self._hist)  # what a plain stretch left unindexed (suffix_decoding keeps it)
             m.end()

@@ -456,3 +456,39 @@ def test_auto_re_decides_when_drafts_start_to_pay(monkeypatch):
     assert sum(n > 0 for n in sizes[:150]) < 40
     late = sizes[-100:]
     assert sum(n == 3 for n in late) > 80, late
+
+
+def test_auto_plain_stretch_leaves_members_alone_then_catches_them_up():
+    """Steps decoded plainly cost the members nothing (no draft, no feedback, no top-k); they
+    catch up with the context when next asked, and at the end of the request (suffix_decoding's
+    history keeps every token)."""
+    model = MarkovModel(vocab=8, seed=3)
+    d = make("auto")
+    prompt = [1, 2, 3]
+    ctx = list(prompt)
+    d.begin(ctx)
+    first = model.next(ctx)
+    d.feedback(Feedback(committed=[first], drafted=0, accepted=0))
+    ctx.append(first)
+    d._plain_left = 6  # as after a losing stretch
+    for _ in range(6):
+        assert len(d.propose(list(ctx), DraftBudget(8, 8))) == 0 and not d.wants_topk
+        tok = model.next(ctx)
+        d.feedback(Feedback(committed=[tok], drafted=0, accepted=0, verify_seconds=1e-3, rows=1))
+        ctx.append(tok)
+    assert all(len(m._hist) == len(ctx) - 6 for m in d.members)
+    d.propose(list(ctx), DraftBudget(8, 8))  # asked again: the asked members sync first, the others too
+    assert all(m._hist == ctx for m in d.members)
+    tok = model.next(ctx)
+    d.feedback(Feedback(committed=[tok], drafted=0, accepted=0, verify_seconds=1e-3, rows=1))
+    ctx.append(tok)
+    d._plain_left = 3
+    for _ in range(3):
+        d.propose(list(ctx), DraftBudget(8, 8))
+        tok = model.next(ctx)
+        d.feedback(Feedback(committed=[tok], drafted=0, accepted=0, verify_seconds=1e-3, rows=1))
+        ctx.append(tok)
+    d.end()
+    assert all(m._hist == ctx for m in d.members)
+    suffix = d.members[d.member_names.index("suffix_decoding")]
+    assert list(suffix._global.tokens[-len(ctx) - 1 : -1]) == ctx  # the request, then its separator
