@@ -139,6 +139,7 @@ def test_many_bodies_at_the_cap_together_are_bounded(server):
             pass
 
     block = b"x" * (1 << 20)
+    t0 = time.perf_counter()
     for i in range(n):
         s = socket.create_connection(("127.0.0.1", port_of(url)), timeout=60)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -151,13 +152,17 @@ def test_many_bodies_at_the_cap_together_are_bounded(server):
             pass  # refused (503) and closed
         socks.append(s)
     peak = rss(proc.pid)
+    sending = time.perf_counter() - t0
     for t in readers:
         t.join(BODY_TIMEOUT + 30)
     for s in socks:
         s.close()
     codes = [bytes(a[9:12]) for a in answers]
     assert set(codes) <= {b"503", b"408"} and b"503" in codes and b"408" in codes, codes
-    assert codes.count(b"408") <= MAX_HELD_BODIES * MAX_BODY // each, codes
+    # at most MAX_HELD_BODIES bodies at the cap are held at once; a body that times out (408)
+    # frees its share, so a slow (loaded) sender can see that many more admitted per timeout
+    held = MAX_HELD_BODIES * MAX_BODY // each
+    assert codes.count(b"408") <= held * (1 + int(sending // BODY_TIMEOUT)), (codes, sending)
     grew = peak - base
     assert grew < MAX_HELD_BODIES * MAX_BODY + (96 << 20), f"RSS grew by {grew >> 20} MB for {n * each >> 20} MiB sent"
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
