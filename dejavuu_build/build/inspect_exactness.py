@@ -19,7 +19,7 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     """(lines to print, JSON record) for a cache name or entry folder and one of its variants."""
     import onnx
 
-    from ..cache import locate
+    from ..cache import locate, read_checked_manifest
     from ..export.exactness import format_report, probe
     from ..runtime.session import derive_contract, make_session
     from .gates import gate_batched
@@ -29,10 +29,16 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     folder = Path(locate(target))
     if not (folder / S.MANIFEST_FILE).is_file():
         raise CacheError(f"no built entry {target!r}: pass a cache name or an entry folder with a manifest.json")
-    manifest = S.read_manifest(folder)
+    manifest = read_checked_manifest(folder)
+    if manifest.kind not in S.DECODER_KINDS:
+        raise CacheError(
+            f"{target} is a {manifest.kind} entry, not a decoder build: pass the cache name of a decoder "
+            f"(`dejavuu-build tree-decoder` builds one)"
+        )
     v = variant or manifest.default_variant
     if v not in manifest.variants:
-        raise CacheError(f"{target} has no variant {v!r}; it has {', '.join(sorted(manifest.variants))}")
+        which = f"variant {v!r};" if v is not None else "default variant (none passed its gates): pass --variant;"
+        raise CacheError(f"{target} has no {which} it has {', '.join(sorted(manifest.variants)) or 'none'}")
     rec = manifest.variants[v]
     contract = S.variant_contract(S.read_contract(folder), rec)
     _, layout = S.split_variant(v)

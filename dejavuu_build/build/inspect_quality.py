@@ -10,12 +10,12 @@ Spec-Bench prompts outside the gate's set, spread evenly over the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .. import schema as S
 from ..errors import CacheError, DejavuuError
 from ..log import step
+from ..rows import json_row, not_utf8
 
 
 def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
@@ -35,19 +35,25 @@ def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
         raise DejavuuError(f"--texts {path}: no such file")
     gate = {q for q, _, _ in TEXTS}
     texts = []
-    if path.suffix == ".jsonl":
-        for i, ln in enumerate(path.open(encoding="utf-8"), 1):
-            if not ln.strip():
-                continue
-            try:
-                row = json.loads(ln)
-                if "turns" in row and row.get("question_id") in gate:
-                    continue  # scored by the gate already
-                texts.append(str(row["turns"][0] if "turns" in row else row.get("text") or row["prompt"]))
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-                raise DejavuuError(f"{path}:{i}: expected a JSON object with turns, text or prompt") from None
-    else:
-        texts = [ln.strip() for ln in path.open(encoding="utf-8") if ln.strip()]
+    try:
+        if path.suffix == ".jsonl":
+            for i, ln in enumerate(path.open(encoding="utf-8"), 1):
+                if not ln.strip():
+                    continue
+                try:
+                    row = json_row(ln, f"{path}:{i}")
+                except ValueError as e:  # not JSON, nested too deeply, a lone surrogate
+                    raise DejavuuError(f"{e}: expected a JSON object with turns, text or prompt") from None
+                try:
+                    if "turns" in row and row.get("question_id") in gate:
+                        continue  # scored by the gate already
+                    texts.append(str(row["turns"][0] if "turns" in row else row.get("text") or row["prompt"]))
+                except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                    raise DejavuuError(f"{path}:{i}: expected a JSON object with turns, text or prompt") from None
+        else:
+            texts = [ln.strip() for ln in path.open(encoding="utf-8") if ln.strip()]
+    except UnicodeDecodeError as e:
+        raise DejavuuError(f"--texts {not_utf8(path, e)}") from None
     if not texts:
         raise DejavuuError(f"--texts {path} holds no text outside the quality gate's set")
     every = max(len(texts) // n, 1)
@@ -63,7 +69,7 @@ def quality_report(
     """(lines to print, JSON record) for one variant of a built entry against its fp32 export."""
     from tokenizers import Tokenizer
 
-    from ..cache import locate
+    from ..cache import locate, read_checked_manifest
     from ..runtime.session import make_session
     from .quality import QUALITY_PROMPT_TOKENS, QUALITY_TOKENS, gate_quality, quality_set
     from .runner import Runner
@@ -71,7 +77,12 @@ def quality_report(
     folder = Path(locate(target))
     if not (folder / S.MANIFEST_FILE).is_file():
         raise CacheError(f"no built entry {target!r}: pass a cache name or an entry folder with a manifest.json")
-    manifest = S.read_manifest(folder)
+    manifest = read_checked_manifest(folder)
+    if manifest.kind not in S.DECODER_KINDS:
+        raise CacheError(
+            f"{target} is a {manifest.kind} entry, not a decoder build: pass the cache name of a decoder "
+            f"(`dejavuu-build tree-decoder` builds one)"
+        )
     v = variant or manifest.default_variant
     if v not in manifest.variants or v == S.FP32:
         raise CacheError(

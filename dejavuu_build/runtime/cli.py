@@ -6,10 +6,11 @@ nothing from the build side (torch-free, like the rest of the runtime).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import sys
-from contextlib import closing
+from contextlib import closing, contextmanager
 from functools import wraps
 
 import click
@@ -34,6 +35,9 @@ def friendly(fn):
             sys.exit(130)
         except BrokenPipeError:
             _reader_left()
+        except OSError as e:  # the machine's, not the input's: a full disk, a read-only cache, stdout
+            click.echo(f"error: {_os_error(e)}", err=True)
+            sys.exit(2)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except Exception as e:
@@ -47,9 +51,39 @@ def friendly(fn):
     return inner
 
 
-def _reader_left():
-    """The reader of stdout went away (``| head``): stop quietly with the shell's SIGPIPE status,
-    pointing stdout at /dev/null so the interpreter's final flush does not complain again."""
+_OS_HINTS = {
+    errno.ENOSPC: "free disk space (or point DEJAVUU_CACHE at a disk with room) and run it again",
+    errno.EDQUOT: "free space in your quota and run it again",
+    errno.EROFS: "the file system is read-only: point DEJAVUU_CACHE (or the output) at a writable folder",
+    errno.EACCES: "check its permissions, or point DEJAVUU_CACHE at a folder you can write",
+    errno.EPERM: "check its permissions, or point DEJAVUU_CACHE at a folder you can write",
+}
+
+
+def _os_error(e: OSError) -> str:
+    """One line for an OSError: what failed, on which file, and what to do."""
+    hint = _OS_HINTS.get(e.errno or 0, "check that path and run it again")
+    what = e.strerror or type(e).__name__
+    return f"{what}: {e.filename}; {hint}" if e.filename else f"{what}; {hint}"
+
+
+@contextmanager
+def _output():
+    """Writes to stdout: one that fails (``> /dev/full``) is one line naming the output, and stdout
+    is pointed at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        _stdout_to_devnull()
+        raise DejavuuError(
+            f"{e.strerror or type(e).__name__}: the output (stdout) could not be written; free space "
+            f"where it goes, or send it elsewhere"
+        ) from None
+
+
+def _stdout_to_devnull() -> None:
     import os
 
     try:
@@ -57,6 +91,12 @@ def _reader_left():
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+def _reader_left():
+    """The reader of stdout went away (``| head``): stop quietly with the shell's SIGPIPE status,
+    pointing stdout at /dev/null so the interpreter's final flush does not complain again."""
+    _stdout_to_devnull()
     sys.exit(141)
 
 
@@ -158,19 +198,21 @@ def generate(
     if draft_model:
         kw["draft_model"] = draft_model
     if stream and not as_json:
-        with closing(model.stream(inp, **kw)) as pieces:  # a reader that leaves stops the decoding at once
+        with _output(), closing(model.stream(inp, **kw)) as pieces:  # a reader that leaves stops it at once
             for piece in pieces:
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
-        click.echo()
+            click.echo()
         return
     res = model.generate(inp, **kw)
     if as_json:
         d = res.to_json()
         d.update(model=str(model.folder), variant=model.variant)
-        click.echo(json.dumps(d, indent=2))
+        with _output():
+            click.echo(json.dumps(d, indent=2))
         return
-    click.echo(res.text)
+    with _output():
+        click.echo(res.text)
     s = res.stats
     click.echo(
         f"[{model.variant} · {res.method}{' tree' if res.tree else ''} · {s.tokens} tokens in {s.steps} steps · "

@@ -20,8 +20,15 @@ if TYPE_CHECKING:
 
 
 def as_list(stop: str | Sequence[str] | None) -> list[str]:
-    """``stop`` as a list: one string, several or none."""
-    return [stop] if isinstance(stop, str) else list(stop or ())
+    """``stop`` as a list: one string, several or none (GenerationError for anything else, such as
+    a number)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (bytes, dict)) or not hasattr(stop, "__iter__"):
+        raise GenerationError(f"stop must be a string or a list of strings, got {str(repr(stop))[:40]}")
+    return list(stop)
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:

@@ -86,8 +86,8 @@ class StreamOptions(_Strict):
 class _Body(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # NaN: "finite", not "<= 2"
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: bool = False

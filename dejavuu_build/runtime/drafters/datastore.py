@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ...rows import json_row
 from ...schema import DATASTORE_FILE, DATASTORE_SUFFIXES_FILE, DATASTORE_TOKENS_FILE
 from .suffix_index import SEP, SuffixIndex
 
@@ -126,10 +127,7 @@ def read_documents(path: str | Path, text_fields: Sequence[str] = ("turns", "tex
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not JSON ({e.msg})") from None
+                row = json_row(line, f"{path}:{line_no}")  # ValueError naming the line
                 for field in text_fields:
                     if isinstance(row, dict) and field in row:
                         yield from (t for t in _texts(row[field]) if t.strip())
