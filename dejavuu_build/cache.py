@@ -40,6 +40,7 @@ from .schema import (
     KIND_DATASTORE,
     KIND_DECODER,
     KIND_VLM,
+    KV_ROWWISE,
     LOCKS_DIR,
     MANIFEST_FILE,
     MANIFEST_SCHEMA_VERSION,
@@ -707,10 +708,18 @@ def read_checked_contract(folder: str | os.PathLike, m: Manifest | None = None) 
     return c
 
 
-def check_batched_graph(input_names: Iterable[str], contract: Contract, path: str | os.PathLike, hint: str) -> None:
-    """Refuse a graph recorded as a static variant's serving batch graph that does not take the
-    batch inputs (schema.batched_inputs): the server would fail on its first batch."""
-    missing = batched_inputs(contract) - set(input_names)
+def check_batched_graph(inputs: Iterable, contract: Contract, path: str | os.PathLike, hint: str) -> None:
+    """Refuse a graph recorded as a variant's serving batch graph that does not take the batch
+    inputs (schema.batched_inputs) -- for a rowwise variant, whose batched graph takes the same
+    names, a batch dimension on its primary input (the plain graph's is 1): the server would fail,
+    or silently decode one request, on its first batch. ``inputs``: onnxruntime's NodeArgs (name,
+    shape)."""
+    inputs = list(inputs)
+    missing = batched_inputs(contract) - {i.name for i in inputs}
+    if not missing and contract.kv_layout == KV_ROWWISE:
+        primary = next((i for i in inputs if i.name == contract.primary_input), None)
+        if primary is None or not primary.shape or primary.shape[0] == 1:
+            missing = {f"a batch dimension on {contract.primary_input}"}
     if missing:
         raise IntegrityError(
             f"{path} is recorded as the serving batch graph but is not one (it takes no "

@@ -112,9 +112,12 @@ def test_a_batched_record_of_the_wrong_type_is_one_line(tiny_llama, value):
     _both_refuse("batched-type", "batched", "corrupted")
 
 
-def test_a_batched_record_naming_a_graph_that_is_not_batched_does_not_verify(tiny_llama):
+@pytest.mark.parametrize("plain_variant", ["int4", "int4-rowwise"])
+def test_a_batched_record_naming_a_graph_that_is_not_batched_does_not_verify(tiny_llama, plain_variant):
+    """A plain graph recorded as the batched one: the concat one takes none of the batch inputs;
+    the plain rowwise one takes the same names as its batched flavour, but no batch dimension."""
     folder = clone_entry(tiny_llama, "batched-plain")
-    plain = S.variant_file("int4")  # a plain graph (concat KV): none of the batch inputs
+    plain = S.variant_file(plain_variant)
 
     def point(d):
         d["batched"].update(file=plain, sha256=d["files"][plain]["sha256"], bytes=d["files"][plain]["bytes"])

@@ -138,7 +138,7 @@ def open_batch(model: Model, max_batch: int) -> BatchDecoder[Any]:
         raise BatchUnavailable(f"{name} was rebuilt since {model.variant} was loaded: restart to batch requests")
     threads = model.decoder.s.get_session_options().intra_op_num_threads
     out = batch_decoder(model.decoder, model.folder / rec["file"], max_batch, threads)
-    check_batched_graph([i.name for i in out.s.get_inputs()], c, model.folder / rec["file"], rebuild_hint(m, name))
+    check_batched_graph(out.s.get_inputs(), c, model.folder / rec["file"], rebuild_hint(m, name))
     return out
 
 
