@@ -582,7 +582,7 @@ def parse_body(raw: bytes, cls):
 
 # The chat page (docs/serving.md): static files shipped in the package, served from a fixed list.
 # Its policy lets it load only its own files and talk only to this origin; text is inserted as text.
-STATIC = Path(__file__).parent / "static"
+PAGE_DIR = Path(__file__).parent / "page"
 PAGE_FILES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
@@ -596,7 +596,7 @@ PAGE_POLICY = (
 
 def page_file(name: str) -> Response:
     try:
-        data = (STATIC / name).read_bytes()
+        data = (PAGE_DIR / name).read_bytes()
     except OSError:
         raise APIError(
             500, f"the page's file {name} is missing from this install (reinstall dejavuu-build)", "server_error"

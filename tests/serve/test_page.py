@@ -186,14 +186,14 @@ def test_the_page_files_are_package_data():
 
     tomllib = pytest.importorskip("tomllib")
 
-    from dejavuu_build.serve.app import PAGE_FILES, STATIC
+    from dejavuu_build.serve.app import PAGE_DIR, PAGE_FILES
 
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     globs = data["dejavuu_build.serve"]
     for name in PAGE_FILES:
-        assert (STATIC / name).is_file(), name
-        assert any(fnmatch(f"static/{name}", g) for g in globs), (name, globs)
+        assert (PAGE_DIR / name).is_file(), name
+        assert any(fnmatch(f"{PAGE_DIR.name}/{name}", g) for g in globs), (name, globs)
 
 
 # ---------------------------------------------------------------- in a real browser
