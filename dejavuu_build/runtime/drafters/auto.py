@@ -174,11 +174,15 @@ class Auto(Drafter):
     def _best_cut(self, i: int, draft: Draft) -> tuple[float, int]:
         """(tokens per second, depth) of member ``i``'s draft cut at its best depth (0: drafting nothing)."""
         best = (1.0 / self._time(0), 0)
-        depth = draft.depth()
         chain = draft.is_chain()
-        for n in range(1, depth + 1):
+        pooled = self._acc[i][-1]
+        own = self._acc[i].get(self._buckets[i], pooled)
+        e, surv = 0.0, 1.0  # expected accepted of the cut at depth n, and the chance of reaching level n
+        for n in range(1, draft.depth() + 1):
+            surv *= own.alpha(n, pooled.alpha(n, 0.5))
+            e += surv
             nodes = n if chain else len(draft.within(DraftBudget(len(draft), n, len(draft), True)))
-            rate = (1.0 + self.expected_accepted(i, self._buckets[i], n)) / self._time(nodes)
+            rate = (1.0 + e) / self._time(nodes)
             if rate > best[0]:
                 best = (rate, n)
         return best
