@@ -67,7 +67,8 @@ class Auto(Drafter):
     however many steps later), and ``verify_time`` is fitted to ``Feedback.verify_seconds`` over the
     graph rows each step ran (``Feedback.rows``). The best (member, depth) is played; depth 0 is a
     plain step (where a lone token is one graph row, a draft must earn its rows). With chance
-    ``explore`` a random member's whole draft is played instead, which keeps deep levels measured.
+    ``explore`` (default 0: the counterfactual scoring measures every level of every draft already)
+    a random member's whole draft is played instead.
 
     Drafting itself costs time, which the per-step choice cannot win back once spent. So ``auto``
     also keeps, per request, a forgetful mean of what proposing saved per step against plain
@@ -89,7 +90,7 @@ class Auto(Drafter):
         members: Sequence[str] = DEFAULT_MEMBERS,
         *,
         datastore=None,
-        explore: float = 0.05,
+        explore: float = 0.0,
         forget: float = 0.9,
         seed: int = 0,
         member_params: dict[str, dict] | None = None,
