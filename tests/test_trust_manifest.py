@@ -8,26 +8,12 @@ import hashlib
 import json
 
 import pytest
-from click.testing import CliRunner
 from conftest import clone_entry
+from test_trust_cli import invoke, one_line_error
 
 from dejavuu_build import cache
 from dejavuu_build import schema as S
-from dejavuu_build.cli import main
 from dejavuu_build.errors import CacheError, IntegrityError
-
-
-def one_line_error(r, *needles):
-    assert r.exit_code == 2, (r.exit_code, r.output)
-    assert "Traceback" not in r.output and "unexpected" not in r.output, r.output
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for n in needles:
-        assert n in lines[0], (n, r.output)
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _edit(folder, fn):

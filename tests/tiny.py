@@ -70,3 +70,21 @@ def save_tiny(recipe_name: str, folder: Path, seed: int = 0) -> Path:
         ip(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def llama_gguf_shapes(v: int, h: int, layers: int, heads: int, kv: int, ff: int) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes of a Llama-architecture GGUF (what the GGUF sources' tests write)."""
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (h,),
+            f"blk.{i}.attn_q.weight": (h, h),
+            f"blk.{i}.attn_k.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_v.weight": (h // heads * kv, h),
+            f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_norm.weight": (h,),
+            f"blk.{i}.ffn_gate.weight": (ff, h),
+            f"blk.{i}.ffn_up.weight": (ff, h),
+            f"blk.{i}.ffn_down.weight": (h, ff),
+        }
+    return shapes

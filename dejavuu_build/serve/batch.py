@@ -410,18 +410,6 @@ class RowwiseBatchDecoder(BatchDecoder[Owner]):
             self._resize(round_up(longest + self.tile, self.tile))
         return moved
 
-    def _binding(self, lo: int, hi: int) -> Any:
-        key = (lo, hi)
-        b = self._bindings.get(key)
-        if b is None:
-            b = self.s.io_binding()
-            for j, (i_name, o_name) in enumerate(zip(self.kv_in, self.kv_out)):
-                v = self.ort.OrtValue.ortvalue_from_numpy(self.buf[j, lo:hi])
-                b.bind_ortvalue_input(i_name, v)
-                b.bind_ortvalue_output(o_name, v)
-            self._bindings[key] = b
-        return b
-
     # ------------------------------------------------------------------ forward
     def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """As BatchDecoder.forward: one forward over slots ``lo .. lo+len(rows)`` (``None``: an

@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+from tiny import llama_gguf_shapes
 
 from dejavuu_build.build import sources
 from dejavuu_build.errors import ModelSourceError
@@ -201,19 +202,7 @@ def _tiny_gguf(path, add_bos: bool | None, model: str = "gpt2"):
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     v = len(tokens)
-    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
-    for i in range(layers):
-        shapes |= {
-            f"blk.{i}.attn_norm.weight": (h,),
-            f"blk.{i}.attn_q.weight": (h, h),
-            f"blk.{i}.attn_k.weight": (h // heads * kv, h),
-            f"blk.{i}.attn_v.weight": (h // heads * kv, h),
-            f"blk.{i}.attn_output.weight": (h, h),
-            f"blk.{i}.ffn_norm.weight": (h,),
-            f"blk.{i}.ffn_gate.weight": (ff, h),
-            f"blk.{i}.ffn_up.weight": (ff, h),
-            f"blk.{i}.ffn_down.weight": (h, ff),
-        }
+    shapes = llama_gguf_shapes(v, h, layers, heads, kv, ff)
     for name, shape in shapes.items():
         w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
     w.write_header_to_file()

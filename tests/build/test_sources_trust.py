@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny import llama_gguf_shapes
 
 from dejavuu_build.build import sources
 from dejavuu_build.errors import ModelSourceError
@@ -110,19 +111,7 @@ def _gguf(path, meta=None, layers=1):
     w.add_token_list(["<unk>", "<s>", "</s>", *"abcdefghijk"])
     w.add_token_scores([0.0] * v)
     w.add_token_types([2, 3, 3] + [1] * (v - 3))
-    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
-    for i in range(layers):
-        shapes |= {
-            f"blk.{i}.attn_norm.weight": (h,),
-            f"blk.{i}.attn_q.weight": (h, h),
-            f"blk.{i}.attn_k.weight": (h // heads * kv, h),
-            f"blk.{i}.attn_v.weight": (h // heads * kv, h),
-            f"blk.{i}.attn_output.weight": (h, h),
-            f"blk.{i}.ffn_norm.weight": (h,),
-            f"blk.{i}.ffn_gate.weight": (ff, h),
-            f"blk.{i}.ffn_up.weight": (ff, h),
-            f"blk.{i}.ffn_down.weight": (h, ff),
-        }
+    shapes = llama_gguf_shapes(v, h, layers, heads, kv, ff)
     for name, shape in shapes.items():
         w.add_tensor(name, np.zeros(shape, np.float32))
     w.write_header_to_file()
