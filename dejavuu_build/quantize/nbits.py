@@ -63,8 +63,10 @@ class QuantPlan:
     # The 8-bit lm-head (tied: the embedding table too) takes the largest block from lm_head_block
     # down to 16 whose MatMulNBits keeps rows exact on this machine (choose_table_block); the GGUF's
     # own table blocks are carried instead where they keep rows exact too and run at most this
-    # factor slower, at 1, 2 and 8 rows, than that block (measured at build time).
-    table_carry_slowdown: float = 1.10
+    # factor slower, at 1, 2 and 8 rows, than that block (measured at build time). Off (0) by
+    # default: a timed choice makes the file's bytes follow the machine's load (SmolLM2's Q8_0 in
+    # blocks of 32 timed 1.08-1.15x of 64's), and quant-only must rewrite the same bytes.
+    table_carry_slowdown: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -306,7 +308,12 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
         if best is None:
             continue
         rec.update(block=best, verdict=tier, carried=file_block == best)
-        if file_block is not None and file_block < best and verdict(file_block) == tier:
+        if (
+            plan.table_carry_slowdown > 0
+            and file_block is not None
+            and file_block < best
+            and verdict(file_block) == tier
+        ):
             ms, ratio = nbits_slowdown(bits, best, file_block, k, n, acc, DEFAULT_THREADS)
             slow = max(ratio.values())
             rec["ms"] = {str(b): {str(m): t for m, t in v.items()} for b, v in ms.items()}

@@ -2,6 +2,8 @@
 the largest block whose MatMulNBits keeps rows exact here, or the GGUF's own table blocks carried
 exactly where they keep rows exact too and run about as fast."""
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -11,6 +13,9 @@ from dejavuu_build.export.exactness import probe
 from dejavuu_build.quantize import nbits
 from dejavuu_build.quantize.nbits import PLANS, QuantPlan, choose_table_block, nbits_rows, quantize_model, rows_verdict
 from dejavuu_build.schema import EMBED_NODE, INT4, INT8, LM_HEAD_NODE
+
+# the timed carry of the file's own table blocks is off by default (bytes must not follow timing)
+TIMED = replace(PLANS[INT4], table_carry_slowdown=1.10)
 
 K, V = 640, 384  # Gemma-3-270M's hidden size: its 8-bit lm-head in blocks of 128 is row-variant on Intel AMX
 
@@ -44,10 +49,11 @@ def test_the_files_blocks_are_carried_where_invariant_and_fast_enough(monkeypatc
         nbits, "nbits_rows", _fake_rows({128: "variant", 64: "invariant", 32: "invariant", 16: "variant"})
     )
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.05))
-    rec = choose_table_block(K, V, PLANS[INT4], file_block=32)
+    assert choose_table_block(K, V, PLANS[INT4], file_block=32)["carried"] is False
+    rec = choose_table_block(K, V, TIMED, file_block=32)
     assert (rec["block"], rec["carried"]) == (32, True) and "the file's own blocks" in rec["why"]
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.4))  # too slow: re-rounded at 64
-    rec = choose_table_block(K, V, PLANS[INT4], file_block=32)
+    rec = choose_table_block(K, V, TIMED, file_block=32)
     assert (rec["block"], rec["carried"]) == (64, False) and "1.40x" in rec["why"]
     assert rec["file_block_slowdown"] == {str(m): 1.4 for m in nbits.TABLE_TIMED_ROWS}
     loose = QuantPlan(lm_head_block=128, table_carry_slowdown=2.0)
@@ -141,14 +147,14 @@ def test_a_tied_q8_0_table_is_the_files_where_chosen(tied_q8, tmp_path, monkeypa
         nbits, "nbits_rows", _fake_rows({128: "variant", 64: "invariant", 32: "invariant", 16: "invariant"})
     )
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.0))
-    rep = quantize_model(src, tmp_path / "a.onnx", PLANS[INT4], tied=True, gguf=path)
+    rep = quantize_model(src, tmp_path / "a.onnx", TIMED, tied=True, gguf=path)
     got, block = _table(tmp_path / "a.onnx")
     assert block == 32 and rep["lm_head_block"]["carried"] and rep["gguf"]["carried"] == 1
     np.testing.assert_array_equal(got, table)  # the file's Q8_0, bit for bit
     assert "token_embd.weight Q8_0 carried exactly" in rep["nodes"][EMBED_NODE]
     assert "one shared table" in rep["nodes"][LM_HEAD_NODE] and "the file's own blocks" in rep["nodes"][LM_HEAD_NODE]
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.5))
-    rep = quantize_model(src, tmp_path / "b.onnx", PLANS[INT4], tied=True, gguf=path)
+    rep = quantize_model(src, tmp_path / "b.onnx", TIMED, tied=True, gguf=path)
     got, block = _table(tmp_path / "b.onnx")
     assert block == 64 and not rep["lm_head_block"]["carried"] and rep["gguf"]["requantized"] == 1
     assert "re-rounded" in rep["nodes"][EMBED_NODE] and not np.array_equal(got, table)
@@ -158,7 +164,7 @@ def test_the_quantized_lm_head_keeps_rows_exact_on_this_machine(tied_q8, tmp_pat
     """Measured, not mocked: the graph's lm-head (the per-op probe the build runs on it) is not
     row-variant here, and a table the quantizer calls carried is the file's bit for bit."""
     path, src, table = tied_q8
-    rep = quantize_model(src, tmp_path / "q.onnx", PLANS[INT4], tied=True, gguf=path)
+    rep = quantize_model(src, tmp_path / "q.onnx", TIMED, tied=True, gguf=path)
     choice = rep["lm_head_block"]
     got, block = _table(tmp_path / "q.onnx")
     assert block == choice["block"] and choice["file_block"] == 32
