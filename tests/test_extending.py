@@ -133,11 +133,22 @@ def test_every_kv_layout_has_a_suffix_and_a_place_in_the_preference():
 
 # --------------------------------------------------------------------------------------------- peers
 def test_every_peer_has_the_peer_methods():
-    from dejavuu_build.bench import genai, runner
-    from dejavuu_build.bench.report import PEER_METHODS
+    """docs/extending.md's "add a peer": a module with require() and load_peers(ctx), one KINDS
+    line; every peer class it returns answers the Peer protocol under the kind's method names."""
+    import importlib
 
-    peers = {cls.name: cls for cls in (genai.GenaiPeer, genai.GenaiNgram)}
-    assert set(runner.PEERS) <= set(PEER_METHODS) == set(peers)
-    for name, cls in peers.items():
+    from dejavuu_build.bench import genai, llamacpp, runner
+    from dejavuu_build.bench.peer import KINDS, PEER_METHODS, PLAIN_OF
+
+    assert set(runner.PEERS) == set(KINDS) == {"genai", "llamacpp"}
+    classes = {
+        cls.name: cls for cls in (genai.GenaiPeer, genai.GenaiNgram, llamacpp.LlamaCppPeer, llamacpp.LlamaCppLookup)
+    }
+    assert set(PEER_METHODS) == set(classes)
+    for kind in KINDS.values():
+        mod = importlib.import_module(kind.module, "dejavuu_build.bench")
+        assert callable(mod.require) and callable(mod.load_peers), kind.name
+        assert all(PLAIN_OF[m] == kind.methods[0] for m in kind.methods[1:])
+    for name, cls in classes.items():
         for method in ("generate", "quality", "describe"):
             assert callable(getattr(cls, method, None)), (name, method)

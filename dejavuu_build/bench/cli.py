@@ -10,6 +10,7 @@ import click
 
 from .. import schema as S
 from ..runtime.cli import friendly as _friendly
+from .peer import KINDS
 from .runner import (
     DEFAULT_CATEGORIES,
     NGRAM_OFF,
@@ -108,11 +109,11 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
 @click.option(
     "--compare",
     default=None,
-    metavar="genai",
-    help="Also time another system's plain decoding on the same prompt ids: genai = onnxruntime-genai's "
-    "int4 CPU build of the same source (built once into <cache>/.peers; needs "
-    "pip install -e \".[compare]\"). Adds a '× genai' column, and genai's n-gram speculative "
-    "decoding beside it ('× genai-ngram').",
+    metavar="genai,llamacpp",
+    help="Also time other systems on the same prompt ids: genai = onnxruntime-genai's int4 CPU build of "
+    'the same source (built once into <cache>/.peers; pip install -e ".[compare]"), plain and its '
+    "n-gram speculative decoding ('× genai', '× genai-ngram'); llamacpp = the source GGUF in llama.cpp, "
+    "plain and prompt lookup ('× llamacpp', '× llamacpp-lookup'; pip install -e \".[llamacpp]\").",
 )
 @click.option(
     "--genai-ngram",
@@ -168,10 +169,8 @@ def bench(
         raise BenchError("--genai-ngram and --no-genai-ngram contradict each other: give one")
     if bad := [c for c in compare_t if c not in PEERS]:
         raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
-    if compare_t:
-        from .genai import require_genai
-
-        require_genai()  # a missing package: one line and exit 2, before anything slow
+    for k in compare_t:
+        KINDS[k].require()  # a missing package: one line and exit 2, before anything slow
     if contexts_t and resume is not None:
         raise BenchError("a context sweep cannot be resumed: run it again with another --out")
     folder, resuming = _out_dir(model, out, resume, "-sweep" if contexts_t else "")

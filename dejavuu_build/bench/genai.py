@@ -39,17 +39,15 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 from ..log import logger, step
-from ..schema import FP32, INT4, PEER_FILE, PEERS_DIR
-from .report import PEER_NGRAM as GENAI_NGRAM  # genai's n-gram speculative decoding, beside its plain one
+from ..schema import INT4, PEER_FILE, PEERS_DIR
+from .peer import KINDS, PeerResult, peer_quality
 from .runner import BenchError
 
-PEERS: tuple[str, ...] = ("genai",)
-GENAI = "genai"
+GENAI, GENAI_NGRAM = KINDS["genai"].methods  # its plain decoding, and its n-gram speculative decoding
 NGRAM_SIZES = (2, 16)  # what GeneratorParams.set_speculative_options accepts (0.18: checked by it)
 MAX_DRAFT_TOKENS = (1, 16)
 # the speculative stats kept per generation (get_speculative_stats has ~60 keys)
@@ -285,33 +283,7 @@ def _run_builder(src: dict, out: Path, version: str) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------- timing
-@dataclass
-class PeerResult:
-    """One genai generation: ids and the same timing fields as our GenerationStats."""
-
-    tokens: list[int]
-    prompt_tokens: int
-    prefill_s: float
-    total_s: float
-    step_s: list[float] = field(default_factory=list)  # each decode step (a forward + sampling)
-    stop_reason: str = "length"
-    forwards: int | None = None  # n-gram: target forwards after the first token (steps emit 1 token each)
-    speculative: dict | None = None  # n-gram: genai's own stats of the whole generation (SPEC_STATS)
-
-    @property
-    def steps(self) -> int:
-        return len(self.step_s) if self.forwards is None else self.forwards
-
-    @property
-    def decode_s(self) -> float:
-        return self.total_s - self.prefill_s
-
-    @property
-    def decode_tok_s(self) -> float:
-        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 and len(self.tokens) > 1 else 0.0
-
-
+# ---------------------------------------------------------------------------------- the peer
 class GenaiPeer:
     """genai's plain greedy generator on its own build, fed our token ids."""
 
@@ -365,7 +337,9 @@ class GenaiPeer:
         from ..log import logger
 
         if getattr(self, "_quality", None) is None:
-            q = peer_quality(GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length)
+            q = peer_quality(
+                GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length, GENAI
+            )
             logger.info(
                 "genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
                 q["top1"],
@@ -459,6 +433,27 @@ def load_genai_peer(manifest, threads: int, eos_ids: Sequence[int] = (), cache: 
         logger.warning(line)
         return None, line
     return peer, None
+
+
+def require() -> None:
+    """The peer kind's check before anything slow (``peer.PeerKind.require``)."""
+    require_genai()
+
+
+def load_peers(ctx) -> list:
+    """genai plain, warmed up, then (unless ``--no-genai-ngram``) its n-gram speculative decoding
+    with options fixed, resumed or swept now (:mod:`.ngram`); [] with one warning line if genai
+    cannot run this model here."""
+    model, cfg = ctx.model, ctx.cfg
+    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)
+    if peer is None:
+        return []
+    if not cfg.ngram:
+        return [peer]
+    from .ngram import ngram_peer
+
+    peer.generate(ctx.warmup_ids, ctx.warmup_tokens)  # its first-run costs out of the sweep's timings
+    return [peer, ngram_peer(model, peer, cfg, ctx.out, ctx.corpus, ctx.prompts, ctx.fits, ctx.resume)]
 
 
 def parse_ngram(value: str | Sequence[int]) -> tuple[int, int]:
@@ -576,29 +571,6 @@ class GenaiReplay:
         self.sess.run_with_iobinding(bind)
         dt = time.perf_counter() - t
         return dt, int(np.argmax(bind.get_outputs()[0].numpy()[0, -1]))
-
-
-def peer_quality(replay: GenaiReplay, model_folder: str | Path, threads: int, context_length: int = 0) -> dict:
-    """genai's build scored by our build's quality gate: teacher-forced top-1 agreement with our
-    fp32 export and mean KL(fp32 || genai) over the same quality set and positions as our variants
-    (``build.quality.gate_quality``), so speed is read beside how much of the model each build keeps."""
-    from types import SimpleNamespace
-
-    from ..build.quality import gate_quality, scoring_set
-    from ..build.references import Reference
-    from ..build.runner import Runner
-    from ..runtime.session import make_session
-    from ..schema import REFERENCE_FILE, read_contract, variant_file
-
-    folder = Path(model_folder)
-    contract = read_contract(folder)
-    fp32 = Runner(make_session(folder / variant_file(FP32), threads=threads), contract)
-    ref = Reference.load(folder / REFERENCE_FILE) if (folder / REFERENCE_FILE).is_file() else None
-    qs = scoring_set(folder, fp32, ref, min(x for x in (contract.position_limit, context_length) if x))
-    teacher = SimpleNamespace(prefill=lambda ids: (replay.logits(ids), None, None))
-    # duck-typed: gate_quality calls only Runner.prefill, which this shape provides
-    g = gate_quality(fp32, {GENAI: cast(Runner, teacher)}, qs, {})[GENAI]
-    return {k: g[k] for k in ("top1", "agree", "positions", "mean_kl", "texts", "set", "set_sha256")}
 
 
 def genai_host_estimate(

@@ -5,11 +5,13 @@ prefill (identical work for every method) neither dilutes nor inflates it; in gr
 tokens are identical and it is exactly the ratio of decode times. The overall row takes the
 geometric mean of the category speedups, so no category dominates by its length.
 
-With a peer (``--compare genai``), "× genai" is each method's decode tok/s over the peer's on
-the same prompt (all turns of it), geo-meaned over the prompts of a category; its overall row is
-the geo-mean of the categories, like the speedup's. "× genai-ngram" is the same ratio over genai's
-own n-gram speculative decoding, and that row's "vs genai" is its token match with genai's plain
-decoding (genai's drafting is not lossless by construction: it verifies drafts as multi-row forwards).
+With peers (``--compare genai,llamacpp``, :mod:`.peer`), "× genai" is each method's decode tok/s
+over the peer's on the same prompt (all turns of it), geo-meaned over the prompts of a category;
+its overall row is the geo-mean of the categories, like the speedup's. Every peer gets such a
+column: "× genai-ngram" over genai's own n-gram speculative decoding, "× llamacpp" and
+"× llamacpp-lookup" over llama.cpp's plain decoding and prompt lookup. A speculative peer's row
+also gives "vs plain": its token match with its own plain decoding (a peer's drafting is not
+lossless by construction: it verifies drafts as multi-row forwards).
 
 "oracle" is the copy-drafting bound of ``bench.oracle`` on the baseline's own answers at the row
 costs measured in the same run: its tokens per step and speedup per category, and each method's
@@ -28,14 +30,12 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..log import logger
+from .peer import PEER_METHODS, PLAIN_OF, column
 
 OVERALL = "overall"
-PEER = "genai"  # the method name of onnxruntime-genai's plain decoding in the records
-PEER_NGRAM = "genai-ngram"  # and of its n-gram speculative decoding (bench.ngram picks its options)
-PEER_METHODS = (PEER, PEER_NGRAM)
 NOISE_FLOOR = 0.03  # a speedup within 3% of 1.0 is noise on any machine (log-ratio margin)
 NOISE_ONE_PROMPT = 0.10  # the margin where one prompt gives no spread to measure
 NEVER_SLOWER = ("auto",)  # methods that must never be slower than baseline (the bench flags them)
@@ -58,9 +58,10 @@ class Row:
     verify_ms_per_step: float
     overhead_ms_per_step: float
     match_pct: float
-    x_genai: float | None = None  # decode tok/s over genai's on the same prompts (geo-mean); None: no peer
-    x_genai_ngram: float | None = None  # the same over genai's n-gram speculative decoding; None: not run
-    match_genai_pct: float | None = None  # genai-ngram: % of tokens equal to genai plain's (common prefix)
+    # decode tok/s over each peer's on the same prompts (geo-mean), by the peer's method name; the
+    # results' columns are x_<peer> (peer.column); a peer not run has none
+    x_peer: dict[str, float | None] = field(default_factory=dict)
+    match_plain_pct: float | None = None  # a speculative peer: % of its tokens equal to its own plain decoding's
     top1_vs_fp32: float | None = None  # the quality gate: teacher-forced top-1 agreement with our fp32 export
     kl_vs_fp32: float | None = None  # and mean KL(fp32 || variant or peer); None: not measured
     ttft_ms: float = 0.0  # time to first token: a turn's prompt in, its first token out (mean)
@@ -82,12 +83,14 @@ class Report:
         return next((r for r in self.rows if r.category == category and r.method == method), None)
 
     @property
-    def has_peer(self) -> bool:
-        return any(r.x_genai is not None for r in self.rows)
+    def peers(self) -> list[str]:
+        """The peers this report has columns for, in run order."""
+        return [m for m in self.methods if m in PEER_METHODS and any(r.x_peer.get(m) for r in self.rows)]
 
-    @property
-    def has_ngram(self) -> bool:
-        return any(r.x_genai_ngram is not None for r in self.rows)
+    def x(self, category: str, method: str, peer: str) -> float | None:
+        """``method``'s decode tok/s over ``peer``'s in ``category`` (None: not run)."""
+        row = self.row(category, method)
+        return row.x_peer.get(peer) if row else None
 
     @property
     def has_quality(self) -> bool:
@@ -102,11 +105,12 @@ class Report:
         return [r for r in self.rows if r.method in methods and r.slower]
 
     def table(self) -> str:
-        peer, ngram, qual, orc = self.has_peer, self.has_ngram, self.has_quality, self.has_oracle
+        peers, qual, orc = self.peers, self.has_quality, self.has_oracle
+        spec = any(p in PLAIN_OF for p in peers)
         head = (
             f"{'category':<15} {'method':<16} {'n':>3} {'decode tok/s':>17} {'speedup':>8} "
-            + (f"{'× genai':>8} " if peer else "")
-            + (f"{'× genai-ngram':>13} {'vs genai':>8} " if ngram else "")
+            + "".join(f"{'× ' + p:>{max(8, len(p) + 2)}} " for p in peers)
+            + (f"{'vs plain':>8} " if spec else "")
             + (f"{'top-1/KL vs fp32':>17} " if qual else "")
             + (f"{'oracle':>13} {'share':>6} " if orc else "")
             + f"{'TTFT ms':>10} {'accept':>7} {'tok/step':>8} {'draft/verify/other ms':>22} {'match':>7}"
@@ -117,16 +121,17 @@ class Report:
             speed = "-" if r.speedup is None else f"{r.speedup:.2f}x" + ("!" if r.slower else "")
             oc = "-" if r.oracle_speedup is None else f"{r.oracle_tokens_per_step:.2f}t {r.oracle_speedup:.2f}x"
             sh = "-" if r.oracle_share is None else f"{100 * r.oracle_share:.0f}%"
-            xg = "-" if r.x_genai is None else f"{r.x_genai:.2f}x"
-            xn = "-" if r.x_genai_ngram is None else f"{r.x_genai_ngram:.2f}x"
-            mg = "-" if r.match_genai_pct is None else f"{r.match_genai_pct:.1f}%"
+            xs = "".join(
+                f"{'-' if (v := r.x_peer.get(p)) is None else f'{v:.2f}x':>{max(8, len(p) + 2)}} " for p in peers
+            )
+            mg = "-" if r.match_plain_pct is None else f"{r.match_plain_pct:.1f}%"
             accept = "-" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
             qv = "-" if r.top1_vs_fp32 is None else f"{r.top1_vs_fp32:.3f}/{r.kl_vs_fp32:.4f}"
             lines.append(
                 f"{r.category:<15} {r.method:<16} {r.prompts:>3} "
                 f"{f'{r.decode_tok_s_mean:.1f} ± {r.decode_tok_s_std:.1f}':>17} {speed:>8} "
-                + (f"{xg:>8} " if peer else "")
-                + (f"{xn:>13} {mg:>8} " if ngram else "")
+                + xs
+                + (f"{mg:>8} " if spec else "")
                 + (f"{qv:>17} " if qual else "")
                 + (f"{oc:>13} {sh:>6} " if orc else "")
                 + f"{r.ttft_ms:>10.1f} {accept:>7} {r.tokens_per_step:>8.2f} {split:>22} "
@@ -178,7 +183,7 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
     steps = sum(r["steps"] for r in recs)
     drafted = sum(r["drafted"] for r in recs)
     compared = sum(r["compared"] for r in recs)
-    vs_genai = [r for r in recs if r.get("genai_compared") is not None]  # genai-ngram's records only
+    vs_plain = [r for r in recs if r.get("plain_compared") is not None]  # a speculative peer's records only
 
     def per_step(key: str) -> float:
         return 1e3 * sum(r[key] for r in recs) / steps if steps else 0.0
@@ -200,10 +205,10 @@ def _row(category: str, method: str, recs: Sequence[dict], base: Sequence[dict])
         verify_ms_per_step=per_step("verify_s"),
         overhead_ms_per_step=per_step("overhead_s"),
         match_pct=100.0 * sum(r["common_prefix"] for r in recs) / compared if compared else 100.0,
-        match_genai_pct=(
-            100.0 * sum(r["genai_common_prefix"] for r in vs_genai) / max(sum(r["genai_compared"] for r in vs_genai), 1)
+        match_plain_pct=(
+            100.0 * sum(r["plain_common_prefix"] for r in vs_plain) / max(sum(r["plain_compared"] for r in vs_plain), 1)
         )
-        if vs_genai
+        if vs_plain
         else None,
     )
 
@@ -260,8 +265,8 @@ def aggregate(
 ) -> Report:
     """Rows per category (in the asked order) × method, then the overall rows.
 
-    When ``methods`` holds the peer (``genai``) and it has records, every row gets ``x_genai``;
-    likewise ``x_genai_ngram`` for genai's n-gram speculative decoding (``genai-ngram``).
+    For each peer in ``methods`` with records (``genai``, ``llamacpp-lookup`` …), every row gets its
+    ratio in ``x_peer[peer]``.
     ``row_costs`` (seconds of a step of R graph rows, ``bench.oracle.measure_row_costs``) adds the
     copy oracle's bound and each method's share of it, where the baseline records carry its runs.
     """
@@ -273,18 +278,15 @@ def aggregate(
     for r in records:
         by[r["category"], r["method"]].append(r)
     cats = [c for c in categories if by.get((c, "baseline"))]
-    peers = [
-        (k, m)
-        for k, m in (("x_genai", PEER), ("x_genai_ngram", PEER_NGRAM))
-        if m in methods and any(r["method"] == m for r in records)
-    ]
+    have = {r["method"] for r in records}
+    peers = [m for m in methods if m in PEER_METHODS and m in have]
     rows = []
     for c in cats:
         for m in methods:
             if by.get((c, m)):
                 row = _row(c, m, by[c, m], by[c, "baseline"])
-                for key, pm in peers:
-                    setattr(row, key, x_peer(by[c, m], by[c, pm]))
+                for pm in peers:
+                    row.x_peer[pm] = x_peer(by[c, m], by[c, pm])
                 if m != "baseline" and m not in PEER_METHODS:
                     flag_slower(row, noise_margin(by[c, m], by[c, "baseline"]))
                 oracles.setdefault(c, oracle_of(by[c, "baseline"], cost))
@@ -296,8 +298,8 @@ def aggregate(
             continue
         row = _row(OVERALL, m, mine, [r for r in records if r["method"] == "baseline"])
         row.speedup = geomean([r.speedup for r in rows if r.method == m and r.speedup])
-        for key, _ in peers:
-            setattr(row, key, geomean([getattr(r, key) for r in rows if r.method == m and getattr(r, key)]))
+        for pm in peers:
+            row.x_peer[pm] = geomean([v for r in rows if r.method == m and (v := r.x_peer.get(pm))])
         if m != "baseline" and m not in PEER_METHODS:
             flag_slower(row, noise_margin(mine, [r for r in records if r["method"] == "baseline"]))
         known = [o for c in cats if (o := oracles.get(c))]
@@ -308,13 +310,27 @@ def aggregate(
 
 
 # ---------------------------------------------------------------------------------- outputs
-def write_rows(paths: dict[str, Path], rows: Sequence, row_type: type, meta: dict) -> None:
+def _flat(row: Any, peers: Sequence[str]) -> dict:
+    """A row as one flat dict: a report row's ``x_peer`` as one ``x_<peer>`` column per peer."""
+    d = asdict(row)
+    if "x_peer" in d:
+        x = d.pop("x_peer")
+        d.update({column(p): x.get(p) for p in peers})
+    return d
+
+
+def write_rows(paths: dict[str, Path], rows: Sequence, row_type: type, meta: dict, peers: Sequence[str] = ()) -> None:
     """``paths["csv"]`` (one line per dataclass row) and ``paths["json"]`` (run metadata + rows)."""
+    names = [fl.name for fl in fields(row_type)]
+    if "x_peer" in names:
+        at = names.index("x_peer")
+        names[at : at + 1] = [column(p) for p in peers]
+    flat = [_flat(r, peers) for r in rows]
     with paths["csv"].open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(row_type)])
+        w = csv.DictWriter(f, fieldnames=names)
         w.writeheader()
-        w.writerows(asdict(r) for r in rows)
-    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        w.writerows(flat)
+    paths["json"].write_text(json.dumps({**meta, "rows": flat}, indent=2) + "\n")
 
 
 def variant_quality(folder: str | Path, variant: str) -> dict | None:
@@ -328,11 +344,12 @@ def variant_quality(folder: str | Path, variant: str) -> dict | None:
     return (rec.gates.get("quality") if rec else None) or None
 
 
-def add_quality(report: Report, quality: dict | None, peer: dict | None = None) -> None:
-    """Quality next to speed: our variant's on every row of ours, the peer's own (scored by the same
-    gate, ``genai.peer_quality``) on its rows."""
+def add_quality(report: Report, quality: dict | None, peers: dict[str, dict | None] | None = None) -> None:
+    """Quality next to speed: our variant's on every row of ours, each peer's own (scored by the same
+    gate, ``peer.peer_quality``; a speculative peer shares its plain one's model) on its rows."""
+    peers = peers or {}
     for r in report.rows:
-        q = peer if r.method in PEER_METHODS else quality
+        q = peers.get(r.method) or peers.get(PLAIN_OF.get(r.method, "")) if r.method in PEER_METHODS else quality
         if q:
             r.top1_vs_fp32, r.kl_vs_fp32 = q["top1"], q["mean_kl"]
 
@@ -344,18 +361,17 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
         add_quality(
             report,
             variant_quality(meta["model_folder"], meta["model_variant"]),
-            (meta.get("peers") or {}).get(PEER, {}).get("quality"),
+            {m: p.get("quality") for m, p in (meta.get("peers") or {}).items()},
         )
-    write_rows(paths, report.rows, Row, meta)
+    write_rows(paths, report.rows, Row, meta, report.peers)
     try:
         model = f"{Path(meta['model_folder']).name} ({meta['model_variant']})"
-        spec = (meta.get("peers") or {}).get(PEER_NGRAM, {}).get("speculative") or {}
-        plot_speedups(
-            report,
-            paths["png"],
-            title=f"{model}: decode speedup over baseline",
-            ngram=f"ngram_size {spec['ngram_size']}, max_draft_tokens {spec['max_draft_tokens']}" if spec else "",
-        )
+        notes = {
+            m: ", ".join(f"{k} {v}" for k, v in spec.items() if k != "as")
+            for m, p in (meta.get("peers") or {}).items()
+            if (spec := p.get("speculative"))
+        }
+        plot_speedups(report, paths["png"], title=f"{model}: decode speedup over baseline", notes=notes)
     except ImportError:
         logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", paths["png"].name)
         del paths["png"]
@@ -363,11 +379,13 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     return paths
 
 
-def plot_speedups(report: Report, path: Path, title: str = "speedup over baseline", ngram: str = "") -> None:
+def plot_speedups(
+    report: Report, path: Path, title: str = "speedup over baseline", notes: dict[str, str] | None = None
+) -> None:
     """Grouped bars: one group per category (and overall), one bar per method, a line at 1.0x.
 
-    With a peer, a second panel shows each method's decode tok/s over genai's (× genai), and a
-    third over genai's n-gram speculative decoding (× genai-ngram) when it ran.
+    Each peer adds a panel of every method's decode tok/s over that peer's (× genai, × genai-ngram,
+    × llamacpp, × llamacpp-lookup); ``notes``: a speculative peer's options, under its title.
     """
     import matplotlib
 
@@ -377,33 +395,30 @@ def plot_speedups(report: Report, path: Path, title: str = "speedup over baselin
     groups = [*report.categories, OVERALL]
     panels = [
         (
-            "speedup",
+            "",
             [m for m in report.methods if m != "baseline"],
             "decode speedup over baseline (×)",
             "baseline",
             title,
         )
     ]
-    if report.has_peer:
+    for p in report.peers:
+        note = (notes or {}).get(p)
         panels.append(
             (
-                "x_genai",
-                [m for m in report.methods if m != PEER],
-                "decode tok/s over genai's (×)",
-                "genai (plain decoding)",
-                "× genai: same prompts, same token ids",
+                p,
+                [m for m in report.methods if m != p],
+                f"decode tok/s over {p}'s (×)",
+                p + (f" (speculative, vs its plain {PLAIN_OF[p]})" if p in PLAIN_OF else " (plain decoding)"),
+                f"× {p}: same prompts, same token ids" + (f"\n({note})" if note else ""),
             )
         )
-    if report.has_ngram:
-        panels.append(
-            (
-                "x_genai_ngram",
-                [m for m in report.methods if m != PEER_NGRAM],
-                "decode tok/s over genai-ngram's (×)",
-                "genai-ngram (its n-gram speculative decoding)",
-                "× genai-ngram: same prompts, same token ids" + (f"\n({ngram})" if ngram else ""),
-            )
-        )
+
+    def value(r: Row | None, key: str) -> float:
+        if r is None:
+            return 0.0
+        return (r.x_peer.get(key) if key else r.speedup) or 0.0
+
     colors = {m: f"C{i}" for i, m in enumerate(report.methods)}  # one color per method in both panels
     n_bars = max(len(p[1]) for p in panels)
     fig, axes = plt.subplots(
@@ -412,7 +427,7 @@ def plot_speedups(report: Report, path: Path, title: str = "speedup over baselin
     for ax, (key, methods, ylabel, ref, ttl) in zip(axes[:, 0], panels):
         width = 0.8 / max(len(methods), 1)
         for i, m in enumerate(methods):
-            vals = [(getattr(r, key) or 0.0) if (r := report.row(g, m)) else 0.0 for g in groups]
+            vals = [value(report.row(g, m), key) for g in groups]
             xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
             bars = ax.bar(xs, vals, width, label=m, color=colors[m])
             ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
@@ -420,7 +435,7 @@ def plot_speedups(report: Report, path: Path, title: str = "speedup over baselin
         ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
         ax.set_title(ttl)
-        ax.set_ylim(0, 1.15 * max([1.0, *(getattr(r, key) or 0.0 for r in report.rows)]))
+        ax.set_ylim(0, 1.15 * max([1.0, *(value(r, key) for r in report.rows)]))
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,7 +25,8 @@ from ..errors import DejavuuError
 from ..log import logger, progress
 from ..rows import json_row, not_utf8
 from .oracle import MAX_DRAFT, measure_row_costs, runs
-from .report import NEVER_SLOWER, PEER, PEER_NGRAM, Report, aggregate, write_outputs
+from .peer import KINDS, PEER_METHODS, PLAIN_OF
+from .report import NEVER_SLOWER, Report, aggregate, write_outputs
 
 if TYPE_CHECKING:
     from ..runtime.model import GenerationResult, Model
@@ -51,7 +52,8 @@ def base_method(method: str) -> str:
     return method[: -len(TREE_SUFFIX)] if method.endswith(TREE_SUFFIX) else method
 
 
-PEERS: tuple[str, ...] = (PEER,)  # --compare: other systems' plain decoding, timed on the same prompt ids
+PEERS: tuple[str, ...] = tuple(KINDS)  # --compare: other systems, timed on the same prompt ids (bench.peer)
+GENAI = "genai"  # the peer whose n-gram options BenchConfig.genai_ngram carries
 NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"  # BenchConfig.genai_ngram, besides a fixed "N,K"
 RECORDS_FILE = "records.jsonl"
 ROW_COSTS_FILE = "row_costs.json"  # seconds of a decode step of R graph rows, measured by the run (bench.oracle)
@@ -95,7 +97,7 @@ class BenchConfig:
     seed: int = 0
     datastore: str | None = None
     data: str | None = None
-    compare: tuple[str, ...] = ()  # peers timed beside our methods (genai)
+    compare: tuple[str, ...] = ()  # peer kinds timed beside our methods (bench.peer.KINDS)
     contexts: tuple[int, ...] = ()  # a context sweep instead of Spec-Bench categories (bench.sweep)
     repeats: int = 1  # sweep: runs per context (medians are reported)
     verify_rows: tuple[int, ...] = ()  # sweep: also time verify steps of these graph row counts (bench.sweep)
@@ -125,10 +127,8 @@ class BenchConfig:
 
         methods = ["baseline"] + [m for m in self.methods if m != "baseline"]
         self.methods = tuple(dict.fromkeys(methods))
-        if any(m in PEERS for m in self.methods):
-            raise BenchError(
-                f"{', '.join(m for m in self.methods if m in PEERS)} is not one of our methods: time it with --compare"
-            )
+        if theirs := [m for m in self.methods if m in PEER_METHODS]:
+            raise BenchError(f"{', '.join(theirs)} is not one of our methods: time it with --compare")
         self.compare = tuple(dict.fromkeys(self.compare))
         if bad := [c for c in self.compare if c not in PEERS]:
             raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
@@ -140,13 +140,15 @@ class BenchConfig:
 
             n, k = parse_ngram(self.genai_ngram)
             self.genai_ngram = f"{n},{k}"
-            if PEER not in self.compare:
+            if GENAI not in self.compare:
                 raise BenchError("--genai-ngram times genai's n-gram speculative decoding: add --compare genai")
             if self.contexts:
                 raise BenchError("--genai-ngram is part of the Spec-Bench run; a context sweep times plain decoding")
-        if PEER not in self.compare or self.contexts:
+        if GENAI not in self.compare or self.contexts:
             self.genai_ngram = NGRAM_OFF  # nothing to run it beside; recorded as such
         self.contexts = tuple(int(c) for c in self.contexts)
+        if self.contexts and (other := [c for c in self.compare if c != GENAI]):
+            raise BenchError(f"the context sweep compares with genai only (not {', '.join(other)}): drop --contexts")
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
         self.verify_rows = tuple(dict.fromkeys(int(r) for r in self.verify_rows))
@@ -173,9 +175,18 @@ class BenchConfig:
         return self.genai_ngram != NGRAM_OFF
 
     @property
+    def peer_methods(self) -> tuple[str, ...]:
+        """The peers' records, each kind's plain decoding before its speculative one (genai's n-gram
+        decoding only with ``genai_ngram``)."""
+        out: list[str] = []
+        for k in self.compare:
+            out += KINDS[k].methods[: 1 if k == GENAI and not self.ngram else None]
+        return tuple(out)
+
+    @property
     def timed(self) -> tuple[str, ...]:
         """Everything run per prompt: our methods (baseline first), then the peers."""
-        return (*self.methods, *self.compare, *((PEER_NGRAM,) if self.ngram else ()))
+        return (*self.methods, *self.peer_methods)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -477,14 +488,14 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
 
 
 def peer_record(
-    p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str = PEER, genai_ids: Sequence[int] | None = None
+    p: Prompt, turn: int, res, baseline_ids: Sequence[int], method: str, plain_ids: Sequence[int] | None = None
 ) -> dict:
-    """A genai generation (``genai.PeerResult``) as a record: timed, compared with baseline, never gated.
+    """A peer's generation (``peer.PeerResult``) as a record: timed, compared with baseline, never gated.
 
-    Plain decoding's steps are one forward + sampling each; n-gram's steps are its target forwards
-    and its drafted / accepted are genai's own counts. The whole decode time counts as verify time
-    (genai exposes no split). ``genai_ids`` (genai plain's tokens of this turn) adds the n-gram
-    run's match with genai's own plain decoding: what its drafting keeps of it.
+    Plain decoding's steps are one forward + sampling each; a speculative peer's steps are its
+    target forwards and its drafted / accepted are its own counts. The whole decode time counts as
+    verify time (peers expose no split). ``plain_ids`` (the peer's own plain decoding of this turn)
+    adds a speculative peer's match with it: what its drafting keeps of it.
     """
     common = _common_prefix(res.tokens, baseline_ids)
     same = list(res.tokens) == list(baseline_ids)
@@ -517,12 +528,11 @@ def peer_record(
     }
     if res.speculative is not None:
         rec["speculative"] = res.speculative
-    if genai_ids is not None:
-        g_common = _common_prefix(res.tokens, genai_ids)
+    if plain_ids is not None:
         rec.update(
-            genai_match=list(res.tokens) == list(genai_ids),
-            genai_common_prefix=g_common,
-            genai_compared=max(len(res.tokens), len(genai_ids)),
+            plain_match=list(res.tokens) == list(plain_ids),
+            plain_common_prefix=_common_prefix(res.tokens, plain_ids),
+            plain_compared=max(len(res.tokens), len(plain_ids)),
         )
     return rec
 
@@ -533,10 +543,11 @@ def run_peer(
     p: Prompt,
     cfg: BenchConfig,
     baseline: Sequence[Sequence[int]],
-    genai: Sequence[Sequence[int]] | None = None,
+    plain: Sequence[Sequence[int]] | None = None,
 ) -> list[dict]:
     """The peer on ``p``: our tokenizer and chat template make the ids, the peer gets the ids.
-    ``genai``: genai plain's tokens per turn of ``p``, for the n-gram peer's match with them."""
+    ``plain``: the peer's own plain decoding's tokens per turn of ``p``, for a speculative peer's
+    match with them."""
     recs: list[dict] = []
     messages: list[dict] = []
     for turn, text in enumerate(p.turns, 1):
@@ -544,7 +555,7 @@ def run_peer(
         res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
         messages.append({"role": "assistant", "content": _tokenizer(model).decode(res.tokens)})
         recs.append(
-            peer_record(p, turn, res, baseline[turn - 1], peer.name, None if genai is None else genai[turn - 1])
+            peer_record(p, turn, res, baseline[turn - 1], peer.name, None if plain is None else plain[turn - 1])
         )
     return recs
 
@@ -589,25 +600,38 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
                     rec["first_mismatch"],
                 )
             recs.append(rec)
-    genai: list[list[int]] | None = None
-    for peer in peers:  # genai plain comes before genai-ngram, whose match with it is recorded
-        got = run_peer(model, peer, p, cfg, baseline, genai if peer.name == PEER_NGRAM else None)
-        if peer.name == PEER:
-            genai = [r["ids"] for r in got]
+    own: dict[str, list[list[int]]] = {}  # a peer's plain decoding comes before its speculative one
+    for peer in peers:
+        got = run_peer(model, peer, p, cfg, baseline, own.get(PLAIN_OF.get(peer.name, "")))
+        own[peer.name] = [r["ids"] for r in got]
         recs += got
     return recs
 
 
-def load_peers(model: Model, cfg: BenchConfig) -> list:
-    """The --compare peers, built (once, into the cache) from the source our build records."""
-    if not cfg.compare:
-        return []
-    from .genai import load_genai_peer
+@dataclass
+class PeerContext:
+    """What a peer kind's ``load_peers`` may use: the run, its prompts and a warm-up prompt."""
 
-    if model.manifest is None:
-        raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
-    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)  # None: one line said why
-    return [peer] if peer is not None else []
+    model: Model
+    cfg: BenchConfig
+    out: Path
+    corpus: Sequence[Prompt]
+    prompts: Sequence[Prompt]
+    fits: Callable[[Prompt], bool]
+    resume: bool
+    warmup_ids: list[int]
+    warmup_tokens: int
+
+
+def load_peers(ctx: PeerContext) -> list:
+    """The --compare peers (``bench.peer.KINDS``), built or located from the source our build
+    records, each kind's plain decoding before its speculative one; a kind that cannot run here
+    said why in one line and adds none."""
+    if not ctx.cfg.compare:
+        return []
+    if ctx.model.manifest is None:
+        raise BenchError(f"--compare needs a build with a manifest (its source); {ctx.model.folder} has none")
+    return [p for k in ctx.cfg.compare for p in KINDS[k].load(ctx)]
 
 
 def _recorded_peers(out: Path) -> dict:
@@ -618,14 +642,16 @@ def _recorded_peers(out: Path) -> dict:
         return {}
 
 
-def _vs_genai(records: Sequence[dict]) -> dict:
-    """genai-ngram's token match with genai's plain decoding over the run: identical generations and tokens."""
-    ng = [r for r in records if r["method"] == PEER_NGRAM and r.get("genai_compared") is not None]
-    compared = sum(r["genai_compared"] for r in ng)
+def _vs_plain(records: Sequence[dict], method: str) -> dict:
+    """A speculative peer's token match with its own plain decoding over the run: identical
+    generations and tokens."""
+    ng = [r for r in records if r["method"] == method and r.get("plain_compared") is not None]
+    compared = sum(r["plain_compared"] for r in ng)
     return {
+        "plain": PLAIN_OF[method],
         "generations": len(ng),
-        "identical": sum(bool(r["genai_match"]) for r in ng),
-        "match_pct": 100.0 * sum(r["genai_common_prefix"] for r in ng) / compared if compared else None,
+        "identical": sum(bool(r["plain_match"]) for r in ng),
+        "match_pct": 100.0 * sum(r["plain_common_prefix"] for r in ng) / compared if compared else None,
     }
 
 
@@ -678,10 +704,8 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
 
     if cfg.contexts:
         raise BenchError("a context sweep runs through bench.sweep.run_sweep")
-    if cfg.compare:
-        from .genai import require_genai
-
-        require_genai()  # before any slow work
+    for k in cfg.compare:
+        KINDS[k].require()  # a missing package: one line before any slow work
     out = Path(out).expanduser()
     data = resolve_data(cfg.data)
     corpus = read_prompts(data)
@@ -699,14 +723,13 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         raise BenchError("no prompt fits the model: lower --max-new-tokens")
     store = RecordStore(out, cfg, resume)
     todo = [p for p in prompts if not store.done(p, cfg.timed)]
-    peers = load_peers(model, cfg) if todo else []
     logger.info(
         "bench %s (%s): %d prompts × %d methods%s into %s%s",
         cfg.model,
         model.variant,
         len(prompts),
         len(cfg.methods),
-        f" + {', '.join(cfg.timed[len(cfg.methods) :])}" if cfg.compare else "",
+        f" + {', '.join(cfg.peer_methods)}" if cfg.compare else "",
         out,
         f" ({len(prompts) - len(todo)} already done)" if resume else "",
     )
@@ -714,24 +737,16 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         logger.info(
             "temperature %.2f: outputs may differ from baseline; match %% is reported, not gated", cfg.temperature
         )
+    peers: list = []
     if todo:
         pool = DrafterPool(cfg, lambda t: tok.encode(t, add_special_tokens=False), corpus)
-        model.generate(
-            [{"role": "user", "content": todo[0].turns[0]}],
-            method="baseline",
-            max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens),
-        )  # warm-up: ORT's first-run costs
+        warm = [{"role": "user", "content": todo[0].turns[0]}]
+        warm_n = min(WARMUP_TOKENS, cfg.max_new_tokens)
+        model.generate(warm, method="baseline", max_new_tokens=warm_n)  # warm-up: ORT's first-run costs
+        ctx = PeerContext(model, cfg, out, corpus, prompts, fits, resume, model.encode(warm), warm_n)
+        peers = load_peers(ctx)
         for peer in peers:
-            peer.generate(
-                model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
-            )
-        if cfg.ngram and peers:  # its options: fixed, recorded by the run resumed, or swept now (bench.ngram)
-            from .ngram import ngram_peer
-
-            peers.append(ngram_peer(model, peers[0], cfg, out, corpus, prompts, fits, resume))
-            peers[-1].generate(
-                model.encode([{"role": "user", "content": todo[0].turns[0]}]), min(WARMUP_TOKENS, cfg.max_new_tokens)
-            )
+            peer.generate(ctx.warmup_ids, warm_n)
         row_costs = _row_costs(model, out, [{"role": "user", "content": todo[0].turns[0]}])
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))
@@ -759,13 +774,10 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         meta["peers"] = {
             p.name: {**p.describe(), "quality": p.quality(model.folder)} for p in peers
         } or _recorded_peers(out)
-        if cfg.ngram and PEER_NGRAM in meta["peers"]:
-            meta["peers"][PEER_NGRAM]["vs_genai"] = _vs_genai(records)
-        meta["gate"]["not_gated"] = [
-            *cfg.compare,
-            *([PEER_NGRAM] if cfg.ngram else []),
-            *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else []),
-        ]
+        for m in cfg.peer_methods:
+            if m in PLAIN_OF and m in meta["peers"]:
+                meta["peers"][m]["vs_plain"] = _vs_plain(records, m)
+        meta["gate"]["not_gated"] = [*cfg.peer_methods, *([RAW_BASELINE] if RAW_BASELINE in cfg.methods else [])]
     if row_costs:
         meta["row_costs_ms"] = {str(r): round(1e3 * t, 3) for r, t in row_costs.items()}
     slower = report.slower()

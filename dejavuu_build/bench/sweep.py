@@ -271,12 +271,13 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
     if model.tokenizer is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the sweep builds its prompts from text")
-    peers = []
-    if cfg.compare:
-        from .runner import load_peers
+    genai = None
+    if cfg.compare:  # genai only (BenchConfig refuses another peer with --contexts)
+        from .genai import load_genai_peer
 
-        peers = load_peers(model, cfg)
-    genai = peers[0] if peers else None
+        if model.manifest is None:
+            raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
+        genai, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)  # None: one line said why
     replay = None
     if genai is not None:
         from .genai import GenaiReplay
@@ -368,7 +369,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
             "genai": HOST_NOTE if genai is not None else None,
         },
         "verify": VERIFY_NOTE if cfg.verify_rows else None,
-        "peers": {p.name: p.describe() for p in peers},
+        "peers": {genai.name: genai.describe()} if genai is not None else {},
     }
     write_sweep(report, out, meta)
     return report

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dejavuu_build.bench import BenchConfig, BenchError
 from dejavuu_build.bench import ngram as NGRAM
-from dejavuu_build.bench.genai import PeerResult
+from dejavuu_build.bench.peer import PeerResult
 from dejavuu_build.bench.report import aggregate, write_outputs
 from dejavuu_build.bench.runner import Prompt, peer_record, select_next
 from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
@@ -144,13 +144,15 @@ def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
     qa_base = _gm([(100 / 1.0) / (100 / 0.8), (100 / 2.0) / (100 / 1.0)])
     qa_pld = _gm([(100 / 0.5) / (100 / 0.8), (100 / 0.4) / (100 / 1.0)])
     mt_base, mt_pld = (200 / 4.0) / (200 / 2.0), 1.0
-    assert rep.row("qa", "baseline").x_genai == pytest.approx(qa_base)
-    assert rep.row("qa", "pld").x_genai == pytest.approx(qa_pld)
-    assert rep.row("mt_bench", "baseline").x_genai == pytest.approx(mt_base)
-    assert rep.row("mt_bench", "pld").x_genai == pytest.approx(mt_pld)
-    assert rep.row("overall", "baseline").x_genai == pytest.approx(_gm([qa_base, mt_base]))  # geo-mean of categories
-    assert rep.row("overall", "pld").x_genai == pytest.approx(_gm([qa_pld, mt_pld]))
-    assert all(rep.row(c, "genai").x_genai == pytest.approx(1.0) for c in ("qa", "mt_bench", "overall"))
+    assert rep.row("qa", "baseline").x_peer.get("genai") == pytest.approx(qa_base)
+    assert rep.row("qa", "pld").x_peer.get("genai") == pytest.approx(qa_pld)
+    assert rep.row("mt_bench", "baseline").x_peer.get("genai") == pytest.approx(mt_base)
+    assert rep.row("mt_bench", "pld").x_peer.get("genai") == pytest.approx(mt_pld)
+    assert rep.row("overall", "baseline").x_peer.get("genai") == pytest.approx(
+        _gm([qa_base, mt_base])
+    )  # geo-mean of categories
+    assert rep.row("overall", "pld").x_peer.get("genai") == pytest.approx(_gm([qa_pld, mt_pld]))
+    assert all(rep.row(c, "genai").x_peer.get("genai") == pytest.approx(1.0) for c in ("qa", "mt_bench", "overall"))
     # the speedup over our baseline is unchanged by the peer's presence
     assert rep.row("qa", "pld").speedup == pytest.approx((3.0 / 200) / (0.9 / 200))
     assert "× genai" in rep.table()
@@ -166,7 +168,7 @@ def test_x_genai_is_the_geomean_of_per_prompt_rate_ratios(tmp_path):
     assert json.loads((out / "results.json").read_text())["rows"][0]["x_genai"] == pytest.approx(qa_base)
 
     plain = aggregate([r for r in recs if r["method"] != "genai"], ("baseline", "pld"), ("qa", "mt_bench"))
-    assert all(r.x_genai is None for r in plain.rows) and "× genai" not in plain.table()
+    assert all(r.x_peer.get("genai") is None for r in plain.rows) and "× genai" not in plain.table()
 
 
 def test_sweep_summary_medians_and_x_genai():
@@ -217,8 +219,8 @@ def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error:"), r.output
         assert "onnxruntime-genai" in lines[0] and ".[compare]" in lines[0]
     assert not (tmp_path / "x").exists()
-    r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--compare", "llamacpp"])
-    assert r.exit_code == 2 and "unknown --compare llamacpp" in r.output
+    r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--compare", "vllm"])
+    assert r.exit_code == 2 and "unknown --compare vllm; choose from: genai, llamacpp" in r.output
     with pytest.raises(BenchError, match="--compare"):
         BenchConfig(model="m", methods=("baseline", "genai"))
 
@@ -280,10 +282,10 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     assert res["gate"]["passed"] and "genai" in res["peers"]
     assert res["peers"]["genai"]["onnxruntime_genai"] == rec["onnxruntime_genai"]
     for m in ("baseline", "pld", "genai", "genai-ngram"):
-        assert report.row("overall", m).x_genai is not None
-        assert report.row("overall", m).x_genai_ngram is not None
-    assert report.row("overall", "genai").x_genai == pytest.approx(1.0)
-    assert report.row("overall", "genai-ngram").x_genai_ngram == pytest.approx(1.0)
+        assert report.row("overall", m).x_peer.get("genai") is not None
+        assert report.row("overall", m).x_peer.get("genai-ngram") is not None
+    assert report.row("overall", "genai").x_peer.get("genai") == pytest.approx(1.0)
+    assert report.row("overall", "genai-ngram").x_peer.get("genai-ngram") == pytest.approx(1.0)
     assert "× genai" in report.table() and "× genai-ngram" in report.table()
     # genai's n-gram decoding ran for real, interleaved on the measured prompts, with genai's own stats
     ngram = [r for r in recs if r["method"] == "genai-ngram"]
@@ -295,17 +297,18 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     plain = {(r["qid"], r["turn"]): r["ids"] for r in peer}
     for r in ngram:
         g = plain[r["qid"], r["turn"]]
-        assert r["genai_common_prefix"] == _prefix(r["ids"], g) and r["genai_match"] == (r["ids"] == g)
-        assert r["genai_compared"] == max(len(r["ids"]), len(g))
+        assert r["plain_common_prefix"] == _prefix(r["ids"], g) and r["plain_match"] == (r["ids"] == g)
+        assert r["plain_compared"] == max(len(r["ids"]), len(g))
     row = report.row("overall", "genai-ngram")
-    assert row.match_genai_pct == pytest.approx(
-        100.0 * sum(r["genai_common_prefix"] for r in ngram) / sum(r["genai_compared"] for r in ngram)
+    assert row.match_plain_pct == pytest.approx(
+        100.0 * sum(r["plain_common_prefix"] for r in ngram) / sum(r["plain_compared"] for r in ngram)
     )
-    assert report.row("overall", "genai").match_genai_pct is None
-    assert res["peers"]["genai-ngram"]["vs_genai"] == {
+    assert report.row("overall", "genai").match_plain_pct is None
+    assert res["peers"]["genai-ngram"]["vs_plain"] == {
+        "plain": "genai",
         "generations": 3,
-        "identical": sum(r["genai_match"] for r in ngram),
-        "match_pct": row.match_genai_pct,
+        "identical": sum(r["plain_match"] for r in ngram),
+        "match_pct": row.match_plain_pct,
     }
     assert "genai-ngram" in res["gate"]["not_gated"]
     # the sweep: on the next prompts of each category, every config recorded, the fastest over genai plain chosen
@@ -322,7 +325,7 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     for r in sweep_rec["results"]:
         assert r["prompts"] == 2 and 0.0 <= r["match_pct"] <= 100.0 and r["decode_tok_s"] > 0
     csv_rows = list(csv.DictReader((tmp_path / "run" / "results.csv").open()))
-    assert {"x_genai_ngram", "match_genai_pct"} <= set(csv_rows[0])
+    assert {"x_genai_ngram", "match_plain_pct"} <= set(csv_rows[0])
     assert {r["method"] for r in csv_rows} == {"baseline", "pld", "genai", "genai-ngram"}
     # genai's build is scored by our variant's quality gate: same texts, same positions, its own numbers
     ours_q = manifest.variants[res["model_variant"]].gates["quality"]
@@ -411,14 +414,14 @@ def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
         _rec("2", "qa", "genai", 101, 1.0),
         _rec("2", "qa", "genai-ngram", 101, 1.25),
     ]
-    recs[2].update(genai_match=False, genai_common_prefix=40, genai_compared=101)
-    recs[5].update(genai_match=True, genai_common_prefix=101, genai_compared=101)
+    recs[2].update(plain_match=False, plain_common_prefix=40, plain_compared=101)
+    recs[5].update(plain_match=True, plain_common_prefix=101, plain_compared=101)
     rep = aggregate(recs, ("baseline", "genai", "genai-ngram"), ("qa",))
-    assert rep.row("qa", "baseline").x_genai_ngram == pytest.approx(_gm([0.5 / 1.0, 1.25 / 2.0]))
-    assert rep.row("qa", "genai").x_genai_ngram == pytest.approx(_gm([0.5 / 0.8, 1.25 / 1.0]))
-    assert rep.row("qa", "genai-ngram").x_genai == pytest.approx(_gm([0.8 / 0.5, 1.0 / 1.25]))
-    assert rep.row("overall", "genai-ngram").match_genai_pct == pytest.approx(100.0 * 141 / 202)
-    assert rep.row("qa", "genai").match_genai_pct is None
+    assert rep.row("qa", "baseline").x_peer.get("genai-ngram") == pytest.approx(_gm([0.5 / 1.0, 1.25 / 2.0]))
+    assert rep.row("qa", "genai").x_peer.get("genai-ngram") == pytest.approx(_gm([0.5 / 0.8, 1.25 / 1.0]))
+    assert rep.row("qa", "genai-ngram").x_peer.get("genai") == pytest.approx(_gm([0.8 / 0.5, 1.0 / 1.25]))
+    assert rep.row("overall", "genai-ngram").match_plain_pct == pytest.approx(100.0 * 141 / 202)
+    assert rep.row("qa", "genai").match_plain_pct is None
     table = rep.table()
     assert "× genai-ngram" in table and f"{100.0 * 141 / 202:.1f}%" in table
     out = tmp_path / "o"
@@ -429,9 +432,9 @@ def test_x_genai_ngram_and_its_match_with_genai_plain(tmp_path):
         next(r for r in rows if r["method"] == "baseline" and r["category"] == "overall")["x_genai_ngram"]
     ) == pytest.approx(_gm([0.5, 0.625]))
     qa_ngram = json.loads((out / "results.json").read_text())["rows"][2]
-    assert qa_ngram["method"] == "genai-ngram" and qa_ngram["match_genai_pct"] == pytest.approx(100.0 * 141 / 202)
+    assert qa_ngram["method"] == "genai-ngram" and qa_ngram["match_plain_pct"] == pytest.approx(100.0 * 141 / 202)
     no_ngram = aggregate([r for r in recs if r["method"] != "genai-ngram"], ("baseline", "genai"), ("qa",))
-    assert all(r.x_genai_ngram is None for r in no_ngram.rows) and "× genai-ngram" not in no_ngram.table()
+    assert all(r.x_peer.get("genai-ngram") is None for r in no_ngram.rows) and "× genai-ngram" not in no_ngram.table()
 
 
 def test_peer_record_matches_ngram_with_genai_plain_not_our_baseline():
@@ -445,11 +448,11 @@ def test_peer_record_matches_ngram_with_genai_plain_not_our_baseline():
         forwards=2,
         speculative={"draft_tokens_evaluated": 5, "draft_tokens_accepted": 3, "target_forward_passes": 3},
     )
-    rec = peer_record(p, 1, res, [1, 2, 3, 4], "genai-ngram", genai_ids=[1, 2, 9, 9, 9])
+    rec = peer_record(p, 1, res, [1, 2, 3, 4], "genai-ngram", plain_ids=[1, 2, 9, 9, 9])
     assert (rec["method"], rec["common_prefix"], rec["match"]) == ("genai-ngram", 2, False)  # vs ours
-    assert (rec["genai_common_prefix"], rec["genai_compared"], rec["genai_match"]) == (3, 5, False)
+    assert (rec["plain_common_prefix"], rec["plain_compared"], rec["plain_match"]) == (3, 5, False)
     assert (rec["steps"], rec["drafted"], rec["accepted"]) == (2, 5, 3)  # genai's forwards and counts
-    assert "genai_common_prefix" not in peer_record(p, 1, res, [1, 2, 3, 4])
+    assert "plain_common_prefix" not in peer_record(p, 1, res, [1, 2, 3, 4], "genai")
 
 
 class _FakeGenai:
