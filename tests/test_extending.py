@@ -137,12 +137,12 @@ def test_every_peer_has_the_peer_methods():
     line; every peer class it returns answers the Peer protocol under the kind's method names."""
     import importlib
 
-    from dejavuu_build.bench import genai, llamacpp, runner
+    from dejavuu_build.bench import config, genai, llamacpp, ngram
     from dejavuu_build.bench.peer import KINDS, PEER_METHODS, PLAIN_OF
 
-    assert set(runner.PEERS) == set(KINDS) == {"genai", "llamacpp"}
+    assert set(config.PEERS) == set(KINDS) == {"genai", "llamacpp"}
     classes = {
-        cls.name: cls for cls in (genai.GenaiPeer, genai.GenaiNgram, llamacpp.LlamaCppPeer, llamacpp.LlamaCppLookup)
+        cls.name: cls for cls in (genai.GenaiPeer, ngram.GenaiNgram, llamacpp.LlamaCppPeer, llamacpp.LlamaCppLookup)
     }
     assert set(PEER_METHODS) == set(classes)
     for kind in KINDS.values():

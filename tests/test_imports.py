@@ -37,9 +37,6 @@ P = PACKAGE + "."
 # Circles through lazy / TYPE_CHECKING imports that exist today, each a set of modules (the
 # strongly connected component) with the edge that closes it. Remove an entry when its circle goes.
 DESIGN_CIRCLES: dict[frozenset[str], str] = {
-    # bench/genai.py and bench/ngram.py import bench/runner lazily (BenchConfig, run helpers), and
-    # runner imports both at module level: the peer code has no home of its own yet (issue 36, "a peer").
-    frozenset({P + "bench.genai", P + "bench.ngram", P + "bench.runner"}): "peers: genai/ngram <-> runner",
     # build/quality.py imports build/references lazily, references imports quality at module level.
     frozenset({P + "build.quality", P + "build.references"}): "quality <-> references",
     # recipes/base.py `registered()` imports the package (`from . import _load_all`) so that every
@@ -70,8 +67,6 @@ DESIGN_CIRCLES: dict[frozenset[str], str] = {
 # `from <module of this package> import _private`: each use listed, (importer, module, name).
 # Remove an entry when its import goes; a new one fails the test (make the name public, or move it).
 PRIVATE_IMPORTS: set[tuple[str, str, str]] = {
-    # bench/ngram.py compares token lists with the runner's helper
-    (P + "bench.ngram", P + "bench.runner", "_common_prefix"),
     # the datastore command resolves a tokenizer the way the runtime's load does
     (P + "build.datastore", P + "runtime.model", "_ours"),
     # the VLM exporter reuses the text exporter's scope helper

@@ -23,7 +23,7 @@ def smollm2(cache_dir):
 
 @pytest.fixture(scope="session")
 def spec_prompts():
-    from dejavuu_build.bench.runner import default_data_path
+    from dejavuu_build.bench.config import default_data_path
 
     path = default_data_path()
     if path is None:  # Spec-Bench absent: prompts of the same three kinds, written here

@@ -4,6 +4,7 @@ from dejavuu_build.bench import BenchConfig, run_bench
 report = run_bench(BenchConfig(model="smollm2-135m", methods=("baseline", "pld")), out_dir)
 """
 
-from .runner import BenchConfig, BenchError, ExactnessError, run_bench
+from .config import BenchConfig, BenchError
+from .runner import ExactnessError, run_bench
 
 __all__ = ["BenchConfig", "BenchError", "ExactnessError", "run_bench"]

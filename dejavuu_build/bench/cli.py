@@ -10,17 +10,9 @@ import click
 
 from .. import schema as S
 from ..runtime.cli import friendly as _friendly
+from .config import DEFAULT_CATEGORIES, NGRAM_OFF, NGRAM_SWEEP, PEERS, BenchConfig, BenchError
 from .peer import KINDS
-from .runner import (
-    DEFAULT_CATEGORIES,
-    NGRAM_OFF,
-    NGRAM_SWEEP,
-    PEERS,
-    BenchConfig,
-    BenchError,
-    ExactnessError,
-    run_bench,
-)
+from .runner import ExactnessError, run_bench
 
 
 def _csv(value: str | None) -> tuple[str, ...]:

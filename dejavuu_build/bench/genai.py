@@ -26,7 +26,7 @@ model, so that is what the bench compares with (``--compare genai``):
   short generation; any failure (its builder, its generator) comes back as one line saying why,
   and the bench goes on without it.
 * **Its own speculative decoding too.** genai 0.18 drafts by n-gram lookup
-  (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``); :class:`GenaiNgram`
+  (``GeneratorParams.set_speculative_options(ngram_size=, max_draft_tokens=)``); :class:`.ngram.GenaiNgram`
   times it as the ``genai-ngram`` peer on the same model, options chosen by :mod:`.ngram`.
 """
 
@@ -44,12 +44,10 @@ from typing import Any, Sequence
 
 from ..log import logger, step
 from ..schema import INT4, PEER_FILE, PEERS_DIR
+from .config import BenchError
 from .peer import KINDS, PeerResult, peer_quality
-from .runner import BenchError
 
-GENAI, GENAI_NGRAM = KINDS["genai"].methods  # its plain decoding, and its n-gram speculative decoding
-NGRAM_SIZES = (2, 16)  # what GeneratorParams.set_speculative_options accepts (0.18: checked by it)
-MAX_DRAFT_TOKENS = (1, 16)
+GENAI = KINDS["genai"].methods[0]  # its plain decoding (its n-gram decoding: .ngram.GenaiNgram)
 # the speculative stats kept per generation (get_speculative_stats has ~60 keys)
 SPEC_STATS = (
     "rounds",
@@ -454,48 +452,6 @@ def load_peers(ctx) -> list:
 
     peer.generate(ctx.warmup_ids, ctx.warmup_tokens)  # its first-run costs out of the sweep's timings
     return [peer, ngram_peer(model, peer, cfg, ctx.out, ctx.corpus, ctx.prompts, ctx.fits, ctx.resume)]
-
-
-def parse_ngram(value: str | Sequence[int]) -> tuple[int, int]:
-    """``"N,K"`` (or a pair) as (ngram_size, max_draft_tokens), checked against what genai 0.18 accepts."""
-    try:
-        n, k = (int(v) for v in (value.split(",") if isinstance(value, str) else value))
-    except (TypeError, ValueError):
-        raise BenchError(f"--genai-ngram takes NGRAM_SIZE,MAX_DRAFT_TOKENS, e.g. 3,8 (got {value!r})") from None
-    if not (NGRAM_SIZES[0] <= n <= NGRAM_SIZES[1] and MAX_DRAFT_TOKENS[0] <= k <= MAX_DRAFT_TOKENS[1]):
-        raise BenchError(
-            f"--genai-ngram {n},{k}: genai takes ngram_size {NGRAM_SIZES[0]}..{NGRAM_SIZES[1]} and "
-            f"max_draft_tokens {MAX_DRAFT_TOKENS[0]}..{MAX_DRAFT_TOKENS[1]}"
-        )
-    return n, k
-
-
-class GenaiNgram:
-    """genai's n-gram speculative decoding: the same model and generator as :class:`GenaiPeer`, one
-    (ngram_size, max_draft_tokens), so it is timed as a peer of its own (``genai-ngram``)."""
-
-    name = GENAI_NGRAM
-
-    def __init__(self, peer: GenaiPeer, options: tuple[int, int], chosen_by: str, sweep: dict | None = None):
-        self.peer = peer
-        self.options = parse_ngram(options)
-        self.chosen_by = chosen_by
-        self.sweep = sweep
-
-    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
-        return self.peer.generate(ids, max_new_tokens, ignore_eos=ignore_eos, speculative=self.options)
-
-    def quality(self, model_folder: str | Path) -> dict:
-        return self.peer.quality(model_folder)  # the same build: the same weights and logits
-
-    def describe(self) -> dict:
-        n, k = self.options
-        return {
-            **self.peer.describe(),
-            "speculative": {"ngram_size": n, "max_draft_tokens": k},
-            "chosen_by": self.chosen_by,
-            "sweep": self.sweep,
-        }
 
 
 class GenaiReplay:

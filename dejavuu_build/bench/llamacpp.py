@@ -37,8 +37,8 @@ from typing import Any, Sequence
 from ..errors import DejavuuError
 from ..log import logger
 from ..schema import PEERS_DIR
+from .config import BenchError
 from .peer import KINDS, PeerResult, one_line
-from .runner import BenchError
 
 LLAMACPP, LLAMACPP_LOOKUP = KINDS["llamacpp"].methods  # plain decoding, prompt lookup
 INSTALL_HINT = 'pip install -e ".[llamacpp]" (or pip install llama-cpp-py-sync)'

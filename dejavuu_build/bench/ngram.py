@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..log import logger, progress
-from .genai import GenaiNgram, GenaiPeer, parse_ngram
+from .config import NGRAM_SWEEP, BenchConfig, BenchError, Prompt, common_prefix, parse_ngram, select_next
+from .peer import KINDS, PeerResult
 from .report import geomean
-from .runner import NGRAM_SWEEP, BenchConfig, BenchError, Prompt, _common_prefix, select_next
 
 if TYPE_CHECKING:
     from ..runtime.model import Model
@@ -55,7 +55,7 @@ def _rate(res) -> float:
 
 def run_ngram_sweep(
     model: Model,
-    genai: GenaiPeer,
+    genai: Any,  # genai.GenaiPeer (not imported: genai loads this module)
     prompts: Sequence[Prompt],
     max_new_tokens: int,
     configs: Sequence[tuple[int, int]] = SWEEP_CONFIGS,
@@ -81,7 +81,7 @@ def run_ngram_sweep(
                 "decode_tok_s": _rate(res),
                 "tokens": len(res.tokens),
                 "forwards": res.steps,
-                "common_prefix": _common_prefix(res.tokens, plain.tokens),
+                "common_prefix": common_prefix(res.tokens, plain.tokens),
                 "compared": max(len(res.tokens), len(plain.tokens)),
                 "identical": res.tokens == plain.tokens,
                 "drafted": int(spec.get("draft_tokens_evaluated", 0)),
@@ -124,7 +124,7 @@ def run_ngram_sweep(
 
 def ngram_peer(
     model: Model,
-    genai: GenaiPeer,
+    genai: Any,  # genai.GenaiPeer (not imported: genai loads this module)
     cfg: BenchConfig,
     out: Path,
     corpus: Sequence[Prompt],
@@ -156,3 +156,31 @@ def ngram_peer(
     summary = {k: v for k, v in rec.items() if k != "per_prompt"}
     summary["file"] = SWEEP_FILE
     return GenaiNgram(genai, (chosen["ngram_size"], chosen["max_draft_tokens"]), "sweep", summary)
+
+
+class GenaiNgram:
+    """genai's n-gram speculative decoding: the same model and generator as :class:`GenaiPeer`, one
+    (ngram_size, max_draft_tokens), so it is timed as a peer of its own (``genai-ngram``)."""
+
+    name = KINDS["genai"].methods[1]
+
+    def __init__(self, peer: Any, options: tuple[int, int], chosen_by: str, sweep: dict | None = None):
+        self.peer = peer
+        self.options = parse_ngram(options)
+        self.chosen_by = chosen_by
+        self.sweep = sweep
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False) -> PeerResult:
+        return self.peer.generate(ids, max_new_tokens, ignore_eos=ignore_eos, speculative=self.options)
+
+    def quality(self, model_folder: str | Path) -> dict:
+        return self.peer.quality(model_folder)  # the same build: the same weights and logits
+
+    def describe(self) -> dict:
+        n, k = self.options
+        return {
+            **self.peer.describe(),
+            "speculative": {"ngram_size": n, "max_draft_tokens": k},
+            "chosen_by": self.chosen_by,
+            "sweep": self.sweep,
+        }

@@ -32,7 +32,8 @@ from typing import Callable, Iterable, Sequence
 
 from ..log import logger, progress
 from ..runtime.drafters import Draft, DraftBudget, Drafter
-from .runner import WARMUP_TOKENS, BenchConfig, BenchError, read_prompts, resolve_data
+from .config import BenchConfig, BenchError, read_prompts, resolve_data
+from .runner import WARMUP_TOKENS
 
 OURS = "baseline"
 VERIFY = "verify"  # ours, every step verifying a fixed number of graph rows (--verify-rows)

@@ -25,7 +25,7 @@ def held_out_texts(path: Path | None, n: int) -> tuple[list[str], str]:
     from .quality_texts import TEXTS
 
     if path is None:
-        from ..bench.runner import default_data_path
+        from ..bench.config import default_data_path
 
         path = default_data_path()
         if path is None:

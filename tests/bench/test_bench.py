@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from dejavuu_build.bench import BenchConfig, BenchError, ExactnessError, run_bench
-from dejavuu_build.bench.runner import RECORDS_FILE, default_data_path, read_prompts, select
+from dejavuu_build.bench.config import default_data_path, read_prompts, select
+from dejavuu_build.bench.runner import RECORDS_FILE
 from dejavuu_build.runtime.model import Model
 
 # Two task prompts and two MT-Bench ones (categories writing/coding -> mt_bench, two turns each).
@@ -191,7 +192,8 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
     """baseline_n1 (ORT's one-row path, unpadded) is reported beside the gated methods."""
     import json as _json
 
-    from dejavuu_build.bench.runner import BenchConfig, default_data_path, run_bench
+    from dejavuu_build.bench.config import BenchConfig, default_data_path
+    from dejavuu_build.bench.runner import run_bench
 
     if default_data_path() is None:
         pytest.skip("Spec-Bench question.jsonl not present")

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 
 from dejavuu_build.bench import BenchConfig, BenchError
 from dejavuu_build.bench import ngram as NGRAM
+from dejavuu_build.bench.config import Prompt, select_next
 from dejavuu_build.bench.peer import PeerResult
 from dejavuu_build.bench.report import aggregate, write_outputs
-from dejavuu_build.bench.runner import Prompt, peer_record, select_next
+from dejavuu_build.bench.runner import peer_record
 from dejavuu_build.bench.sweep import SWEEP_FILES, summarize, sweep_prompt
 
 TEXTS = [
@@ -61,7 +62,7 @@ def test_sweep_prompt_refuses_too_little_text():
 
 def test_sweep_prompt_on_spec_bench_with_a_real_tokenizer():
     """Multi-byte BPE on Spec-Bench text: still exactly N ids (skips without the data or a SmolLM2 build)."""
-    from dejavuu_build.bench.runner import default_data_path, read_prompts
+    from dejavuu_build.bench.config import default_data_path, read_prompts
     from dejavuu_build.bench.sweep import sweep_texts
     from dejavuu_build.cache import cache_root
 
@@ -535,7 +536,7 @@ def test_sweep_prompts_are_the_next_of_each_category():
             ]
         )
     ]
-    from dejavuu_build.bench.runner import select
+    from dejavuu_build.bench.config import select
 
     measured = select(ps, ("qa", "mt_bench"), 2)
     assert [p.qid for p in measured] == ["0", "1", "3", "5"]  # sources take turns

@@ -2,7 +2,8 @@
 
 import pytest
 
-from dejavuu_build.bench.runner import BenchConfig, BenchError, DrafterPool, Prompt, base_method
+from dejavuu_build.bench.config import BenchConfig, BenchError, Prompt, base_method
+from dejavuu_build.bench.runner import DrafterPool
 
 
 def test_tree_methods_are_accepted_and_get_their_own_drafter():
