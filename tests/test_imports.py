@@ -39,21 +39,6 @@ P = PACKAGE + "."
 DESIGN_CIRCLES: dict[frozenset[str], str] = {
     # build/quality.py imports build/references lazily, references imports quality at module level.
     frozenset({P + "build.quality", P + "build.references"}): "quality <-> references",
-    # recipes/base.py `registered()` imports the package (`from . import _load_all`) so that every
-    # family registers; the package's __init__ imports each family, each family imports base.
-    frozenset(
-        {
-            P + "recipes",
-            P + "recipes.base",
-            P + "recipes.gemma3",
-            P + "recipes.llama",
-            P + "recipes.mistral",
-            P + "recipes.phi3",
-            P + "recipes.qwen",
-            P + "recipes.smollm3",
-            P + "recipes.smolvlm",
-        }
-    ): "recipe registry: base.registered() -> recipes/__init__ -> families -> base",
     # runtime/decoder.py and runtime/kv.py: the KV layout's driver is split between them (issue 36,
     # "a KV layout"); one side imports the other inside a function or under TYPE_CHECKING.
     frozenset({P + "runtime.decoder", P + "runtime.kv"}): "KV layout: decoder <-> kv",
@@ -71,8 +56,6 @@ PRIVATE_IMPORTS: set[tuple[str, str, str]] = {
     (P + "build.datastore", P + "runtime.model", "_ours"),
     # the VLM exporter reuses the text exporter's scope helper
     (P + "export.vision", P + "export.exporter", "_scope_of"),
-    # recipes/base.py imports the package's marker to register every family (see DESIGN_CIRCLES)
-    (P + "recipes.base", P + "recipes", "_load_all"),
     # decode settings are checked by runtime.model's private checks at every entry point (issue 36,
     # "decode settings": one validated type is to replace them)
     (P + "runtime.cli", P + "runtime.model", "_check_settings"),

@@ -21,8 +21,9 @@ def register(cls: type["Recipe"]) -> type["Recipe"]:
 
 
 def registered() -> dict[str, type["Recipe"]]:
-    from . import _load_all  # noqa: F401 - importing the package registers every family
-
+    """Every family, by name. Complete whenever it can be called: Python runs a package's
+    ``__init__`` before any module in it, and the recipes package's ``__init__`` imports (so
+    registers) every family, so this module needs no import of its own families."""
     return dict(_REGISTRY)
 
 
