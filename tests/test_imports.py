@@ -73,11 +73,6 @@ PRIVATE_IMPORTS: set[tuple[str, str, str]] = {
     (P + "export.vision", P + "export.exporter", "_scope_of"),
     # recipes/base.py imports the package's marker to register every family (see DESIGN_CIRCLES)
     (P + "recipes.base", P + "recipes", "_load_all"),
-    # decode settings are checked by runtime.model's private checks at every entry point (issue 36,
-    # "decode settings": one validated type is to replace them)
-    (P + "runtime.cli", P + "runtime.model", "_check_settings"),
-    (P + "runtime.cli", P + "runtime.model", "_check_text"),
-    (P + "serve.server", P + "runtime.model", "_check_settings"),
 }
 
 
