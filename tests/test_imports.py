@@ -56,11 +56,6 @@ PRIVATE_IMPORTS: set[tuple[str, str, str]] = {
     (P + "build.datastore", P + "runtime.model", "_ours"),
     # the VLM exporter reuses the text exporter's scope helper
     (P + "export.vision", P + "export.exporter", "_scope_of"),
-    # decode settings are checked by runtime.model's private checks at every entry point (issue 36,
-    # "decode settings": one validated type is to replace them)
-    (P + "runtime.cli", P + "runtime.model", "_check_settings"),
-    (P + "runtime.cli", P + "runtime.model", "_check_text"),
-    (P + "serve.server", P + "runtime.model", "_check_settings"),
 }
 
 

@@ -159,28 +159,15 @@ def generate(
     """Generate from a built decoder with speculative decoding.
 
     NAME is a cache name, or a path (./folder, path/to/decoder_int4.onnx)."""
-    from .model import _check_settings, _check_text, check_threads, load
+    from .model import check_text, check_threads, load
+    from .settings import DecodeSettings
 
     if chat is None and prompt is None:
         raise GenerationError("give a PROMPT or --chat TEXT")
     if chat is not None and prompt is not None:
         raise GenerationError("give a PROMPT or --chat TEXT, not both")
-    _check_text(chat if chat is not None else prompt, "--chat text" if chat is not None else "the prompt")
-    _check_settings(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        width=width,
-        max_depth=max_depth,
-        max_nodes=max_nodes,
-        max_new_tokens=max_new_tokens,
-        stop=list(stop),
-    )
-    threads = check_threads(threads)
-    model = load(name, variant=variant, threads=threads)
-    inp = [{"role": "user", "content": chat}] if chat is not None else prompt
-    kw = dict(
+    check_text(chat if chat is not None else prompt, "--chat text" if chat is not None else "the prompt")
+    settings = DecodeSettings(
         method=method,
         tree=tree,
         width=width,
@@ -191,20 +178,22 @@ def generate(
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        stop=list(stop),
-        datastore=datastore,
-        images=list(images) or None,
+        stop=stop,
     )
+    threads = check_threads(threads)
+    model = load(name, variant=variant, threads=threads)
+    inp = [{"role": "user", "content": chat}] if chat is not None else prompt
+    kw: dict = dict(datastore=datastore, images=list(images) or None)
     if draft_model:
         kw["draft_model"] = draft_model
     if stream and not as_json:
-        with _output(), closing(model.stream(inp, **kw)) as pieces:  # a reader that leaves stops it at once
+        with _output(), closing(model.stream(inp, settings, **kw)) as pieces:  # a reader that leaves stops it at once
             for piece in pieces:
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
         return
-    res = model.generate(inp, **kw)
+    res = model.generate(inp, settings, **kw)
     if as_json:
         d = res.to_json()
         d.update(model=str(model.folder), variant=model.variant)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import queue
 import threading
@@ -40,7 +39,8 @@ from .engine import Engine
 from .job import GenerationStats, StopFn, Successors
 from .sampling import Sampler
 from .session import cross_check, derive_contract, make_session
-from .stops import StopStream, as_list, cut, stop_fn
+from .settings import DecodeSettings
+from .stops import StopStream, cut, stop_fn
 from .tokenizer import IncrementalDecoder, TextTokenizer
 
 if TYPE_CHECKING:
@@ -73,34 +73,8 @@ def check_threads(threads: int | None) -> int:
     return threads
 
 
-def _check_settings(*, temperature, top_p, top_k, seed, width, max_depth, max_nodes, max_new_tokens, stop) -> None:
-    """Refuse settings that would answer with garbage or loop, with one line that says what to do."""
-
-    def number(x) -> bool:
-        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-    def integer(x) -> bool:
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-    if not number(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not number(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not integer(top_k) or top_k < 0:
-        raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    if not integer(seed) or seed < 0:
-        raise GenerationError(f"seed must be an integer >= 0, got {seed!r}")
-    for name, v in (("width", width), ("max_depth", max_depth), ("max_new_tokens", max_new_tokens)):
-        if not integer(v) or v < 1:
-            raise GenerationError(f"{name} must be an integer >= 1, got {v!r}")
-    if max_nodes is not None and (not integer(max_nodes) or max_nodes < 1):
-        raise GenerationError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
-    for s_ in stop:
-        if not isinstance(s_, str) or not s_:
-            raise GenerationError(f"stop strings must be non-empty text, got {s_!r}")
-
-
-def _check_text(text: str, what: str = "the prompt") -> str:
+def check_text(text: str, what: str = "the prompt") -> str:
+    """``text`` if it encodes as UTF-8 (a lone surrogate does not), else one line naming ``what``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -151,7 +125,7 @@ def _check_messages(messages) -> list[dict]:
                 f"a string 'role' and a string 'content'"
             )
         if isinstance(msg["content"], str):
-            _check_text(msg["content"], "a chat message")
+            check_text(msg["content"], "a chat message")
     return list(messages)
 
 
@@ -299,7 +273,7 @@ class Model:
                 raise GenerationError("this model has no tokenizer: pass token ids")
             if not prompt.strip():
                 raise GenerationError("the prompt is empty: give some text")
-            ids = self.tokenizer.encode(_check_text(prompt))
+            ids = self.tokenizer.encode(check_text(prompt))
         elif isinstance(prompt, (list, tuple)) and any(isinstance(t, str) for t in prompt):
             raise GenerationError(
                 "prompt must be a string, a list of chat messages (dicts) or a list of token ids; "
@@ -317,6 +291,7 @@ class Model:
     def generate(
         self,
         prompt,
+        settings: DecodeSettings | None = None,
         *,
         method: str | Drafter = "baseline",
         tree: bool = False,
@@ -337,23 +312,13 @@ class Model:
         prefill_embeds: np.ndarray | None = None,
         **drafter_params,
     ) -> GenerationResult:
-        """``prefill_embeds``: the prompt ids' embeddings with image features already spliced in
-        (``vision.prefill``), for callers that prepared them once (the server)."""
-        stop = as_list(stop)
-        _check_settings(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            width=width,
-            max_depth=max_depth,
-            max_nodes=max_nodes,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-        )
-        with self._exclusive():
-            return self._generate(
-                prompt,
+        """Decode ``prompt`` (text, chat messages or token ids) under ``settings``: a
+        :class:`DecodeSettings`, or its fields as keyword arguments (``method`` ... ``max_depth``;
+        not both). ``prefill_embeds``: the prompt ids' embeddings with image features already
+        spliced in (``vision.prefill``), for callers that prepared them once (the server)."""
+        s = DecodeSettings.given(
+            settings,
+            dict(
                 method=method,
                 tree=tree,
                 max_new_tokens=max_new_tokens,
@@ -362,10 +327,16 @@ class Model:
                 top_k=top_k,
                 seed=seed,
                 stop=stop,
-                datastore=datastore,
                 width=width,
                 max_nodes=max_nodes,
                 max_depth=max_depth,
+            ),
+        )
+        with self._exclusive():
+            return self._generate(
+                prompt,
+                s,
+                datastore=datastore,
                 on_tokens=on_tokens,
                 validate_drafts=validate_drafts,
                 residual_fn=residual_fn,
@@ -377,19 +348,9 @@ class Model:
     def _generate(
         self,
         prompt,
+        s: DecodeSettings,
         *,
-        method,
-        tree,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        stop,
         datastore,
-        width,
-        max_nodes,
-        max_depth,
         on_tokens,
         validate_drafts,
         residual_fn,
@@ -409,8 +370,7 @@ class Model:
                 raise GenerationError(
                     f"prefill_embeds must be [1, {len(ids)}, hidden] for this prompt, got {list(prefill_embeds.shape)}"
                 )
-        if max_new_tokens < 1:
-            raise GenerationError("max_new_tokens must be at least 1")
+        max_new_tokens = s.max_new_tokens
         limit = self.contract.max_positions
         if limit and len(ids) + max_new_tokens > limit:
             raise GenerationError(
@@ -418,20 +378,7 @@ class Model:
                 f"({max_new_tokens}) exceeds the model's {limit} positions: shorten the prompt, "
                 f"use fewer images or lower max_new_tokens"
             )
-        plan = self.plan(
-            method,
-            tree=tree,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            datastore=datastore,
-            width=width,
-            max_nodes=max_nodes,
-            max_depth=max_depth,
-            drafter_params=drafter_params,
-        )
+        plan = self.plan(s, datastore=datastore, drafter_params=drafter_params)
         engine = Engine(
             self.decoder, tree_capable=self.tree_capable, period=plan.period, tile=plan.tile, fill=plan.fill
         )
@@ -449,39 +396,24 @@ class Model:
             prefill_embeds=prefill_embeds,
             **({"residual_fn": residual_fn} if residual_fn else {}),
         )
-        text = cut(self.tokenizer.decode(new), stop) if self.tokenizer else ""
-        name = method if isinstance(method, str) else getattr(method, "name", "custom")
-        return GenerationResult(text, new, len(ids), stats, reason, name, plan.tree)
+        text = cut(self.tokenizer.decode(new), s.stop) if self.tokenizer else ""
+        return GenerationResult(text, new, len(ids), stats, reason, s.method_name, plan.tree)
 
-    def plan(
-        self,
-        method: str | Drafter = "baseline",
-        *,
-        tree: bool = False,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        stop: Sequence[str] = (),
-        datastore=None,
-        width: int = S.DEFAULT_TREE_WIDTH,
-        max_nodes: int | None = None,
-        max_depth: int = S.DEFAULT_MAX_DEPTH,
-        drafter_params: dict | None = None,
-    ) -> "RequestPlan":
+    def plan(self, settings: DecodeSettings, *, datastore=None, drafter_params: dict | None = None) -> "RequestPlan":
         """How one request decodes on this machine: its sampler, drafter, draft budget and the
         exactness fallbacks (chains when the CPU has no exact tree layout, plain steps when a batched
         verify is not bit-identical), each announced once. `generate` and the server's scheduler
         both start from it, so a served request decodes exactly as the same `generate` call."""
-        sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        drafter = self._drafter(method, datastore, dict(drafter_params or {}), sampler)
-        if tree and not self.tree_capable and not self._warned_tree:
+        s = settings
+        sampler = s.sampler
+        drafter = self._drafter(s.method, datastore, dict(drafter_params or {}), sampler)
+        if s.tree and not self.tree_capable and not self._warned_tree:
             logger.warning(
                 "this decoder has no 4D attention mask input (%s): tree mode is off, verifying chains",
                 self.contract.mask_kind,
             )
             self._warned_tree = True
-        use_tree = tree and self.tree_capable
+        use_tree = s.tree and self.tree_capable
         if use_tree and self.tree_period is None:
             if not self._warned_tree:
                 logger.warning(
@@ -499,14 +431,14 @@ class Model:
                 self._warned_tree = True
             use_tree = False
         budget = DraftBudget(
-            max_nodes=max_nodes or (16 if use_tree else max_depth),
-            max_depth=max_depth,
-            width=width if use_tree else 1,
+            max_nodes=s.max_nodes or (16 if use_tree else s.max_depth),
+            max_depth=s.max_depth,
+            width=s.width if use_tree else 1,
             tree=use_tree,
         )
         # plain decoding (by name, or the bare Drafter the bench passes) never drafts nor fills
         speculative = (
-            method not in ("baseline", "baseline_n1") if isinstance(method, str) else type(method) is not Drafter
+            s.method not in ("baseline", "baseline_n1") if isinstance(s.method, str) else type(s.method) is not Drafter
         )
         if speculative and not self.calibration.chain_exact:
             if not self._warned_exact:
@@ -517,7 +449,6 @@ class Model:
                 self._warned_exact = True
             budget = DraftBudget(max_nodes=1, max_depth=0, width=1, tree=False)
             use_tree = False
-        stop = as_list(stop)
         return RequestPlan(
             sampler=sampler,
             drafter=drafter,
@@ -525,7 +456,7 @@ class Model:
             tree=use_tree,
             period=self.tree_period if use_tree else None,
             tile=self.calibration.tile if use_tree else None,
-            should_stop=stop_fn(self.tokenizer, stop) if stop else None,
+            should_stop=stop_fn(self.tokenizer, s.stop) if s.stop else None,
             fill=Successors() if speculative and self.fill and budget.max_depth > 0 else None,
         )
 
@@ -543,15 +474,18 @@ class Model:
     def tree_period(self) -> int | None:
         return self.calibration.period if self.tree_capable else None
 
-    def stream(self, prompt, **kw) -> Generator[str, None, None]:
+    def stream(self, prompt, settings: DecodeSettings | None = None, **kw) -> Generator[str, None, None]:
         """Yield text pieces as tokens are committed (a chunk per verify step); the pieces join to
         ``generate(...).text``. Text is decoded incrementally (a short window per step), and with stop
         strings the last few characters are held back until they cannot begin one. When the consumer
         stops (``break``, ``close()``, an error in its loop) the decoding stops at its next step and is
-        waited for, so the Model is ready for the next call."""
+        waited for, so the Model is ready for the next call. ``settings`` and ``kw`` as for
+        ``generate``."""
         if self.tokenizer is None:
             raise GenerationError("this model has no tokenizer: use generate() with token ids")
-        text = StopStream(as_list(kw.get("stop")))
+        loose, kw = DecodeSettings.split(kw)
+        settings = DecodeSettings.given(settings, loose)
+        text = StopStream(list(settings.stop))
         q: queue.Queue = queue.Queue()
         done = object()
         err: list[BaseException] = []
@@ -565,7 +499,7 @@ class Model:
 
         def run():
             try:
-                self.generate(prompt, on_tokens=on_tokens, **kw)
+                self.generate(prompt, settings, on_tokens=on_tokens, **kw)
                 if piece := dec.flush():
                     q.put(piece)
             except _StreamClosed:
@@ -621,10 +555,8 @@ class Model:
                 seed=sampler.seed,
                 **params,
             )
-        from .drafters import METHODS, make_drafter
+        from .drafters import make_drafter
 
-        if method not in METHODS:
-            raise GenerationError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}, draft_model")
         if isinstance(datastore, str):
             datastore = load_datastore(datastore)
         try:

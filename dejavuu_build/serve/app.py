@@ -30,6 +30,7 @@ import json
 import math
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -41,10 +42,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DejavuuError, GenerationError
 from ..log import logger
+from ..runtime.settings import DecodeSettings, SettingsError
 from ..runtime.stops import cut
 from .guard import DEFAULT_BODY_TIMEOUT, BodyGuard
 from .marks import MarkedStream
-from .scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
+from .scheduler import Cancelled, QueueFull, Request, Result, Scheduler
 
 if TYPE_CHECKING:
     from ..runtime.model import Model
@@ -157,16 +159,18 @@ def create_app(
     scheduler: Scheduler,
     *,
     served_name: str,
-    method: str = "auto",
-    tree: bool = False,
+    defaults: DecodeSettings | None = None,
     memory_key: str | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     """The FastAPI app serving ``model`` through ``scheduler`` under the name ``served_name``
-    (request bodies capped at ``MAX_BODY`` and ``body_timeout`` seconds while they are read: guard)."""
+    (request bodies capped at ``MAX_BODY`` and ``body_timeout`` seconds while they are read: guard).
+    Each request decodes with ``defaults`` (the server's method, tree and draft budget) under the
+    settings its body names (``request_settings``); None: the ``auto`` method and the default budget."""
     from ..runtime.drafters import METHODS
     from .metrics import render_metrics
 
+    defaults = defaults if defaults is not None else DecodeSettings(method="auto")
     app = FastAPI(title="dejavuu-build", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyGuard, max_body=MAX_BODY, body_timeout=body_timeout)
     app.state.scheduler = scheduler
@@ -184,7 +188,7 @@ def create_app(
     ]
     limit = min(limits) if limits else 0
     # room for one verify step past the last token: a chain of max_nodes, or a tree's period-aligned slots
-    step_rows = 1 + max(scheduler.max_nodes or 16, scheduler.max_depth, 16 * scheduler.width)
+    step_rows = 1 + max(defaults.max_nodes or 16, defaults.max_depth, 16 * defaults.width)
     token_chars = longest_token(tok) if tok is not None else 0
 
     @app.exception_handler(APIError)
@@ -232,8 +236,8 @@ def create_app(
         return {
             "model": served_name,
             "methods": list(METHODS),
-            "method": method,
-            "tree": tree,
+            "method": defaults.method_name,
+            "tree": defaults.tree,
             "tree_capable": bool(model.tree_capable and model.tree_period is not None),
             "vision": model.vision is not None,
             "batched": scheduler.batched,
@@ -268,14 +272,7 @@ def create_app(
         refuse_unsupported(body)
         return body
 
-    def params(body: _Body, max_tokens: int | None, n_prompt: int) -> Params:
-        from ..runtime.drafters import METHODS
-
-        m = body.method or method
-        if m not in METHODS:
-            raise APIError(
-                400, f"unknown method {m!r}; choose one of: {', '.join(METHODS)}", param="method", code="unknown_method"
-            )
+    def settings(body: _Body, max_tokens: int | None, n_prompt: int) -> DecodeSettings:
         mt = max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens is None and limit:
             mt = max(1, min(mt, limit - n_prompt - step_rows))
@@ -288,17 +285,7 @@ def create_app(
                 code="context_length_exceeded",
             )
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        return Params(
-            max_new_tokens=mt,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=seed,
-            stop=list(body.stop or []),
-            method=m,
-            tree=tree if body.tree is None else body.tree,
-            namespace=body.memory_key or namespace,
-        )
+        return request_settings(body, defaults, mt, seed)
 
     def too_long(n_chars: int, param: str) -> None:
         """Refuse, before tokenizing, text that cannot fit: every token stands for at most
@@ -378,7 +365,16 @@ def create_app(
         except GenerationError as e:
             raise APIError(400, str(e), param="prompt") from None
 
-    async def run(request: HTTPRequest, ids, embeds, prm: Params, kind: str, include_usage: bool, stream: bool):
+    async def run(
+        request: HTTPRequest,
+        body: _Body,
+        ids,
+        embeds,
+        prm: DecodeSettings,
+        kind: str,
+        include_usage: bool,
+        stream: bool,
+    ):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         req = Request(
@@ -387,6 +383,7 @@ def create_app(
             lambda t: loop.call_soon_threadsafe(q.put_nowait, ("tokens", t)),
             lambda r: loop.call_soon_threadsafe(q.put_nowait, ("done", r)),
             prefill_embeds=embeds,
+            namespace=body.memory_key or namespace,
         )
         try:
             scheduler.submit(req)
@@ -455,7 +452,9 @@ def create_app(
         logger.error("generation failed: %r", val)
         raise APIError(500, f"internal error: {type(val).__name__}", "server_error")
 
-    async def sse(req: Request, q: asyncio.Queue, rid: str, prm: Params, kind: str, include_usage: bool, n_prompt: int):
+    async def sse(
+        req: Request, q: asyncio.Queue, rid: str, prm: DecodeSettings, kind: str, include_usage: bool, n_prompt: int
+    ):
         ts = MarkedStream(tok, prm.stop) if tok is not None else None  # without a tokenizer: no text
         created_ = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -530,9 +529,10 @@ def create_app(
         if tok is None:
             raise APIError(400, f"{served_name} has no tokenizer: use /v1/completions with token ids")
         ids, embeds = await asyncio.to_thread(encode_chat, body)
-        prm = params(body, body.max_completion_tokens or body.max_tokens, len(ids))
+        prm = settings(body, body.max_completion_tokens or body.max_tokens, len(ids))
         return await run(
             request,
+            body,
             ids,
             embeds,
             prm,
@@ -545,9 +545,10 @@ def create_app(
     async def completions(request: HTTPRequest):
         body = await parse(request, CompletionBody)
         ids, embeds = await asyncio.to_thread(encode_prompt, body)
-        prm = params(body, body.max_tokens, len(ids))
+        prm = settings(body, body.max_tokens, len(ids))
         return await run(
             request,
+            body,
             ids,
             embeds,
             prm,
@@ -557,6 +558,37 @@ def create_app(
         )
 
     return app
+
+
+def request_settings(body: _Body, defaults: DecodeSettings, max_new_tokens: int, seed: int) -> DecodeSettings:
+    """The settings a request body asks for, over the server's ``defaults`` (its method and tree
+    where the body names none, and its draft budget), or a 400 naming the field. ``max_new_tokens``
+    and ``seed`` come from the body's, as the server fills them in (context room, a fresh seed)."""
+    from ..runtime.drafters import METHODS
+
+    m = body.method or defaults.method
+    if m not in METHODS:
+        raise APIError(
+            400, f"unknown method {m!r}; choose one of: {', '.join(METHODS)}", param="method", code="unknown_method"
+        )
+    try:
+        return replace(
+            defaults,
+            max_new_tokens=max_new_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            stop=tuple(body.stop or ()),
+            method=m,
+            tree=defaults.tree if body.tree is None else body.tree,
+        )
+    except SettingsError as e:
+        raise APIError(400, str(e), param=BODY_FIELD.get(e.field, e.field)) from None
+
+
+# a setting's name -> the request field that sets it, where they differ
+BODY_FIELD = {"max_new_tokens": "max_tokens"}
 
 
 def parse_body(raw: bytes, cls):

@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
@@ -28,8 +28,8 @@ import numpy as np
 from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger
-from ..runtime.drafters.base import Drafter
 from ..runtime.job import GenerationStats, Job, Rows
+from ..runtime.settings import DecodeSettings
 from .batch import BatchDecoder, BatchUnavailable, check_exact, open_batch
 from .memory import MEMORY_METHODS, Memory, with_memory
 
@@ -46,21 +46,6 @@ class Cancelled(DejavuuError):
 
 
 @dataclass
-class Params:
-    """One request's generation settings (validated by the API layer and Model's checks)."""
-
-    max_new_tokens: int = S.DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    method: str = "auto"
-    tree: bool = False
-    namespace: str = "default"
-
-
-@dataclass
 class Result:
     tokens: list[int]
     prompt_tokens: int
@@ -72,21 +57,24 @@ class Result:
 
 
 class Request:
-    """A submitted request: the worker calls ``on_tokens`` with each step's committed ids and
-    ``on_done`` once with a Result or an exception (both from the worker thread)."""
+    """A submitted request: ``ids`` decoded under ``settings`` (built and checked where the request
+    came in: serve.app), its drafter memory in ``namespace``. The worker calls ``on_tokens`` with each
+    step's committed ids and ``on_done`` once with a Result or an exception (both from the worker
+    thread)."""
 
     _ids = itertools.count()
 
     def __init__(
         self,
         ids: list[int],
-        params: Params,
+        settings: DecodeSettings,
         on_tokens: Callable[[list[int]], object],
         on_done: Callable[[Result | BaseException], object],
         prefill_embeds: np.ndarray | None = None,
+        namespace: str = "default",
     ):
         self.id = next(self._ids)
-        self.ids, self.params = ids, params
+        self.ids, self.settings, self.namespace = ids, settings, namespace
         self.on_tokens, self.on_done = on_tokens, on_done
         self.prefill_embeds = prefill_embeds
         self.cancelled = False
@@ -146,9 +134,6 @@ class Scheduler:
         batch: bool = True,
         memory: Memory | None = None,
         datastore=None,
-        width: int = S.DEFAULT_TREE_WIDTH,
-        max_depth: int = S.DEFAULT_MAX_DEPTH,
-        max_nodes: int | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise DejavuuError("max_batch must be >= 1 and max_queue >= 0")
@@ -156,7 +141,6 @@ class Scheduler:
         self.max_queue = max_queue
         self.memory = memory
         self.datastore = datastore
-        self.width, self.max_depth, self.max_nodes = width, max_depth, max_nodes
         self.metrics = Metrics()
         self.batch: BatchDecoder[Request] | None = None
         self.why_sequential = "batching off (--no-batch)"
@@ -229,23 +213,11 @@ class Scheduler:
 
     def _make_job(self, req: Request) -> Job:
         """The request as a Job, set up by Model.plan exactly as `generate` sets it up."""
-        m, p = self.model, req.params
-        plan = m.plan(
-            p.method,
-            tree=p.tree,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed,
-            stop=p.stop,
-            datastore=self.datastore,
-            width=self.width,
-            max_nodes=self.max_nodes,
-            max_depth=self.max_depth,
-        )
+        m, s = self.model, req.settings
+        plan = m.plan(s, datastore=self.datastore)
         drafter = plan.drafter
-        if self.memory is not None and p.method in MEMORY_METHODS:
-            drafter = with_memory(p.method, drafter, self.memory.index(p.namespace), self.datastore)
+        if self.memory is not None and s.method_name in MEMORY_METHODS:
+            drafter = with_memory(s.method_name, drafter, self.memory.index(req.namespace), self.datastore)
 
         def on_tokens(ids, req=req):
             self.metrics.add_tokens(len(ids))
@@ -255,7 +227,7 @@ class Scheduler:
             req.ids,
             drafter=drafter,
             sampler=plan.sampler,
-            max_new_tokens=p.max_new_tokens,
+            max_new_tokens=s.max_new_tokens,
             budget=plan.budget,
             period=plan.period,
             tile=plan.tile,
@@ -321,7 +293,7 @@ class Scheduler:
             job = r.running
             before = (job.stats.drafted, job.stats.accepted)
             job.after_step(partial(batch.commit, r.slot), logits, hidden, verify_s, batch.last_run_s)
-            name = r.params.method
+            name = r.settings.method_name
             self.metrics.drafted[name] = self.metrics.drafted.get(name, 0) + job.stats.drafted - before[0]
             self.metrics.accepted[name] = self.metrics.accepted.get(name, 0) + job.stats.accepted - before[1]
             self.metrics.steps[name] = self.metrics.steps.get(name, 0) + 1
@@ -348,10 +320,10 @@ class Scheduler:
         self._release(r)
         job = r.running
         if self.memory is not None:
-            self.memory.add(r.params.namespace, job.tokens)
+            self.memory.add(r.namespace, job.tokens)
         self.metrics.requests["ok"] += 1
         assert job.reason is not None  # _complete is called for finished jobs only
-        r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.params.method, job.budget.tree, True))
+        r.on_done(Result(job.new, job.prompt_len, job.reason, job.stats, r.settings.method_name, job.budget.tree, True))
 
     def _fail(self, r: Request, e: BaseException) -> None:
         if r in self._active:
@@ -372,7 +344,8 @@ class Scheduler:
         try:
             if req.cancelled:
                 raise Cancelled("cancelled before it started")
-            p = req.params
+            s = req.settings
+            name = s.method_name
             self.metrics.prompt_tokens += len(req.ids)
 
             def on_tokens(ids):
@@ -381,42 +354,21 @@ class Scheduler:
                 self.metrics.add_tokens(len(ids))
                 req.on_tokens(ids)
 
-            drafter: str | Drafter = p.method
-            if self.memory is not None and p.method in MEMORY_METHODS:
-                own = self.model.plan(
-                    p.method,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=p.seed,
-                    datastore=self.datastore,
-                ).drafter
-                drafter = with_memory(p.method, own, self.memory.index(p.namespace), self.datastore)
+            if self.memory is not None and name in MEMORY_METHODS:
+                # the drafter generate would build, over this namespace's memory
+                own = self.model.plan(s, datastore=self.datastore).drafter
+                s = replace(s, method=with_memory(name, own, self.memory.index(req.namespace), self.datastore))
             res = self.model.generate(
-                req.ids,
-                method=drafter,
-                tree=p.tree,
-                max_new_tokens=p.max_new_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k,
-                seed=p.seed,
-                stop=p.stop,
-                datastore=self.datastore,
-                width=self.width,
-                max_depth=self.max_depth,
-                max_nodes=self.max_nodes,
-                on_tokens=on_tokens,
-                prefill_embeds=req.prefill_embeds,
+                req.ids, s, datastore=self.datastore, on_tokens=on_tokens, prefill_embeds=req.prefill_embeds
             )
             if self.memory is not None:
-                self.memory.add(p.namespace, list(req.ids) + res.tokens)
+                self.memory.add(req.namespace, list(req.ids) + res.tokens)
             self.metrics.requests["ok"] += 1
-            s = res.stats
-            self.metrics.drafted[p.method] = self.metrics.drafted.get(p.method, 0) + s.drafted
-            self.metrics.accepted[p.method] = self.metrics.accepted.get(p.method, 0) + s.accepted
-            self.metrics.steps[p.method] = self.metrics.steps.get(p.method, 0) + s.steps
-            req.on_done(Result(res.tokens, res.prompt_tokens, res.stop_reason, s, p.method, res.tree, False))
+            st = res.stats
+            self.metrics.drafted[name] = self.metrics.drafted.get(name, 0) + st.drafted
+            self.metrics.accepted[name] = self.metrics.accepted.get(name, 0) + st.accepted
+            self.metrics.steps[name] = self.metrics.steps.get(name, 0) + st.steps
+            req.on_done(Result(res.tokens, res.prompt_tokens, res.stop_reason, st, name, res.tree, False))
         except BaseException as e:  # noqa: BLE001 - reported to the request
             self._finish_error(req, e)
         finally:

@@ -10,10 +10,14 @@ that imports it back.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from .. import schema as S
 from ..errors import DejavuuError
 from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+
+if TYPE_CHECKING:
+    from ..runtime.settings import DecodeSettings
 
 
 @dataclass
@@ -41,6 +45,14 @@ class ServeConfig:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def decode_settings(self) -> DecodeSettings:
+        """The settings a request decodes with where its body names none (checked: one line each)."""
+        from ..runtime.settings import DecodeSettings
+
+        return DecodeSettings(
+            method=self.method, tree=self.tree, width=self.width, max_depth=self.max_depth, max_nodes=self.max_nodes
+        )
 
     def validate(self) -> "ServeConfig":
         """Refuse bounds that would fail later with a traceback (or serve nothing), one line each."""
@@ -86,7 +98,7 @@ def build_app(cfg: ServeConfig):
     saying why and which ``--variant`` batches."""
     need("fastapi", "serve")
     from ..runtime.drafters import METHODS
-    from ..runtime.model import _check_settings, load, load_datastore
+    from ..runtime.model import load, load_datastore
     from .app import create_app
     from .memory import Memory
     from .scheduler import Scheduler
@@ -94,17 +106,7 @@ def build_app(cfg: ServeConfig):
     cfg.validate()
     if cfg.method not in METHODS:
         raise DejavuuError(f"unknown method {cfg.method!r}; choose one of: {', '.join(METHODS)}")
-    _check_settings(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=0,
-        width=cfg.width,
-        max_depth=cfg.max_depth,
-        max_nodes=cfg.max_nodes,
-        max_new_tokens=1,
-        stop=[],
-    )
+    defaults = cfg.decode_settings()
     model = load(cfg.name, variant=cfg.variant, threads=cfg.threads)
     _ = model.calibration  # measured (or read from its cache) now, not inside the first request
     memory = Memory(max_tokens=cfg.memory_tokens) if cfg.memory else None
@@ -116,17 +118,13 @@ def build_app(cfg: ServeConfig):
         batch=cfg.batch,
         memory=memory,
         datastore=ds,
-        width=cfg.width,
-        max_depth=cfg.max_depth,
-        max_nodes=cfg.max_nodes,
     )
     served = cfg.served_name or model.folder.name
     app = create_app(
         model,
         sched,
         served_name=served,
-        method=cfg.method,
-        tree=cfg.tree,
+        defaults=defaults,
         memory_key=cfg.memory_key,
         body_timeout=cfg.body_timeout,
     )

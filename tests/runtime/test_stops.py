@@ -81,13 +81,14 @@ def test_server_cuts_a_stop_string_split_between_steps(tiny, case):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
+    from dejavuu_build.runtime.settings import DecodeSettings
     from dejavuu_build.serve.app import create_app
     from dejavuu_build.serve.scheduler import Scheduler
 
     text, stop, at, _ = case
     sched = Scheduler(tiny, max_batch=1, batch=False)
     try:
-        client = TestClient(create_app(tiny, sched, served_name="tiny", method="pld"))
+        client = TestClient(create_app(tiny, sched, served_name="tiny", defaults=DecodeSettings(method="pld")))
         body = {
             "model": "tiny",
             "prompt": PROMPT,

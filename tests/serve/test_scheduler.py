@@ -10,8 +10,9 @@ import pytest
 from dejavuu_build import schema as S
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.drafters.base import DraftBudget
+from dejavuu_build.runtime.settings import DecodeSettings
 from dejavuu_build.serve.memory import Memory, MemorySuffixDecoding
-from dejavuu_build.serve.scheduler import Cancelled, Params, QueueFull, Request, Result, Scheduler
+from dejavuu_build.serve.scheduler import Cancelled, QueueFull, Request, Result, Scheduler
 
 PROMPTS = [
     "abcabcabcabc abcabc",
@@ -32,7 +33,7 @@ def model(tiny_llama):
 
 
 def run_all(sched, jobs):
-    """Submit every (ids, Params) at once; wait for all; return the results in order."""
+    """Submit every (ids, DecodeSettings) at once; wait for all; return the results in order."""
     out, done = [None] * len(jobs), threading.Event()
     left = [len(jobs)]
     lock = threading.Lock()
@@ -61,7 +62,9 @@ def test_batched_requests_equal_each_alone(model, temperature):
         methods = ["baseline", "pld", "suffix_decoding", "asam", "auto", "token_recycling", "lookahead", "pld"]
         jobs = []
         for i, m in enumerate(methods):
-            prm = Params(max_new_tokens=30 + 5 * i, temperature=temperature, seed=7 + i, method=m, tree=i % 2 == 1)
+            prm = DecodeSettings(
+                max_new_tokens=30 + 5 * i, temperature=temperature, seed=7 + i, method=m, tree=i % 2 == 1
+            )
             jobs.append((model.encode(PROMPTS[i % len(PROMPTS)]), prm))
         got = run_all(sched, jobs)
         for (ids, prm), r in zip(jobs, got):
@@ -84,7 +87,7 @@ def test_cancel_frees_the_slot_and_others_continue(model):
         res = {}
         victim = Request(
             model.encode(PROMPTS[0]),
-            Params(max_new_tokens=400, method="baseline"),
+            DecodeSettings(max_new_tokens=400, method="baseline"),
             lambda t: started.set(),
             lambda r: res.setdefault("victim", r),
         )
@@ -92,7 +95,7 @@ def test_cancel_frees_the_slot_and_others_continue(model):
         assert started.wait(30)
         victim.cancel()
         other_ids = model.encode(PROMPTS[1])
-        (other,) = run_all(sched, [(other_ids, Params(max_new_tokens=20, method="pld"))])
+        (other,) = run_all(sched, [(other_ids, DecodeSettings(max_new_tokens=20, method="pld"))])
         assert isinstance(res["victim"], Cancelled)
         assert other.tokens == model.generate(other_ids, max_new_tokens=20).tokens
         assert sched.batch.active == 0 and sched.active_count() == 0
@@ -107,13 +110,30 @@ def test_queue_bound(model):
     try:
         # the first request blocks the worker inside its token callback until the gate opens
         sched.submit(
-            Request(model.encode(PROMPTS[0]), Params(max_new_tokens=5), lambda t: gate.wait(30), lambda r: None)
+            Request(
+                model.encode(PROMPTS[0]),
+                DecodeSettings(max_new_tokens=5, method="auto"),
+                lambda t: gate.wait(30),
+                lambda r: None,
+            )
         )
-        sched.submit(Request(model.encode(PROMPTS[1]), Params(max_new_tokens=5), lambda t: None, lambda r: None))
+        sched.submit(
+            Request(
+                model.encode(PROMPTS[1]),
+                DecodeSettings(max_new_tokens=5, method="auto"),
+                lambda t: None,
+                lambda r: None,
+            )
+        )
         with pytest.raises(QueueFull):
             for _ in range(3):
                 sched.submit(
-                    Request(model.encode(PROMPTS[2]), Params(max_new_tokens=5), lambda t: None, lambda r: None)
+                    Request(
+                        model.encode(PROMPTS[2]),
+                        DecodeSettings(max_new_tokens=5, method="auto"),
+                        lambda t: None,
+                        lambda r: None,
+                    )
                 )
     finally:
         gate.set()
@@ -200,7 +220,7 @@ def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog
         lines = [r.getMessage() for r in caplog.records if "one request at a time" in r.getMessage()]
         assert len(lines) == 1 and "rebuild it with" in lines[0] and "no batched graph" in lines[0], lines
         ids = sched.model.encode(PROMPTS[1])
-        (r,) = run_all(sched, [(ids, Params(max_new_tokens=20, method="pld"))])
+        (r,) = run_all(sched, [(ids, DecodeSettings(max_new_tokens=20, method="pld"))])
         assert not r.batched and r.tokens == sched.model.generate(ids, max_new_tokens=20).tokens
     finally:
         sched.close()

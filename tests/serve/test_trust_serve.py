@@ -20,8 +20,9 @@ pytest.importorskip("fastapi")
 
 from dejavuu_build import schema as S
 from dejavuu_build.runtime import load
+from dejavuu_build.runtime.settings import DecodeSettings
 from dejavuu_build.serve.bench import free_port, start_server
-from dejavuu_build.serve.scheduler import Params, Request, Result, Scheduler
+from dejavuu_build.serve.scheduler import Request, Result, Scheduler
 
 NAME = "tiny-llama"
 VARIANT = "int4-rowwise"  # the default: its batched graph is the one the build writes
@@ -37,7 +38,12 @@ def _one(sched, ids, n=12):
     done = threading.Event()
     out = []
     sched.submit(
-        Request(ids, Params(max_new_tokens=n, method="baseline"), lambda t: None, lambda r: (out.append(r), done.set()))
+        Request(
+            ids,
+            DecodeSettings(max_new_tokens=n, method="baseline"),
+            lambda t: None,
+            lambda r: (out.append(r), done.set()),
+        )
     )
     assert done.wait(120)
     return out[0]
