@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .precisions import FP32 as FP32  # the precisions' names, re-exported (S.FP32 ...)
+from .precisions import INT4 as INT4
+from .precisions import INT8 as INT8
+from .precisions import PRECISIONS
+
 SCHEMA_VERSION = 1
 
 # The files of a cache entry (cache-layout.md): the build writes them, the runtime and `verify` read them.
@@ -68,8 +73,10 @@ PAST_VALUE = "past_key_values.{i}.value"
 PRESENT_KEY = "present.{i}.key"
 PRESENT_VALUE = "present.{i}.value"
 
-FP32, INT8, INT4 = "fp32", "int8", "int4"  # precisions
-VARIANTS = (FP32, INT8, INT4)
+# Precisions: their names, plans, floors and order are one table (precisions.PRECISIONS), read
+# here too. VARIANTS is a view of its names as imported; code that must see a precision registered
+# later (precisions.register) reads the table (precisions.names()).
+VARIANTS = tuple(PRECISIONS)
 # KV layouts: how a variant's graph holds its cache (Contract.kv_layout, VariantRecord.kv_layout).
 KV_CONCAT = "concat"  # present = past + new: the exported graph, what other runtimes load
 KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
@@ -159,8 +166,10 @@ def in_place(kv_layout: str) -> bool:
 
 
 def variant_order(variant: str) -> tuple[int, int]:
+    """Sort key of a variant: its precision's place in the table (an unknown one last), then its layout."""
     prec, layout = split_variant(variant)
-    return (VARIANTS.index(prec) if prec in VARIANTS else len(VARIANTS), KV_LAYOUTS.index(layout))
+    order = list(PRECISIONS)
+    return (order.index(prec) if prec in order else len(order), KV_LAYOUTS.index(layout))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -1,6 +1,6 @@
 """docs/extending.md stays true: every `path.py::Name` it names exists, and the registries it
 describes are complete (every recipe has tiny random cases, every drafter is imported and documented,
-every precision has its plan and floors, every KV layout its suffix, pass and preference, every peer
+every precision is one entry of its table, every KV layout its suffix, pass and preference, every peer
 the methods the bench calls)."""
 
 from __future__ import annotations
@@ -103,17 +103,24 @@ def test_every_drafter_is_imported_and_documented():
 
 
 # ---------------------------------------------------------------------------------------- precisions
-def test_every_precision_has_a_plan_and_floors():
+def test_every_precision_is_one_entry_of_the_table():
+    """A precision is known in one place (precisions.PRECISIONS); what other modules name of it is
+    a view of that table, and the tables it replaced are gone."""
+    from dejavuu_build import precisions as P
     from dejavuu_build import schema as S
-    from dejavuu_build.build.gates import FLOORS
-    from dejavuu_build.build.quality import QUALITY_FLOORS
-    from dejavuu_build.quantize.nbits import PLANS
+    from dejavuu_build.build import gates, pipeline, quality
+    from dejavuu_build.quantize import nbits
 
-    assert S.VARIANTS[0] == S.FP32
-    for v in S.VARIANTS:
-        assert v in FLOORS and v in QUALITY_FLOORS, v
-        assert v == S.FP32 or v in PLANS, f"{v} has no quantization plan"
-    assert set(PLANS) <= set(S.VARIANTS) and set(FLOORS) <= set(S.VARIANTS)
+    assert S.VARIANTS == P.names() and P.names()[0] == S.FP32
+    assert [n for n, p in P.PRECISIONS.items() if p.reference] == [S.FP32], "fp32 is the one reference"
+    for name, p in P.PRECISIONS.items():
+        assert p.name == name and 0 < p.teacher_forced_floor <= 1 and 0 < p.quality_floor <= 1, name
+        assert p.reference or nbits.PLANS[name] is p.plan, f"{name} has no quantization plan"
+        assert P.quality_floors()[name] == p.quality_floor
+    assert set(nbits.PLANS) == set(P.quantized()) and P.quantized() == tuple(P.names()[1:])
+    assert P.auto_tiers() and all(not P.PRECISIONS[n].reference for t in P.auto_tiers() for n in t)
+    for module, gone in ((gates, "FLOORS"), (quality, "QUALITY_FLOORS"), (pipeline, "DEFAULT_FLOORS")):
+        assert not hasattr(module, gone), f"{module.__name__}.{gone} is back: read precisions.PRECISIONS"
 
 
 # ---------------------------------------------------------------------------------------- KV layouts

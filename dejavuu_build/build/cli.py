@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from .. import precisions as P
 from .. import schema as S
 from ..cache import check_name
 from ..errors import DejavuuError
@@ -36,9 +37,18 @@ def _variants(text: str) -> tuple[str, ...]:
     names = tuple(v.strip() for v in text.split(",") if v.strip())
     if not names:
         raise DejavuuError(
-            f"--variants {text!r} names no variant: pass auto, or a comma list among {', '.join(S.VARIANTS)}"
+            f"--variants {text!r} names no variant: pass auto, or a comma list among {', '.join(P.names())}"
         )
     return () if names == ("auto",) else names
+
+
+def _auto_help() -> str:
+    """What --variants auto builds, as the precisions table's auto tiers say."""
+    tiers = P.auto_tiers()
+    text = f"auto: the fp32 export and {' and '.join(tiers[0])} in every KV layout"
+    for before, tier in zip(tiers, tiers[1:]):
+        text += f" ({' and '.join(tier)} too when no {' or '.join(before)} keeps the model's answers)"
+    return text
 
 
 @click.command("tree-decoder")
@@ -51,9 +61,8 @@ def _variants(text: str) -> tuple[str, ...]:
     "--variants",
     default="auto",
     show_default=True,
-    help="auto: the fp32 export and int4 in every KV layout (int8 too when no int4 keeps the model's "
-    "answers), the default picked among them by measurement; or a comma list among fp32,int8,int4 "
-    "(fp32 first; every KV layout of each, fp32's in-place flavours included).",
+    help=f"{_auto_help()}, the default picked among them by measurement; or a comma list among "
+    f"{','.join(P.names())} (fp32 first; every KV layout of each, fp32's in-place flavours included).",
 )
 @click.option(
     "--hidden-layer", default=-1, show_default=True, type=int, help="Which hidden state to emit (-1 = last, normed)."
@@ -181,7 +190,7 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
 
 @click.command("quant-only")
 @click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
-@click.option("--variants", default="int8,int4", show_default=True)
+@click.option("--variants", default=",".join(P.quantized()), show_default=True)
 @click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int)
 @click.option("--no-timing", is_flag=True)
 @_friendly
@@ -192,11 +201,14 @@ def quant_only_cmd(name, variants, threads, no_timing):
     check_name(name)
     _check_threads(threads)
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
-    bad = [v for v in vs if v not in (S.INT8, S.INT4)]
+    quantized = P.quantized()
+    bad = [v for v in vs if v not in quantized]
     if not vs:  # nothing to quantize: it would re-validate every variant for nothing
-        raise DejavuuError(f"--variants {variants!r} names no variant: pass int8, int4 or int8,int4")
+        raise DejavuuError(
+            f"--variants {variants!r} names no variant: pass {', '.join(quantized)} or {','.join(quantized)}"
+        )
     if bad:
-        raise DejavuuError(f"quant-only variants are int8 and int4 (got {', '.join(bad)})")
+        raise DejavuuError(f"quant-only variants are {' and '.join(quantized)} (got {', '.join(bad)})")
     res = quant_only(name, variants=vs, threads=threads, timing=not no_timing)
     click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from .. import __version__
+from ..precisions import names as precision_names
 from ..schema import DEFAULT_THREADS, FP32, INPUT_IDS, INPUTS_EMBEDS, KV_CONCAT, KV_LAYOUTS, VARIANTS
 from .sources import DEFAULT_MODEL
 
@@ -32,10 +33,11 @@ class TreeDecoderConfig:
     def validate(self) -> None:
         from ..errors import DejavuuError
 
-        bad = [v for v in self.variants if v not in VARIANTS]
+        known = precision_names()
+        bad = [v for v in self.variants if v not in known]
         if self.variants and (bad or FP32 not in self.variants):
             raise DejavuuError(
-                f"--variants must be auto, or include fp32 and be among {', '.join(VARIANTS)} "
+                f"--variants must be auto, or include fp32 and be among {', '.join(known)} "
                 f"(got {', '.join(self.variants)})"
             )
         if self.primary_input not in (INPUT_IDS, INPUTS_EMBEDS):

@@ -16,14 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..log import logger
+from ..precisions import PRECISIONS
 from ..runtime.tree import causal_inputs, step_inputs
-from ..schema import FP32, INT4, INT8, Contract
+from ..schema import Contract
 from .references import Reference
 from .runner import Runner
 
-# Teacher-forced top-1 floors against torch's greedy continuations of the 4 gate prompts (96
-# positions on a real build): a coarse check that each variant runs the model at all.
-FLOORS = {FP32: 0.98, INT8: 0.85, INT4: 0.70}
+# The teacher-forced floor of each precision is its entry in precisions.PRECISIONS.
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -123,17 +122,19 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     }
 
 
-def run_gates(variant: str, session, contract: Contract, ref: Reference, *, embed=None) -> dict:
-    """Gates (a)-(c) of one variant: parity (fp32 only), teacher-forced top-1, batched = incremental."""
+def run_gates(precision: str, session, contract: Contract, ref: Reference, *, embed=None) -> dict:
+    """Gates (a)-(c) of one variant of ``precision``: parity (the fp32 reference only), teacher-forced
+    top-1 (at the precision's floor), batched = incremental."""
+    p = PRECISIONS[precision]
     r = Runner(session, contract, embed)
     gates = {}
-    if variant == FP32:
+    if p.reference:
         gates["parity"] = gate_parity(r, ref)
-    gates["teacher_forced"] = gate_teacher_forced(r, ref, FLOORS.get(variant, 0.7))
+    gates["teacher_forced"] = gate_teacher_forced(r, ref, p.teacher_forced_floor)
     gates["batched_vs_incremental"] = gate_batched(r, ref)
     res = {"gates": gates, "passed": all(g["passed"] for g in gates.values())}
     for name, g in gates.items():
-        logger.debug("  %s %s: %s", variant, name, g)
+        logger.debug("  %s %s: %s", precision, name, g)
     return res
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import precisions as P
 from .. import schema as S
 from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError, ContractError, ExportError, ValidationFailed
@@ -68,18 +69,20 @@ def build_tree_decoder(cfg: TreeDecoderConfig, *, force: bool = False) -> BuildR
 
 
 def quant_only(
-    name: str, *, variants: tuple[str, ...] = (S.INT8, S.INT4), threads: int = S.DEFAULT_THREADS, timing: bool = True
+    name: str, *, variants: tuple[str, ...] | None = None, threads: int = S.DEFAULT_THREADS, timing: bool = True
 ) -> BuildResult:
     """Re-quantize from the stored fp32 export (no torch) and re-validate against saved references.
 
     Every file it carries into the new entry is verified first, and checked again as committed: a
-    new manifest is never written over bytes nobody checked (a corrupt entry is refused, not blessed)."""
+    new manifest is never written over bytes nobody checked (a corrupt entry is refused, not blessed).
+    ``variants``: the precisions to redo [default: every quantized precision of the table]."""
     from ..errors import IntegrityError
 
+    variants = P.quantized() if variants is None else variants
     final = entry_dir(name)
     redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
     # the batched serving graph is written again from the variant it follows (_serve_batch)
-    redo |= {S.batched_file(S.variant_name(v, k)) for v in S.VARIANTS for k in (S.KV_STATIC, S.KV_ROWWISE)}
+    redo |= {S.batched_file(S.variant_name(v, k)) for v in P.names() for k in (S.KV_STATIC, S.KV_ROWWISE)}
     try:
         with build_lock(name):
             if not (final / S.MANIFEST_FILE).is_file():
@@ -124,7 +127,7 @@ def _requant_variants(manifest: Manifest, variants: tuple[str, ...]) -> list[str
     held = {S.split_variant(v)[0] for v in manifest.variants}
     if not had and set(variants) <= held:
         return []
-    return sorted(set(had or held) | {S.FP32} | set(variants), key=S.VARIANTS.index)
+    return sorted(set(had or held) | {S.FP32} | set(variants), key=S.variant_order)
 
 
 def _requant_key(manifest: Manifest, tools: dict) -> None:
@@ -283,17 +286,27 @@ def _quantize_and_validate(
 
 def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool) -> None:
     """The default build (--variants auto): the fp32 export (what a rebuild and quant-only start
-    from) and int4 in every KV layout, the candidates the machine's measurements pick the default
-    from; int8 is added only when no int4 variant passes its gates and keeps the model's answers
-    (DEFAULT_FLOORS), so a user always gets a default that does. fp32's in-place flavours (each as
+    from) and the precisions of the table's first auto tier (int4) in every KV layout, the
+    candidates the machine's measurements pick the default from; each next tier (int8) is added
+    only when no variant of the tiers before passes its gates and keeps the model's answers
+    (keeps_answers), so a user always gets a default that does. fp32's in-place flavours (each as
     large as the fp32 export: docs/quantization.md, Sizes) only on request."""
     g = _Gates(folder, manifest, threads)
-    g.add([S.INT4], fp32_layouts=False)
-    four = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] == S.INT4}
-    if not any(r.passed and keeps_answers(r) for r in four.values()):
-        why = "; ".join(f"{n}: {_quality_line(r)}" for n, r in sorted(four.items()))
-        logger.info("int4 does not keep the model's answers here (%s): adding int8", why or "no int4 variant")
-        g.add([S.INT8], fp32_layouts=False)
+    built: list[str] = []
+    for tier in P.auto_tiers():
+        if built:
+            made = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] in built}
+            if any(r.passed and keeps_answers(n, r) for n, r in made.items()):
+                break
+            why = "; ".join(f"{n}: {_quality_line(r)}" for n, r in sorted(made.items()))
+            logger.info(
+                "%s does not keep the model's answers here (%s): adding %s",
+                " or ".join(built),
+                why or f"no {' or '.join(built)} variant",
+                ", ".join(tier),
+            )
+        g.add(list(tier), fp32_layouts=False)
+        built += tier
     g.settle(timing)
 
 
@@ -331,7 +344,7 @@ class _Gates:
         """Quantize ``variants`` (int8/int4) from the fp32 export, write their in-place flavours
         (and fp32's when ``fp32_layouts``), guard rows, and gate every variant not gated yet:
         validation against the torch references, then quality against fp32."""
-        from ..quantize import PLANS, quantize_model
+        from ..quantize import quantize_model
         from .sources import gguf_of
 
         folder, manifest = self.folder, self.manifest
@@ -343,7 +356,7 @@ class _Gates:
                     rep = quantize_model(
                         source,
                         folder / variant_file(v),
-                        PLANS[v],
+                        P.plan(v),
                         tied=manifest.export.get("tied_embeddings"),
                         gguf=gguf,
                     )
@@ -428,7 +441,7 @@ class _Gates:
             raise ValidationFailed(f"fp32 export failed its parity gate ({_failed(rec)}); the build was not written")
 
     def _quality(self, variants: list[str]) -> None:
-        from .quality import QUALITY_FLOORS, gate_quality, scoring_set
+        from .quality import gate_quality, scoring_set
         from .runner import Runner
 
         if not variants:
@@ -438,7 +451,7 @@ class _Gates:
         with step(f"quality of {', '.join(variants)}: teacher-forced top-1 and KL against fp32 over the quality set"):
             limit = min(c.position_limit for _, c in self.sessions.values())
             qs = scoring_set(self.folder, fp32, self.ref, limit)
-            for v, g in gate_quality(fp32, runners, qs, QUALITY_FLOORS).items():
+            for v, g in gate_quality(fp32, runners, qs, P.quality_floors()).items():
                 rec = self.manifest.variants[v]
                 rec.gates["quality"] = g
                 rec.passed = rec.passed and g["passed"]
@@ -772,21 +785,32 @@ MIN_SPEEDUP = 0.10
 PREFERRED_LAYOUTS = (S.KV_ROWWISE, S.KV_STATIC, S.KV_CONCAT)
 
 
-# What a default must keep of the model, whatever its size or speed (its quality gate against
-# fp32): a variant under these passes its own gate and can be asked for, but is not the default.
-DEFAULT_FLOORS = {"top1": 0.95, "mean_kl": 0.02}
-
-
-def keeps_answers(rec: VariantRecord) -> bool:
-    """The variant's quality gate meets DEFAULT_FLOORS (fp32, the reference, has none: it does)."""
+def keeps_answers(variant: str, rec: VariantRecord) -> bool:
+    """The variant's quality gate meets its precision's default floors (precisions.Precision:
+    default_top1, default_mean_kl): what a default must keep of the model, whatever its size or
+    speed; one under them passes its own gate and can be asked for, but is not the default. fp32,
+    the reference, has no quality gate: it does."""
     q = rec.gates.get("quality")
-    return q is None or (q["top1"] >= DEFAULT_FLOORS["top1"] and q["mean_kl"] <= DEFAULT_FLOORS["mean_kl"])
+    p = P.PRECISIONS.get(S.split_variant(variant)[0])
+    top1, kl = (p.default_top1, p.default_mean_kl) if p else (P.DEFAULT_TOP1, P.DEFAULT_MEAN_KL)
+    return q is None or (q["top1"] >= top1 and q["mean_kl"] <= kl)
+
+
+def _default_floors_line() -> str:
+    """The default floors as the default's rule states them: one pair when every quantized
+    precision has the same (today's table), else each precision's."""
+    quantized = [p for p in P.PRECISIONS.values() if not p.reference]
+    pairs = {(p.default_top1, p.default_mean_kl) for p in quantized}
+    if len(pairs) == 1:
+        top1, kl = pairs.pop()
+        return f"top-1 >= {top1}, mean KL <= {kl}"
+    return "; ".join(f"{p.name}: top-1 >= {p.default_top1}, mean KL <= {p.default_mean_kl}" for p in quantized)
 
 
 def _candidates(manifest: Manifest) -> tuple[dict[str, VariantRecord], list[str], dict[str, str]]:
     """What the default is chosen among (and so what is timed), the passing variants that keep the
     model's answers, and why each other variant is not a candidate. Quality first: only variants
-    that passed every gate, and of those the ones that keep the model's answers (DEFAULT_FLOORS;
+    that passed every gate, and of those the ones that keep the model's answers (keeps_answers;
     all passing ones if none does). fp32 (the reference, several times the size of a quantized
     file) is a candidate only where no quantized variant keeps the answers."""
     why: dict[str, str] = {}
@@ -794,7 +818,7 @@ def _candidates(manifest: Manifest) -> tuple[dict[str, VariantRecord], list[str]
     for n in manifest.variants:
         if n not in passing:
             why[n] = "failed its gates"
-    below = [n for n, r in passing.items() if not keeps_answers(r)]
+    below = [n for n, r in passing.items() if not keeps_answers(n, r)]
     keep = {n: r for n, r in passing.items() if n not in below} or passing
     if keep is not passing:
         why.update(dict.fromkeys(below, "under the default floors"))
@@ -837,12 +861,11 @@ def _choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     if not any(r.passed for r in manifest.variants.values()):
         return None, {"rule": "no variant passed its gates"}
     passing, keep, not_candidates = _candidates(manifest)
-    below = sorted(n for n, r in manifest.variants.items() if r.passed and not keeps_answers(r))
+    below = sorted(n for n, r in manifest.variants.items() if r.passed and not keeps_answers(n, r))
     pref = _preference(manifest, passing)
     first = min(passing, key=pref)
     why: dict = {
-        "rule": "passing variants that keep the model's answers (top-1 >= "
-        f"{DEFAULT_FLOORS['top1']}, mean KL <= {DEFAULT_FLOORS['mean_kl']} against fp32), quantized "
+        "rule": f"passing variants that keep the model's answers ({_default_floors_line()} against fp32), quantized "
         "before the fp32 reference, smallest precision and in-place layout (rowwise, then static) "
         f"preferred; a larger one only if faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
         "preferred": first,

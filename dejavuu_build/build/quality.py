@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..precisions import INT4
 from ..runtime.tree import causal_inputs
-from ..schema import FP32, INT4, INT8, TOKENIZER_FILE
+from ..schema import TOKENIZER_FILE, split_variant
 from .runner import Runner
 
 if TYPE_CHECKING:
     from .references import Reference
 
-# Quality floors: top-1 agreement with the fp32 export over the quality set (32 texts x 64 tokens,
-# 2,048 positions): what a variant must keep to pass its gate at all (docs/quantization.md has the
-# measured figures; a default must also meet pipeline.DEFAULT_FLOORS).
-QUALITY_FLOORS = {FP32: 0.99, INT8: 0.96, INT4: 0.75}
+# The quality floor of each precision (top-1 agreement with the fp32 export over the quality set,
+# 32 texts x 64 tokens) is its entry in precisions.PRECISIONS (precisions.quality_floors()); a
+# default must also meet the precision's default floors (pipeline.keeps_answers).
 QUALITY_TOKENS = 64  # fp32 greedy continuation per text, every position scored
 QUALITY_PROMPT_TOKENS = 128  # each text cut to this many tokens
 
@@ -123,7 +123,7 @@ def gate_quality(fp32: Runner, runners: dict[str, Runner], qs: QualitySet, floor
     n = qs.positions
     out = {}
     for name in runners:
-        precision = name.split("-")[0]
+        precision = split_variant(name)[0]
         floor = floors.get(precision, floors.get(INT4, 0.0))
         rate = agree[name] / max(n, 1)
         out[name] = {

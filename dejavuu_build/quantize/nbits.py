@@ -34,60 +34,28 @@ We never write ``QAttention`` or touch ONNX ``Attention`` (a trap of ``quantize_
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..errors import ExportError
 from ..log import logger, progress
-from ..schema import DEFAULT_THREADS, EMBED_NODE, INT4, INT8, LM_HEAD_NODE
+from ..precisions import PLANS as PLANS  # re-exported: name -> plan, a view of the table
+from ..precisions import QuantPlan
+from ..schema import DEFAULT_THREADS, EMBED_NODE, LM_HEAD_NODE
 from .gguf_blocks import BLOCK
+
+if TYPE_CHECKING:
+    from .gguf_blocks import GGUFBlocks
+    from .stream import StreamedModel
 
 MS = "com.microsoft"
 
 
-@dataclass(frozen=True)
-class QuantPlan:
-    body_bits: int = 4
-    body_block: int = 32
-    lm_head_bits: int = 8
-    lm_head_block: int = 128
-    embed_bits: int = 8
-    accuracy_level: int = 4  # int8 activations inside MatMulNBits: faster on CPU
-    symmetric: bool = False  # re-quantized blocks: False = a zero point per block (asymmetric)
-    gguf_min: str = "offset"  # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
-    # kernels + an fp32 block-sum term), "nearest" integer zero point
-    # (fast, not exact) or "float_zp" (exact, slow kernels)
-    # The 8-bit lm-head (tied: the embedding table too) takes the largest block from lm_head_block
-    # down to 16 whose MatMulNBits keeps rows exact on this machine (choose_table_block); the GGUF's
-    # own table blocks are carried instead where they keep rows exact too and run at most this
-    # factor slower, at 1, 2 and 8 rows, than that block (measured at build time). Off (0) by
-    # default: a timed choice makes the file's bytes follow the machine's load (SmolLM2's Q8_0 in
-    # blocks of 32 timed 1.08-1.15x of 64's), and quant-only must rewrite the same bytes.
-    table_carry_slowdown: float = 0.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-# int8: 8-bit blocks lose so little that a zero point buys nothing measurable; its 8-bit table in
-# blocks of 32 carries a Q8_0 embedding exactly. int4: for a GGUF source, the file's own blocks
-# carried exactly (gguf_min="offset": the model as published, not a second rounding of it); what
-# the file does not hold (other sources, GGUF types it cannot carry) is re-rounded with a zero
-# point per block (asymmetric: closer to the weights than symmetric on both real models measured)
-# where this machine's 4-bit kernel keeps rows exact with zero points (zero_points_row_exact),
-# else symmetric. The 8-bit lm-head table (tied: the embedding's too) takes the largest block from
-# lm_head_block (128) down that keeps rows exact on the building machine, or the GGUF's own table
-# where it keeps them exact too and is as fast (choose_table_block; blocks of 128 are row-variant on
-# an Intel AMX Xeon at K = 640). (Figures: docs/quantization.md, docs/exactness.md.)
-PLANS: dict[str, QuantPlan] = {
-    INT8: QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
-    INT4: QuantPlan(
-        body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=False, gguf_min="offset"
-    ),
-}
+# The plan of each precision is its entry in precisions.PRECISIONS (PLANS: a view of it).
 GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
 
 
@@ -457,9 +425,10 @@ def quantize_model(
     Memory: the graph is read without its weights (``stream.py``); each fp32 weight is read from
     the file when it is quantized and dropped after, so the peak is the quantized model plus the
     largest weight's working copies, not the fp32 model."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     from ..export.exporter import save_model
+    from .stream import StreamedModel
 
     if plan.gguf_min not in GGUF_MIN_FORMS:
         raise ExportError(f"gguf_min must be one of {', '.join(GGUF_MIN_FORMS)} (got {plan.gguf_min!r})")
@@ -469,248 +438,323 @@ def quantize_model(
         from .gguf_blocks import GGUFBlocks
 
         blocks = GGUFBlocks(gguf)
-    from .stream import StreamedModel
-
     streamed = StreamedModel(src)
     model = streamed.model
     g = model.graph
-    inits = streamed
-    producers = {o: nd for nd in g.node for o in nd.output}
     by_name = {nd.name: nd for nd in g.node}
     lm = by_name.get(LM_HEAD_NODE)
     emb = by_name.get(EMBED_NODE)
     if lm is None:
         raise ExportError(f"{src.name}: no {LM_HEAD_NODE} node; re-export with this version of dejavuu-build")
-    new_inits: list = []
-    replaced: dict[int, list] = {}  # id(node) -> replacement nodes
-    drop_nodes: set[int] = set()
-    block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its block sums, shared by its readers
-    report: dict = {"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None}
-    fp_bytes = q_bytes = 0
-
-    def symmetric_4bit() -> bool:
-        """What re-rounded 4-bit blocks get: a zero point only where this machine keeps rows exact
-        with one; probed once, when the first 4-bit block is re-rounded or carried with one."""
-        if plan.symmetric:
-            return True
-        if "rounding" not in report:
-            exact, why = zero_points_row_exact(plan.accuracy_level)
-            report["rounding"] = {"zero_points": exact, "why": why}
-            if not exact:
-                logger.warning("  %s: re-rounded 4-bit blocks are symmetric here", why)
-        return not report["rounding"]["zero_points"]
-
-    def add_init(arr: np.ndarray, name: str):
-        nonlocal q_bytes
-        new_inits.append(numpy_helper.from_array(arr, name))
-        q_bytes += arr.nbytes
-        return name
-
-    def encode(w_nk: np.ndarray, bits: int, block: int) -> Encoded:
-        """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
-        found = blocks.find(w_nk) if blocks is not None and block == BLOCK else None
-        if found is not None:
-            where, file_blocks = found
-            enc = carry(file_blocks, bits, plan)
-            if enc is not None and enc.zp is not None and enc.zp.dtype == np.uint8 and symmetric_4bit():
-                enc = None  # a block minimum needs a zero point: round afresh, symmetric
-            if enc is not None:
-                report["gguf"]["carried"] += 1
-                enc.note = f"{where} {enc.note}"
-                return enc
-        if blocks is not None:
-            report["gguf"]["requantized"] += 1
-        return _quantize_rows(w_nk, bits, block, symmetric=bits == 8 or symmetric_4bit())
-
-    def head_encoding(w_nk: np.ndarray) -> Encoded:
-        """The 8-bit lm-head (tied: the embedding table) at the block ``choose_table_block`` measured
-        on this machine: the GGUF's own blocks where the file holds them in a centred type and
-        they keep rows exact (and fast enough), else a symmetric re-rounding at that block."""
-        n, k = w_nk.shape
-        found = blocks.find(w_nk) if blocks is not None else None
-        own = carry(found[1], 8, plan) if found is not None else None
-        if own is not None and (own.bits != 8 or own.zp is not None or own.offset is not None):
-            own = None  # a table with block minima has no exact 8-bit form without an offset term
-        choice = choose_table_block(k, n, plan, own.block if own is not None else None)
-        report["lm_head_block"] = choice
-        logger.info("  lm-head table: %s", choice["why"])
-        if own is not None and found is not None and choice["carried"]:
-            report["gguf"]["carried"] += 1
-            own.note = f"{found[0]} {own.note}"
-            return own
-        if blocks is not None:
-            report["gguf"]["requantized"] += 1
-        enc = _quantize_rows(w_nk, 8, choice["block"], symmetric=True)
-        if found is not None:
-            enc.note = f"{found[0]} {found[1].kind} re-rounded ({enc.note})"
-        return enc
-
-    def offset_term(node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
-        """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns
-        (nodes, the MatMulNBits' own output name). The block sums of ``x`` are computed once."""
-        k = enc.q.shape[1] * enc.block
-        nodes = []
-        key = (x, enc.block)
-        if key not in block_sums:
-            e_name = f"quant.block_sums.k{k}_bs{enc.block}"
-            if e_name not in {i.name for i in new_inits}:
-                add_init(block_sum_matrix(k, enc.block), e_name)
-            block_sums[key] = f"{prefix}.block_sums"
-            nodes.append(
-                helper.make_node("MatMul", [x, e_name], [block_sums[key]], name=_sibling_name(node, "blocksums"))
-            )
-        if enc.offset is None:
-            raise ValueError(f"{node.name}: an offset term needs the encoding's block offsets")
-        c = add_init(np.ascontiguousarray(enc.offset.T), prefix + f".q{enc.bits}_offset")
-        y0, off = node.output[0] + "_nbits", node.output[0] + "_offset"
-        nodes += [
-            helper.make_node("MatMul", [block_sums[key], c], [off], name=_sibling_name(node, "offset")),
-            helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset"),
-        ]
-        return nodes, y0
-
-    def matmul_nbits(node, enc: Encoded | None, prefix: str, shared: tuple[str, str, int] | None = None) -> list:
-        after: list = []
-        out = node.output[0]
-        if shared is None:
-            if enc is None:
-                raise ValueError(f"{node.name}: MatMulNBits needs the weight's encoding or the shared table")
-            n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
-            bits, block = enc.bits, enc.block
-            ins = [
-                node.input[0],
-                add_init(enc.packed(), prefix + f".q{bits}"),
-                add_init(enc.scales, prefix + f".q{bits}_scales"),
-            ]
-            packed_zp = enc.packed_zp()  # None exactly when enc.zp is
-            if packed_zp is not None:
-                ins.append(add_init(packed_zp, prefix + f".q{bits}_zero_points"))
-            if enc.offset is not None:
-                after, out = offset_term(node, node.input[0], enc, prefix)
-            extra: list = []
-        else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
-            data, s_name, block = shared
-            bits = 8
-            if emb is None:
-                raise ValueError(f"{node.name}: the tied table is shared with an embedding this graph lacks")
-            n, k = inits.dims(emb.input[0])
-            shape = add_init(np.array([n, k // block, block], dtype=np.int64), prefix + ".q_shape")
-            b_name = prefix + ".q8_view"
-            extra = [helper.make_node("Reshape", [data, shape], [b_name], name=node.name + "_ViewTied")]
-            ins = [node.input[0], b_name, s_name]
-        mm = helper.make_node(
-            "MatMulNBits",
-            ins,
-            [out],
-            name=node.name + "NBits",
-            domain=MS,
-            K=k,
-            N=n,
-            bits=bits,
-            block_size=block,
-            accuracy_level=plan.accuracy_level,
-        )
-        return extra + [mm] + after
-
-    def fused_nbits(members: list[tuple]) -> list:
-        """Siblings on one input, each carried with an offset term, as ONE MatMulNBits, one offset
-        MatMul and one Add over their columns concatenated along N, then a Split into their outputs:
-        per column the same arithmetic as apart (MatMulNBits' rows are per output column), a third
-        of the nodes (node dispatch, not arithmetic, is what a one-row step pays for them)."""
-        nds, encs, prefixes = zip(*members)
-        scope = nds[0].name.rsplit("/", 2)[0]
-        name = scope + "/" + "_".join(nd.name.rsplit("/", 2)[-2] for nd in nds)
-        scope_p = prefixes[0].rpartition(".")[0]
-        prefix = (scope_p + "." if scope_p else "") + "_".join(p.rpartition(".")[2] for p in prefixes)
-        enc = Encoded(
-            encs[0].bits,
-            np.concatenate([e.q for e in encs]),
-            np.concatenate([e.scales for e in encs]),
-            None,
-            "",
-            np.concatenate([e.offset for e in encs]),
-        )
-        fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
-        sizes = add_init(np.array([e.q.shape[0] for e in encs], np.int64), prefix + ".split")
-        split = helper.make_node(
-            "Split", [fused.output[0], sizes], [nd.output[0] for nd in nds], axis=-1, name=name + "/Split"
-        )
-        return matmul_nbits(fused, enc, prefix) + [split]
-
-    lm_w = lm.input[1]
-    lm_tied = False
-    if emb is not None:  # an inputs_embeds decoder has no embedding inside the graph
-        table_name = emb.input[0]
-        if table_name not in inits:
-            raise ExportError(f"{EMBED_NODE} does not read a constant table")
-        table = inits.array(table_name)
-        lm_tied = (
-            lm_w not in inits
-            and lm_w in producers
-            and producers[lm_w].op_type == "Transpose"
-            and producers[lm_w].input[0] == table_name
-        )
-        eb = plan.lm_head_bits if lm_tied else plan.embed_bits
-        eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
-        if eb != 8 or eblock is None:
-            raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
-        if lm_tied:  # the lm-head's table: its block measured on this machine
-            enc = head_encoding(table)
-        else:  # a gather reads rows whole: any block keeps them exact
-            enc = encode(table, 8, eblock)
-            if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
-                enc = _quantize_rows(table, 8, eblock, symmetric=True)  # a 4-bit or Q6_K table: 8 bits
-        eblock = enc.block
-        data_name = add_init(enc.q.reshape(table.shape), "model.embed_tokens.q8")
-        s_name = add_init(enc.scales, "model.embed_tokens.q8_scales")
-        fp_bytes += table.nbytes
-        report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
-        del table, enc
-        replaced[id(emb)] = [
-            helper.make_node(
-                "GatherBlockQuantized",
-                [data_name, emb.input[1], s_name],
-                list(emb.output),
-                name=EMBED_NODE + "BlockQuantized",
-                domain=MS,
-                bits=8,
-                block_size=eblock,
-                gather_axis=0,
-                quantize_axis=1,
-            )
-        ]
-        if lm_tied:
-            replaced[id(lm)] = matmul_nbits(lm, None, "lm_head", shared=(data_name, s_name, eblock))
-            drop_nodes.add(id(producers[lm_w]))
-            report["nodes"][LM_HEAD_NODE] = (
-                f"tied to the embedding table --> q8 bs{eblock} (one shared table; {report['lm_head_block']['why']})"
-            )
+    q = _Quantizing(
+        plan,
+        blocks,
+        streamed,
+        producers={o: nd for nd in g.node for o in nd.output},
+        report={"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None},
+    )
+    lm_tied = _quantize_embedding(q, emb, lm) if emb is not None else False
     if tied is not None and tied != lm_tied and emb is not None:
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
-    report["tied_embeddings"] = bool(lm_tied)
+    q.report["tied_embeddings"] = bool(lm_tied)
+    _quantize_matmuls(q, list(g.node))
+    nodes = []
+    for nd in g.node:
+        if id(nd) in q.drop_nodes:
+            continue
+        nodes.extend(q.replaced.get(id(nd), [nd]))
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {x for nd in g.node for x in nd.input}
+    g.initializer.extend([streamed.proto(n) for n in streamed.names if n in used] + q.new_inits)
+    del q.new_inits[:]
+    streamed.close()
+    if not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    save_model(model, dst)
+    report = q.report
+    if blocks is not None:
+        report["gguf"]["file"] = blocks.path.name
+    report.update(
+        seconds=round(time.perf_counter() - t0, 2),
+        quantized_nodes=len(report["nodes"]),
+        float_weight_bytes=int(q.fp_bytes),
+        quantized_weight_bytes=int(q.q_bytes),
+    )
+    return report
 
-    def const_source(nd) -> tuple[str, bool] | None:
-        """(initializer, read through a Transpose) of a MatMul's constant 2D weight: directly, or
-        through a Transpose of an initializer (a tied lm-head whose embedding lives outside the
-        graph, in inputs_embeds decoders)."""
-        x = nd.input[1]
-        if x in inits and len(inits.dims(x)) == 2:
-            return x, False
-        t = producers.get(x)
-        if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits.dims(t.input[0])) == 2:
-            return t.input[0], True
-        return None
 
-    # Every other MatMul with a constant weight (lm-head untied included), one weight in memory at a
-    # time; siblings reading one input (q/k/v, gate/up) are encoded together, so that those carried
-    # with an offset term can be fused (fused_nbits).
+@dataclass
+class _Quantizing:
+    """One quantize_model run: the plan, the GGUF's blocks (None: nothing to carry), the fp32 graph's
+    weights (read one at a time) and producers, and what the run writes: the report, the new
+    initializers, the nodes that replace or drop old ones, the block sums computed per input."""
+
+    plan: QuantPlan
+    blocks: GGUFBlocks | None
+    inits: StreamedModel
+    producers: dict
+    report: dict
+    new_inits: list = field(default_factory=list)
+    new_names: set = field(default_factory=set)
+    replaced: dict = field(default_factory=dict)  # id(node) -> replacement nodes
+    drop_nodes: set = field(default_factory=set)
+    block_sums: dict = field(default_factory=dict)  # (input, block) -> its block sums, shared by its readers
+    fp_bytes: int = 0
+    q_bytes: int = 0
+
+    def add_init(self, arr: np.ndarray, name: str) -> str:
+        from onnx import numpy_helper
+
+        self.new_inits.append(numpy_helper.from_array(arr, name))
+        self.new_names.add(name)
+        self.q_bytes += arr.nbytes
+        return name
+
+
+class _SharedTable(NamedTuple):
+    """The tied 8-bit table: [V, H] uint8 levels and [V, nb] scales, read by the lm-head as [N, nb, block]."""
+
+    data: str
+    scales: str
+    block: int
+    n: int
+    k: int
+
+
+def _symmetric_4bit(q: _Quantizing) -> bool:
+    """What re-rounded 4-bit blocks get: a zero point only where this machine keeps rows exact
+    with one; probed once, when the first 4-bit block is re-rounded or carried with one."""
+    if q.plan.symmetric:
+        return True
+    if "rounding" not in q.report:
+        exact, why = zero_points_row_exact(q.plan.accuracy_level)
+        q.report["rounding"] = {"zero_points": exact, "why": why}
+        if not exact:
+            logger.warning("  %s: re-rounded 4-bit blocks are symmetric here", why)
+    return not q.report["rounding"]["zero_points"]
+
+
+def _encode(q: _Quantizing, w_nk: np.ndarray, bits: int, block: int) -> Encoded:
+    """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
+    found = q.blocks.find(w_nk) if q.blocks is not None and block == BLOCK else None
+    if found is not None:
+        where, file_blocks = found
+        enc = carry(file_blocks, bits, q.plan)
+        if enc is not None and enc.zp is not None and enc.zp.dtype == np.uint8 and _symmetric_4bit(q):
+            enc = None  # a block minimum needs a zero point: round afresh, symmetric
+        if enc is not None:
+            q.report["gguf"]["carried"] += 1
+            enc.note = f"{where} {enc.note}"
+            return enc
+    if q.blocks is not None:
+        q.report["gguf"]["requantized"] += 1
+    return _quantize_rows(w_nk, bits, block, symmetric=bits == 8 or _symmetric_4bit(q))
+
+
+def _head_encoding(q: _Quantizing, w_nk: np.ndarray) -> Encoded:
+    """The 8-bit lm-head (tied: the embedding table) at the block ``choose_table_block`` measured
+    on this machine: the GGUF's own blocks where the file holds them in a centred type and
+    they keep rows exact (and fast enough), else a symmetric re-rounding at that block."""
+    n, k = w_nk.shape
+    found = q.blocks.find(w_nk) if q.blocks is not None else None
+    own = carry(found[1], 8, q.plan) if found is not None else None
+    if own is not None and (own.bits != 8 or own.zp is not None or own.offset is not None):
+        own = None  # a table with block minima has no exact 8-bit form without an offset term
+    choice = choose_table_block(k, n, q.plan, own.block if own is not None else None)
+    q.report["lm_head_block"] = choice
+    logger.info("  lm-head table: %s", choice["why"])
+    if own is not None and found is not None and choice["carried"]:
+        q.report["gguf"]["carried"] += 1
+        own.note = f"{found[0]} {own.note}"
+        return own
+    if q.blocks is not None:
+        q.report["gguf"]["requantized"] += 1
+    enc = _quantize_rows(w_nk, 8, choice["block"], symmetric=True)
+    if found is not None:
+        enc.note = f"{found[0]} {found[1].kind} re-rounded ({enc.note})"
+    return enc
+
+
+def _offset_term(q: _Quantizing, node, x: str, enc: Encoded, prefix: str) -> tuple[list, str]:
+    """Nodes adding ``sum(x over block b) * offset[b, n]`` to the MatMulNBits output; returns
+    (nodes, the MatMulNBits' own output name). The block sums of ``x`` are computed once."""
+    from onnx import helper
+
+    k = enc.q.shape[1] * enc.block
+    nodes = []
+    key = (x, enc.block)
+    if key not in q.block_sums:
+        e_name = f"quant.block_sums.k{k}_bs{enc.block}"
+        if e_name not in q.new_names:
+            q.add_init(block_sum_matrix(k, enc.block), e_name)
+        q.block_sums[key] = f"{prefix}.block_sums"
+        nodes.append(
+            helper.make_node("MatMul", [x, e_name], [q.block_sums[key]], name=_sibling_name(node, "blocksums"))
+        )
+    if enc.offset is None:
+        raise ValueError(f"{node.name}: an offset term needs the encoding's block offsets")
+    c = q.add_init(np.ascontiguousarray(enc.offset.T), prefix + f".q{enc.bits}_offset")
+    y0, off = node.output[0] + "_nbits", node.output[0] + "_offset"
+    nodes += [
+        helper.make_node("MatMul", [q.block_sums[key], c], [off], name=_sibling_name(node, "offset")),
+        helper.make_node("Add", [y0, off], [node.output[0]], name=node.name + "_AddOffset"),
+    ]
+    return nodes, y0
+
+
+def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared: _SharedTable | None = None) -> list:
+    """``node`` (a MatMul) as MatMulNBits over ``enc``, or over the tied table ``shared``."""
+    from onnx import helper
+
+    after: list = []
+    out = node.output[0]
+    if shared is None:
+        if enc is None:
+            raise ValueError(f"{node.name}: MatMulNBits needs the weight's encoding or the shared table")
+        n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
+        bits, block = enc.bits, enc.block
+        ins = [
+            node.input[0],
+            q.add_init(enc.packed(), prefix + f".q{bits}"),
+            q.add_init(enc.scales, prefix + f".q{bits}_scales"),
+        ]
+        packed_zp = enc.packed_zp()  # None exactly when enc.zp is
+        if packed_zp is not None:
+            ins.append(q.add_init(packed_zp, prefix + f".q{bits}_zero_points"))
+        if enc.offset is not None:
+            after, out = _offset_term(q, node, node.input[0], enc, prefix)
+        extra: list = []
+    else:  # the tied table: [V, H] uint8 + [V, nb] scales, viewed as MatMulNBits' [N, nb, block]
+        bits, block, n, k = 8, shared.block, shared.n, shared.k
+        shape = q.add_init(np.array([n, k // block, block], dtype=np.int64), prefix + ".q_shape")
+        b_name = prefix + ".q8_view"
+        extra = [helper.make_node("Reshape", [shared.data, shape], [b_name], name=node.name + "_ViewTied")]
+        ins = [node.input[0], b_name, shared.scales]
+    mm = helper.make_node(
+        "MatMulNBits",
+        ins,
+        [out],
+        name=node.name + "NBits",
+        domain=MS,
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        accuracy_level=q.plan.accuracy_level,
+    )
+    return extra + [mm] + after
+
+
+def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
+    """Siblings on one input, each carried with an offset term, as ONE MatMulNBits, one offset
+    MatMul and one Add over their columns concatenated along N, then a Split into their outputs:
+    per column the same arithmetic as apart (MatMulNBits' rows are per output column), a third
+    of the nodes (node dispatch, not arithmetic, is what a one-row step pays for them)."""
+    from onnx import helper
+
+    nds, encs, prefixes = zip(*members)
+    scope = nds[0].name.rsplit("/", 2)[0]
+    name = scope + "/" + "_".join(nd.name.rsplit("/", 2)[-2] for nd in nds)
+    scope_p = prefixes[0].rpartition(".")[0]
+    prefix = (scope_p + "." if scope_p else "") + "_".join(p.rpartition(".")[2] for p in prefixes)
+    enc = Encoded(
+        encs[0].bits,
+        np.concatenate([e.q for e in encs]),
+        np.concatenate([e.scales for e in encs]),
+        None,
+        "",
+        np.concatenate([e.offset for e in encs]),
+    )
+    fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
+    sizes = q.add_init(np.array([e.q.shape[0] for e in encs], np.int64), prefix + ".split")
+    split = helper.make_node(
+        "Split", [fused.output[0], sizes], [nd.output[0] for nd in nds], axis=-1, name=name + "/Split"
+    )
+    return _matmul_nbits(q, fused, enc, prefix) + [split]
+
+
+def _quantize_embedding(q: _Quantizing, emb, lm) -> bool:
+    """The embedding Gather as GatherBlockQuantized over an 8-bit table; a tied lm-head (reading
+    that table through a Transpose) as MatMulNBits over the same table. Returns whether it was tied."""
+    from onnx import helper
+
+    plan, inits, report = q.plan, q.inits, q.report
+    lm_w = lm.input[1]
+    table_name = emb.input[0]
+    if table_name not in inits:
+        raise ExportError(f"{EMBED_NODE} does not read a constant table")
+    table = inits.array(table_name)
+    lm_tied = (
+        lm_w not in inits
+        and lm_w in q.producers
+        and q.producers[lm_w].op_type == "Transpose"
+        and q.producers[lm_w].input[0] == table_name
+    )
+    eb = plan.lm_head_bits if lm_tied else plan.embed_bits
+    eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
+    if eb != 8 or eblock is None:
+        raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
+    if lm_tied:  # the lm-head's table: its block measured on this machine
+        enc = _head_encoding(q, table)
+    else:  # a gather reads rows whole: any block keeps them exact
+        enc = _encode(q, table, 8, eblock)
+        if enc.bits != 8 or enc.zp is not None or enc.offset is not None or enc.block != eblock:
+            enc = _quantize_rows(table, 8, eblock, symmetric=True)  # a 4-bit or Q6_K table: 8 bits
+    eblock = enc.block
+    n, k = table.shape
+    data_name = q.add_init(enc.q.reshape(table.shape), "model.embed_tokens.q8")
+    s_name = q.add_init(enc.scales, "model.embed_tokens.q8_scales")
+    q.fp_bytes += table.nbytes
+    report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
+    del table, enc
+    q.replaced[id(emb)] = [
+        helper.make_node(
+            "GatherBlockQuantized",
+            [data_name, emb.input[1], s_name],
+            list(emb.output),
+            name=EMBED_NODE + "BlockQuantized",
+            domain=MS,
+            bits=8,
+            block_size=eblock,
+            gather_axis=0,
+            quantize_axis=1,
+        )
+    ]
+    if lm_tied:
+        q.replaced[id(lm)] = _matmul_nbits(q, lm, None, "lm_head", shared=_SharedTable(data_name, s_name, eblock, n, k))
+        q.drop_nodes.add(id(q.producers[lm_w]))
+        report["nodes"][LM_HEAD_NODE] = (
+            f"tied to the embedding table --> q8 bs{eblock} (one shared table; {report['lm_head_block']['why']})"
+        )
+    return lm_tied
+
+
+def _const_source(q: _Quantizing, nd) -> tuple[str, bool] | None:
+    """(initializer, read through a Transpose) of a MatMul's constant 2D weight: directly, or
+    through a Transpose of an initializer (a tied lm-head whose embedding lives outside the
+    graph, in inputs_embeds decoders)."""
+    x = nd.input[1]
+    if x in q.inits and len(q.inits.dims(x)) == 2:
+        return x, False
+    t = q.producers.get(x)
+    if t is not None and t.op_type == "Transpose" and t.input[0] in q.inits and len(q.inits.dims(t.input[0])) == 2:
+        return t.input[0], True
+    return None
+
+
+def _quantize_matmuls(q: _Quantizing, graph_nodes: list) -> None:
+    """Every other MatMul with a constant weight (lm-head untied included), one weight in memory at
+    a time; siblings reading one input (q/k/v, gate/up) are encoded together, so that those carried
+    with an offset term can be fused (_fused_nbits)."""
+    plan, report = q.plan, q.report
     todo = [
         (nd, src_)
-        for nd in g.node
+        for nd in graph_nodes
         if nd.op_type == "MatMul"
-        and id(nd) not in replaced
+        and id(nd) not in q.replaced
         and len(nd.input) == 2
-        and (src_ := const_source(nd)) is not None
+        and (src_ := _const_source(q, nd)) is not None
     ]
     siblings: dict[str, list] = {}
     for nd, src_ in todo:
@@ -721,18 +765,18 @@ def quantize_model(
         for nd, (w_name, transposed) in members:
             is_head = nd.name == LM_HEAD_NODE
             bits = plan.lm_head_bits if is_head else plan.body_bits
-            dims = list(inits.dims(w_name))
+            dims = list(q.inits.dims(w_name))
             k = dims[1] if transposed else dims[0]
             block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
             if block is None:
                 report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
                 continue
-            w = inits.array(w_name)
+            w = q.inits.array(w_name)
             if transposed:
-                drop_nodes.add(id(producers[nd.input[1]]))
+                q.drop_nodes.add(id(q.producers[nd.input[1]]))
                 w = w.T
-            fp_bytes += w.nbytes
-            enc = head_encoding(w.T) if is_head and bits == 8 else encode(w.T, bits, block)
+            q.fp_bytes += w.nbytes
+            enc = _head_encoding(q, w.T) if is_head and bits == 8 else _encode(q, w.T, bits, block)
             del w
             encoded.append((nd, enc, nd.input[1].removesuffix(".weight_T") or nd.name))
             note = enc.note or f"q{enc.bits} bs{enc.block}"
@@ -745,33 +789,10 @@ def quantize_model(
             kinds.setdefault((m[1].bits, m[1].block) if m[1].offset is not None else id(m[0]), []).append(m)
         for group in kinds.values():
             if len(group) > 1:
-                replaced[id(group[0][0])] = fused_nbits(group)
+                q.replaced[id(group[0][0])] = _fused_nbits(q, group)
                 for nd, _, _ in group[1:]:
-                    replaced[id(nd)] = []
+                    q.replaced[id(nd)] = []
             else:
-                replaced[id(group[0][0])] = matmul_nbits(*group[0])
+                q.replaced[id(group[0][0])] = _matmul_nbits(q, *group[0])
     if hasattr(bar, "close"):
         bar.close()
-    nodes = []
-    for nd in g.node:
-        if id(nd) in drop_nodes:
-            continue
-        nodes.extend(replaced.get(id(nd), [nd]))
-    del g.node[:]
-    g.node.extend(nodes)
-    used = {x for nd in g.node for x in nd.input}
-    g.initializer.extend([inits.proto(n) for n in inits.names if n in used] + new_inits)
-    del new_inits[:]
-    streamed.close()
-    if not any(o.domain == MS for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS, 1))
-    save_model(model, dst)
-    if blocks is not None:
-        report["gguf"]["file"] = blocks.path.name
-    report.update(
-        seconds=round(time.perf_counter() - t0, 2),
-        quantized_nodes=len(report["nodes"]),
-        float_weight_bytes=int(fp_bytes),
-        quantized_weight_bytes=int(q_bytes),
-    )
-    return report

@@ -4,11 +4,12 @@ and quant-only gating only what it rewrote."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
+from dejavuu_build import precisions as P
 from dejavuu_build import schema as S
-from dejavuu_build.build import pipeline
 from dejavuu_build.build.config import TreeDecoderConfig
 from dejavuu_build.build.pipeline import build_tree_decoder, quant_only
 
@@ -77,7 +78,8 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
 
 def test_auto_adds_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):
     # No int4 can reach a top-1 above 1: the build must add int8 (and never fp32's flavours).
-    monkeypatch.setattr(pipeline, "DEFAULT_FLOORS", {"top1": 1.01, "mean_kl": 0.0})
+    for name in P.quantized():  # the default floors are each precision's (the precisions table)
+        monkeypatch.setitem(P.PRECISIONS, name, replace(P.PRECISIONS[name], default_top1=1.01, default_mean_kl=0.0))
     with caplog.at_level(logging.INFO, logger="dejavuu"):
         m = _build(cache_dir, "auto-int8", seed=1).manifest
     assert sorted(m.variants, key=S.variant_order) == INT4[:1] + ["int8", "int8-static", "int8-rowwise"] + INT4[1:]
