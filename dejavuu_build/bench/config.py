@@ -17,6 +17,7 @@ from .. import schema as S
 from ..errors import DejavuuError
 from ..log import logger
 from ..rows import json_row, not_utf8
+from ..runtime.settings import DecodeSettings
 from .peer import KINDS, PEER_METHODS
 
 TASK_CATEGORIES: tuple[str, ...] = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -136,6 +137,13 @@ class BenchConfig:
             raise BenchError("no categories to run")
         if self.per_category < 1 or self.max_new_tokens < 1:
             raise BenchError("--per-category and --max-new-tokens must be at least 1")
+
+    @property
+    def settings(self) -> DecodeSettings:
+        """How every method decodes in this run (its method and tree are set per run, with replace)."""
+        return DecodeSettings(
+            width=self.width, max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed
+        )
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..log import logger, step
+from ..precisions import PRECISIONS
 from ..schema import INT4, PEER_FILE, PEERS_DIR
 from .config import BenchError
 from .peer import KINDS, PeerResult, peer_quality
@@ -222,7 +223,9 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
 
 def _run_builder(src: dict, out: Path, version: str) -> dict:
     hf, work, report, log = out / ".hf", out / ".builder-cache", out / ".shim.json", out / ".builder.log"
-    builder_args = ["-o", str(out), "-p", INT4, "-e", "cpu", "-c", str(work)]  # the precision our default is
+    # the precision our default is, under genai's builder's name for it (the precisions table)
+    precision = PRECISIONS[INT4].genai or INT4
+    builder_args = ["-o", str(out), "-p", precision, "-e", "cpu", "-c", str(work)]
     cmd = [
         sys.executable,
         "-m",

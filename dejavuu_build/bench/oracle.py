@@ -73,6 +73,7 @@ def measure_row_costs(model: Model, messages: list[dict], rows: int = 8, rounds:
     are never accepted) on ``messages``, the row counts interleaved per round so that machine load
     hits all alike."""
     from ..runtime.drafters import Draft, Drafter
+    from ..runtime.settings import DecodeSettings
 
     class Fixed(Drafter):
         name = "row_probe"
@@ -89,7 +90,7 @@ def measure_row_costs(model: Model, messages: list[dict], rows: int = 8, rounds:
     try:
         for _ in range(rounds):
             for r in range(1, rows + 1):
-                s = model.generate(messages, method=Fixed(r - 1), max_new_tokens=PROBE_TOKENS).stats
+                s = model.generate(messages, DecodeSettings(method=Fixed(r - 1), max_new_tokens=PROBE_TOKENS)).stats
                 if s.steps:  # every step feeds R rows, whatever it accepts
                     times[r].append(s.verify_s / s.steps)
     finally:

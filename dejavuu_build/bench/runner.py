@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..log import logger, progress
+from ..runtime.settings import DecodeSettings
 from .config import (
     NGRAM_OFF,
     NGRAM_SWEEP,
@@ -311,6 +312,7 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
         # "<m>+tree" gets a drafter of its own: drafters that learn from earlier outputs (suffix
         # decoding's global tree) must not see the chain run's answer to this very prompt
         drafter = pool.get(method, p.category)
+        settings = cfg.settings
         raw = method == RAW_BASELINE
         tree = cfg.tree or method.endswith(TREE_SUFFIX)
         messages: list[dict] = []
@@ -319,15 +321,7 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
             # every method runs as `generate` runs it for a user; only the raw reference
             # (baseline_n1) drops the pad row of a padded decoder
             with model.decoder.padding(False if raw else model.decoder.pad_single):
-                res = model.generate(
-                    list(messages),
-                    method=drafter,
-                    tree=tree,
-                    width=cfg.width,
-                    max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature,
-                    seed=cfg.seed,
-                )
+                res = model.generate(list(messages), replace(settings, method=drafter, tree=tree))
             if method == "baseline":
                 baseline.append(list(res.tokens))
             rec = make_record(p, turn, method, res, baseline[turn - 1], gated=not raw)
@@ -485,7 +479,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         pool = DrafterPool(cfg, lambda t: tok.encode(t, add_special_tokens=False), corpus)
         warm = [{"role": "user", "content": todo[0].turns[0]}]
         warm_n = min(WARMUP_TOKENS, cfg.max_new_tokens)
-        model.generate(warm, method="baseline", max_new_tokens=warm_n)  # warm-up: ORT's first-run costs
+        model.generate(warm, DecodeSettings(max_new_tokens=warm_n))  # warm-up: ORT's first-run costs
         ctx = PeerContext(model, cfg, out, corpus, prompts, fits, resume, model.encode(warm), warm_n)
         peers = load_peers(ctx)
         for peer in peers:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..log import logger, progress
 from ..runtime.drafters import Draft, DraftBudget, Drafter
+from ..runtime.settings import DecodeSettings
 from .config import BenchConfig, BenchError, read_prompts, resolve_data
 from .runner import WARMUP_TOKENS
 
@@ -321,21 +322,18 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     model.eos_ids = []  # a fixed number of decode steps
     try:
         warm = prompts[contexts[0]][:64]
-        model.generate(warm, method="baseline", max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))
+        model.generate(warm, DecodeSettings(max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens)))
         if genai is not None:
             genai.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
         jobs = [(rep, c) for rep in range(cfg.repeats) for c in contexts]
         with (out / SWEEP_FILES["records"]).open("w", encoding="utf-8") as fh:
             for rep, c in progress(jobs, "sweep", total=len(jobs)):
-                res = model.generate(prompts[c], method="baseline", max_new_tokens=cfg.max_new_tokens)
+                plain = DecodeSettings(max_new_tokens=cfg.max_new_tokens)  # greedy: a fixed number of steps
+                res = model.generate(prompts[c], plain)
                 recs = [_ours_record(c, rep, res, rows=model.decoder.single_rows)]
                 for n in cfg.verify_rows:
                     probe = model.generate(
-                        prompts[c],
-                        method=_ProbeDrafter(n - 1),
-                        max_new_tokens=cfg.max_new_tokens,
-                        max_nodes=n - 1,
-                        max_depth=n - 1,
+                        prompts[c], replace(plain, method=_ProbeDrafter(n - 1), max_nodes=n - 1, max_depth=n - 1)
                     )
                     recs.append(_ours_record(c, rep, probe, VERIFY, n))
                 if genai is not None:

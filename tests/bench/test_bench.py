@@ -49,11 +49,11 @@ def calls(monkeypatch) -> list[str]:
     seen: Calls = Calls()
     original = Model.generate
 
-    def counting(self, prompt, **kw):
-        m = kw.get("method", "baseline")
+    def counting(self, prompt, settings=None, **kw):
+        m = settings.method if settings is not None else kw.get("method", "baseline")
         name = m if isinstance(m, str) else m.name
         (probes if name == "row_probe" else seen).append(name)  # the row-cost probe (bench.oracle) apart
-        return original(self, prompt, **kw)
+        return original(self, prompt, settings, **kw)
 
     seen.probes = probes = []
 
@@ -94,9 +94,9 @@ def test_end_to_end_writes_results_and_passes_gate(tiny_llama, data, tmp_path, c
 def test_gate_catches_a_changed_output(tiny_llama, data, tmp_path, monkeypatch):
     original = Model.generate
 
-    def broken(self, prompt, **kw):
-        res = original(self, prompt, **kw)
-        if getattr(kw.get("method"), "name", None) == "pld":
+    def broken(self, prompt, settings=None, **kw):
+        res = original(self, prompt, settings, **kw)
+        if getattr(settings.method if settings else kw.get("method"), "name", None) == "pld":
             res.tokens = res.tokens[:-1] + [(res.tokens[-1] + 1) % 256]
         return res
 
@@ -221,10 +221,11 @@ def test_methods_decode_as_generate_does(tiny_llama, data, tmp_path, monkeypatch
     seen: list[bool] = []
     original = Model.generate
 
-    def spy(self, prompt, **kw):
-        if getattr(kw.get("method"), "name", None) != "row_probe":  # bench.oracle's row-cost probe
+    def spy(self, prompt, settings=None, **kw):
+        method = settings.method if settings else kw.get("method")
+        if getattr(method, "name", None) != "row_probe":  # bench.oracle's row-cost probe
             seen.append(self.decoder.pad_single)
-        return original(self, prompt, **kw)
+        return original(self, prompt, settings, **kw)
 
     monkeypatch.setattr(Model, "generate", spy)
     run_bench(
