@@ -590,12 +590,15 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
     """Measure every op of variant ``v`` for row invariance on this machine (export.exactness) and
     guard the ops that need two rows (export.passes.row_guard), so the graph is length-invariant
     by construction where its ops allow: a lone token then runs as one graph row, in our runtime or
-    any other. The static flavour is left as it is: GroupQueryAttention's lone row differs from its
-    multi-row one whatever the pad, so its runtime pads a lone token instead."""
+    any other. Attention above head size 128 gets its key floor first (export.passes.key_floor), so
+    a step's row count never changes how the kernel reduces a head. The static flavour is left as
+    it is: GroupQueryAttention's lone row differs from its multi-row one whatever the pad, so its
+    runtime pads a lone token instead (its key floor is part of the graph: static_kv)."""
     import onnx
 
     from ..export.exactness import probe
     from ..export.exporter import save_model
+    from ..export.passes.key_floor import KEY_FLOOR, floor_keys, needs_key_floor
     from ..export.passes.row_guard import guard_rows
 
     precision, layout = S.split_variant(v)
@@ -608,6 +611,9 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
     path = folder / variant_file(v)
     with step(f"row invariance of {v}, per op, on this CPU"):
         proto = onnx.load(str(path))
+        floored = layout == S.KV_CONCAT and needs_key_floor(contract.head_dim)
+        if floored:  # before the probe: it measures each attention with its floor
+            floor_keys(proto, contract.head_dim)
         rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
         bad = [p for p in rep.probes if p.verdict == "variant"]  # the batched gate still checks the whole graph
         guard = rep.guard_nodes()
@@ -618,10 +624,16 @@ def _row_guard(folder: Path, manifest: Manifest, v: str, contract, threads: int)
             "guarded_nodes": len(guard),
             "not_exact": sorted(p.signature for p in bad),
             "first_break": rep.first_break.signature if rep.first_break else None,
+            **({"key_floor": KEY_FLOOR} if floored else {}),
         }
         tmp = path.with_name(path.name + ".guard.tmp")  # a new file: a carried (linked) one is never written
         save_model(
-            guard_rows(proto, guard, length_invariant=not bad, record={k: summary[k] for k in ("machine", "guarded")}),
+            guard_rows(
+                proto,
+                guard,
+                length_invariant=not bad,
+                record={k: summary[k] for k in ("machine", "guarded", "key_floor") if k in summary},
+            ),
             tmp,
         )
         os.replace(tmp, path)

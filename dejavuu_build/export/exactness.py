@@ -32,6 +32,11 @@ from .. import schema as S
 ProbeFns = tuple[Callable, Callable, Callable, Callable]
 
 ROWS = (2, 3, 5, 8, 17)  # the multi-row forwards each row is compared across
+# Attention's pasts: rows of a step at past p see p+1 .. p+17 keys, so each of these crosses an
+# edge where onnxruntime's kernels may change how they group keys or the head (export.passes.
+# key_floor): MLAS's SGEMM K stride changes at 16, 32 and 64 keys (8, 24, 56, 60), the probs·V
+# product is chunked by 128 keys (120, 250, 1010 cross 128, 256, 1024); 40 crosses none.
+ATTENTION_PASTS = (8, 24, 40, 56, 60, 120, 250, 1010)
 NORMS = (
     "SkipSimplifiedLayerNormalization",
     "SimplifiedLayerNormalization",
@@ -236,10 +241,11 @@ def _row_op(model, node, threads: int, rng, head_dim: int) -> tuple[ProbeFns | N
 def _attention(model, node, threads: int, rng, layout: str, heads: int, past: int) -> tuple[ProbeFns | None, str]:
     """ONNX Attention over a past of ``past`` keys, with the flavour's row semantics."""
     from ..runtime.tree import NEG
+    from .passes.key_floor import unfloored_inputs
 
     if len(node.input) < 4 or not node.input[3]:
         return None, "no mask input"
-    feeds = list(node.input[:4])
+    feeds = unfloored_inputs(model, node)  # the node with its key floor, if the graph has one
     s = _session(_single_node(model, node, feeds), threads)
     q, k, v, mask = feeds
     R = max(ROWS)
@@ -349,7 +355,7 @@ def probe(
     heads: int = 0,
     head_dim: int = 0,
     threads: int = S.DEFAULT_THREADS,
-    pasts: tuple[int, ...] = (40, 1000),
+    pasts: tuple[int, ...] = ATTENTION_PASTS,
     seed: int = 0,
 ) -> ExactnessReport:
     """Probe every op signature of ``model`` (an onnx ModelProto of one of our decoders)."""

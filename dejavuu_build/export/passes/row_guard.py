@@ -261,8 +261,8 @@ def strip_row_guard(model):
     keep = [n for n in g.node if "row_guard/" not in n.name]
     for n in keep:
         for j, x in enumerate(n.input):
-            if x in pads:
-                n.input[j] = pads[x]
+            while x in pads:  # a guard's Pad of a key floor's Pad (export.passes.key_floor)
+                x = n.input[j] = pads[x]
         for j, y in enumerate(n.output):
             if y in cuts:
                 n.output[j] = cuts[y]

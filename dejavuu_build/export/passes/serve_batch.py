@@ -60,6 +60,11 @@ def to_serve_batch(m, source: str = "the decoder"):
         raise ContractError(
             f"{source} has no GroupQueryAttention: batched serving needs a static-KV variant (`--kv-layouts static`)"
         )
+    if any("/kv_static/key_floor/" in n.name for n in g.node):
+        raise ContractError(
+            f"{source} feeds its GroupQueryAttention a key floor (head size above 128: export.passes.key_floor), "
+            f"which the batched serving graph does not carry over per request"
+        )
     names = {i.name for i in g.input}
     new_inputs = (SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX, GQA_POSITIONS)
     if any(n in names for n in new_inputs):

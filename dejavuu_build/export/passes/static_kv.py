@@ -40,6 +40,7 @@ from ...errors import ExportError
 from ...log import logger
 from .common import MS_DOMAIN, concat_kv, drop, finish_layout, initializer, insert, query_heads, take_over_present
 from .fusions import fuse_siblings, fuse_skip_norm
+from .key_floor import KEY_FLOOR, NEG, needs_key_floor
 from .row_guard import strip_row_guard
 
 
@@ -71,6 +72,12 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     # total = P + N from the bias's last dim; seqlens_k = total - 1 (int32), as GQA wants them.
     first = g.node(0)
     total64 = new("Shape", [bias], "/kv_static/Shape", first, {"start": 3, "end": 4}).outputs[0]
+    head_dims = {int(concat_kv(att, inputs)[0].inputs[0].shape[3]) for att in attn_nodes}
+    floor = (
+        _KeyFloor(g, bias, total64, first) if capacity >= KEY_FLOOR and any(map(needs_key_floor, head_dims)) else None
+    )
+    if floor is not None:
+        total64 = floor.total
     total32 = new("Cast", [total64], "/kv_static/Cast", first, {"to": ir.DataType.INT32}).outputs[0]
     one = initializer(g, "kv_static.one", np.array([1], np.int32))
     seqlens = new("Sub", [total32, one], "/kv_static/SeqlensK", first).outputs[0]
@@ -140,9 +147,16 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         ]
         slot_gathers += [x for x in to_slots if x is not None]
         ins = [None if x is None else x.outputs[0] for x in to_slots]
+        positions = position_ids if rotary else None
+        if floor is not None:  # zero query rows after the step's own: GQA's keys reach the floor
+            ins = [
+                None if x is None else floor.rows(x, f"{base}/kv_static/key_floor/{w}", att) for x, w in zip(ins, "qkv")
+            ]
+            positions = None if positions is None else floor.rows(positions, "/kv_static/key_floor/positions", att)
+            att_bias = floor.bias(att_bias, att)
         gqa = new(
             "GroupQueryAttention",
-            ins + [past_k, past_v, seqlens, total, cos, sin, position_ids if rotary else None, att_bias],
+            ins + [past_k, past_v, seqlens, total, cos, sin, positions, att_bias],
             f"{base}/GroupQueryAttention",
             att,
             attrs,
@@ -150,7 +164,8 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
             3,
         )
         gqa.outputs[0].name = f"{base}/gqa_out"
-        to_rows = new("Gather", [gqa.outputs[0], row_slots], f"{base}/kv_static/to_rows", att, {"axis": 1})
+        gqa_out = gqa.outputs[0] if floor is None else floor.cut(gqa.outputs[0], f"{base}/kv_static/key_floor/out", att)
+        to_rows = new("Gather", [gqa_out, row_slots], f"{base}/kv_static/to_rows", att, {"axis": 1})
         slot_gathers.append(to_rows)
         out3 = to_rows.outputs[0]
         out3.name = f"{base}/gqa_rows"
@@ -201,9 +216,71 @@ def _slot_inputs_reach_attention_only(g, slot_shaped) -> bool:
     for v in slot_shaped:
         for use in v.uses():
             nd = use.node
-            if not (nd.op_type == "GroupQueryAttention" or nd.name == "/kv_static/Shape"):
+            if not (nd.op_type == "GroupQueryAttention" or nd.name == "/kv_static/Shape" or _floor_node(nd, v)):
                 return False
     return True
+
+
+def _floor_node(nd, v) -> bool:
+    """Whether ``nd`` is the key floor's (it pads ``v`` to GroupQueryAttention, or reads its shape)."""
+    if not (nd.name or "").startswith(FLOOR_PREFIX):
+        return False
+    return nd.op_type == "Shape" or all(
+        u.node.op_type == "GroupQueryAttention" or _floor_node(u.node, u.node.outputs[0]) for u in nd.outputs[0].uses()
+    )
+
+
+FLOOR_PREFIX = "/kv_static/key_floor/"
+
+
+class _KeyFloor:
+    """GroupQueryAttention over at least KEY_FLOOR keys (export.passes.key_floor): while a step's
+    past + rows is short of it, ``extra`` zero query rows follow the step's own, so the kernel's
+    total (past + rows + extra) reaches the floor and its write position (total - rows - extra) is
+    still the past. The extra rows attend causally after every real row, whose scores therefore see
+    nothing of them but the key count; their K/V land beyond the context (ignored, then overwritten)
+    and their output is cut off. Costs attention rows only, and only while the context is under
+    the floor."""
+
+    def __init__(self, g, bias, total64, anchor):
+        import onnx_ir as ir
+
+        self.g = g
+        one = (1,)
+        f = initializer(g, "kv_static.key_floor", np.array([KEY_FLOOR], np.int64))
+        zero = initializer(g, "kv_static.key_floor.zero", np.zeros(one, np.int64))
+        self.neg = initializer(g, "kv_static.key_floor.neg", np.array(NEG, np.float32))
+        self.axis = {a: initializer(g, f"kv_static.key_floor.axis{a}", np.array([a], np.int64)) for a in (1, 2, 3)}
+        self.zero = zero
+        short = self._new("Sub", [f, total64], "Sub", anchor)
+        extra = self._new("Max", [short, zero], "Max", anchor)
+        self.total = self._new("Add", [total64, extra], "Total", anchor)
+        self.pads = self._new("Concat", [zero, extra], "Pads", anchor, {"axis": 0})
+        self.slots = self._new("Shape", [bias], "Slots", anchor, {"start": 2, "end": 3})
+        self._done: dict[ir.Value, ir.Value] = {}  # a value -> its padded twin
+
+    def _new(self, op, ins, name, anchor, attrs=None):
+        name = name if name.startswith("/") else FLOOR_PREFIX + name
+        return insert(self.g, op, ins, name, anchor, attrs).outputs[0]
+
+    def rows(self, x, name: str, anchor):
+        """``x`` ([1, slots, ...]) with the extra rows (zeros) after its own."""
+        if x not in self._done:
+            self._done[x] = self._new("Pad", [x, self.pads, None, self.axis[1]], name, anchor)
+        return self._done[x]
+
+    def bias(self, b, anchor):
+        """``b`` ([., ., slots, total]) with the extra keys masked for every row and the extra rows
+        after (zero: they attend causally)."""
+        if b not in self._done:
+            i = len(self._done)
+            cols = self._new("Pad", [b, self.pads, self.neg, self.axis[3]], f"bias_{i}_keys", anchor)
+            self._done[b] = self._new("Pad", [cols, self.pads, None, self.axis[2]], f"bias_{i}_rows", anchor)
+        return self._done[b]
+
+    def cut(self, y, name: str, anchor):
+        """GroupQueryAttention's output ``y`` without the extra rows."""
+        return self._new("Slice", [y, self.zero, self.slots, self.axis[1]], name, anchor)
 
 
 def _undo_slot_gathers(g, gathers, inputs) -> None:
