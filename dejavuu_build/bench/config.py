@@ -312,3 +312,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def _template(model) -> str | None:
+    if model.tokenizer is None:
+        raise BenchError(f"{model.folder.name} has no tokenizer: the benchmark sends text")
+    return model.tokenizer.template
+
+
+def as_prompt(model, messages: Sequence[dict]) -> list[dict] | str:
+    """What a run sends for a conversation: its chat messages, or, for a base model without a chat
+    template (Gemma-3-270M's GGUF), its turns and answers as plain text separated by blank lines;
+    every method and every peer gets the same prompt (a peer its ids)."""
+    if _template(model) is None:
+        return "\n\n".join(str(m["content"]) for m in messages if m["content"])
+    return list(messages)
+
+
+def prompt_format(model) -> str:
+    """How the run's prompts were sent (results.json records it)."""
+    return "text (the model has no chat template)" if _template(model) is None else "chat"

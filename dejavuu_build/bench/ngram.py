@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..log import logger, progress
-from .config import NGRAM_SWEEP, BenchConfig, BenchError, Prompt, common_prefix, parse_ngram, select_next
+from .config import NGRAM_SWEEP, BenchConfig, BenchError, Prompt, as_prompt, common_prefix, parse_ngram, select_next
 from .peer import KINDS, PeerResult
 from .report import geomean
 
@@ -64,7 +64,7 @@ def run_ngram_sweep(
     configs = [parse_ngram(c) for c in configs]
     per_prompt: list[dict] = []
     for i, p in enumerate(progress(prompts, "genai n-gram sweep", total=len(prompts))):
-        ids = model.encode([{"role": "user", "content": p.turns[0]}])
+        ids = model.encode(as_prompt(model, [{"role": "user", "content": p.turns[0]}]))
         plain = genai.generate(ids, max_new_tokens)
         row = {
             "qid": p.qid,

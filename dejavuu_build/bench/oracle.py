@@ -68,7 +68,7 @@ def relative_costs(ms: Mapping[int, float]) -> dict[int, float]:
     return out
 
 
-def measure_row_costs(model: Model, messages: list[dict], rows: int = 8, rounds: int = 3) -> dict[int, float]:
+def measure_row_costs(model: Model, messages: list[dict] | str, rows: int = 8, rounds: int = 3) -> dict[int, float]:
     """Median seconds of a decode step running R = 1..``rows`` graph rows (R - 1 drafted tokens that
     are never accepted) on ``messages``, the row counts interleaved per round so that machine load
     hits all alike."""

@@ -28,8 +28,10 @@ from .config import (
     BenchConfig,
     BenchError,
     Prompt,
+    as_prompt,
     base_method,
     common_prefix,
+    prompt_format,
     read_prompts,
     resolve_data,
     select,
@@ -228,7 +230,7 @@ def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     msgs: list[dict] = []
     for t in p.turns:
         msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": ""}]
-    return len(_tokenizer(model).encode_chat(msgs[:-1])) + len(p.turns) * max_new_tokens <= limit
+    return len(model.encode(as_prompt(model, msgs[:-1]))) + len(p.turns) * max_new_tokens <= limit
 
 
 def peer_record(
@@ -296,7 +298,7 @@ def run_peer(
     messages: list[dict] = []
     for turn, text in enumerate(p.turns, 1):
         messages.append({"role": "user", "content": text})
-        res = peer.generate(model.encode(list(messages)), cfg.max_new_tokens)
+        res = peer.generate(model.encode(as_prompt(model, messages)), cfg.max_new_tokens)
         messages.append({"role": "assistant", "content": _tokenizer(model).decode(res.tokens)})
         recs.append(
             peer_record(p, turn, res, baseline[turn - 1], peer.name, None if plain is None else plain[turn - 1])
@@ -321,12 +323,12 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
             # every method runs as `generate` runs it for a user; only the raw reference
             # (baseline_n1) drops the pad row of a padded decoder
             with model.decoder.padding(False if raw else model.decoder.pad_single):
-                res = model.generate(list(messages), replace(settings, method=drafter, tree=tree))
+                res = model.generate(as_prompt(model, messages), replace(settings, method=drafter, tree=tree))
             if method == "baseline":
                 baseline.append(list(res.tokens))
             rec = make_record(p, turn, method, res, baseline[turn - 1], gated=not raw)
             if method == "baseline":  # what the copy oracle could draft at each step (bench.oracle)
-                rec["oracle_runs"] = runs(model.encode(list(messages)), res.tokens)
+                rec["oracle_runs"] = runs(model.encode(as_prompt(model, messages)), res.tokens)
             messages.append({"role": "assistant", "content": res.text})
             if cfg.greedy and not rec["match"] and not raw:
                 logger.error(
@@ -413,7 +415,7 @@ def _gate_message(failures: Sequence[dict], total: int, out: Path) -> str:
     )
 
 
-def _row_costs(model: Model, out: Path, messages: list[dict] | None) -> dict[int, float]:
+def _row_costs(model: Model, out: Path, messages: list[dict] | str | None) -> dict[int, float]:
     """The run's row costs: measured now (a run starting or resumed with prompts to do), else those
     the run recorded."""
     path = out / ROW_COSTS_FILE
@@ -477,14 +479,14 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     peers: list = []
     if todo:
         pool = DrafterPool(cfg, lambda t: tok.encode(t, add_special_tokens=False), corpus)
-        warm = [{"role": "user", "content": todo[0].turns[0]}]
+        warm = as_prompt(model, [{"role": "user", "content": todo[0].turns[0]}])
         warm_n = min(WARMUP_TOKENS, cfg.max_new_tokens)
         model.generate(warm, DecodeSettings(max_new_tokens=warm_n))  # warm-up: ORT's first-run costs
         ctx = PeerContext(model, cfg, out, corpus, prompts, fits, resume, model.encode(warm), warm_n)
         peers = load_peers(ctx)
         for peer in peers:
             peer.generate(ctx.warmup_ids, warm_n)
-        row_costs = _row_costs(model, out, [{"role": "user", "content": todo[0].turns[0]}])
+        row_costs = _row_costs(model, out, warm)
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))
     else:
@@ -497,6 +499,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         "model_folder": str(model.folder),
         "model_variant": model.variant,
         "data": str(data),
+        "prompt_format": prompt_format(model),
         "prompts": {c: [p.qid for p in prompts if p.category == c] for c in cfg.categories},
         "gate": {
             "mode": "greedy" if cfg.greedy else "sampling (not gated)",

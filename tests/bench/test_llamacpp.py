@@ -23,9 +23,10 @@ PROMPTS = [
 ]
 
 
-def tiny_llama_gguf(path: Path) -> Path:
+def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
     """Two Llama layers (hidden 64, 2 heads of 32 over 1 KV head) in Q4_1 blocks, an fp32 norm and
-    embedding, a byte-level BPE of the lowercase letters and a few merges, and a chat template."""
+    embedding, a byte-level BPE of the lowercase letters and a few merges, and a chat template
+    (``chat=False``: none, as a base model's GGUF)."""
     import gguf
     from gguf.quants import quantize
     from tiny import llama_gguf_shapes
@@ -52,10 +53,11 @@ def tiny_llama_gguf(path: Path) -> Path:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>{% endif %}"
-    )
+    if chat:
+        w.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+        )
     for name, shape in llama_gguf_shapes(len(tokens), h, layers, heads, kv, ff).items():
         x = (rng.standard_normal(shape) * (1.0 if len(shape) == 1 else 0.08)).astype(np.float32)
         if len(shape) == 1 or name == "token_embd.weight":
@@ -179,6 +181,41 @@ def test_bench_compare_llamacpp_end_to_end(gguf_build, tmp_path):
     rows = list(csv.DictReader((tmp_path / "run" / "results.csv").open()))
     assert {"x_llamacpp", "x_llamacpp_lookup", "match_plain_pct"} <= set(rows[0])
     assert (tmp_path / "run" / "speedup.png").stat().st_size > 0
+
+
+def test_a_base_model_without_chat_template_is_benched_on_plain_text(cache_dir, tmp_path):
+    """Spec-Bench rows are chat turns; a base model's GGUF has no chat template (Gemma-3-270M's):
+    the run sends each conversation as plain text, to every method and peer alike, and says so."""
+    from dejavuu_build.build.config import TreeDecoderConfig
+    from dejavuu_build.build.pipeline import build_tree_decoder
+    from dejavuu_build.runtime import load
+
+    src = tiny_llama_gguf(tmp_path / "base.gguf", chat=False)
+    folder = build_tree_decoder(TreeDecoderConfig(model=str(src), name="tiny-gguf-base", timing=False)).folder
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    cfg = BenchConfig(
+        model=str(folder),
+        methods=("pld",),
+        categories=("qa", "mt_bench"),
+        per_category=1,
+        max_new_tokens=8,
+        threads=1,
+        data=str(data),
+        compare=("llamacpp",),
+    )
+    run_bench(cfg, tmp_path / "run")
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["gate"]["passed"] and res["prompt_format"].startswith("text")
+    recs = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    model = load(str(folder))
+    first = model.encode(PROMPTS[0]["turns"][0])
+    for m in ("baseline", "pld", "llamacpp", "llamacpp-lookup"):  # the same text's ids, to all
+        assert next(r for r in recs if r["method"] == m and r["qid"] == "1")["prompt_tokens"] == len(first)
+    base2 = next(r for r in recs if r["method"] == "baseline" and r["qid"] == "81" and r["turn"] == 2)
+    turn1 = next(r for r in recs if r["method"] == "baseline" and r["qid"] == "81" and r["turn"] == 1)
+    text2 = "\n\n".join([PROMPTS[1]["turns"][0], model.tokenizer.decode(turn1["ids"]), PROMPTS[1]["turns"][1]])
+    assert base2["prompt_tokens"] == len(model.encode(text2))  # the answer is part of the next turn's text
 
 
 def read_source(folder: Path) -> str:
