@@ -10,10 +10,36 @@ feeds for a layout are runtime.decoder + runtime.kv; the server's are serve.batc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import schema as S
+
+
+# The passes, imported when run (onnx and the passes load only for a build that writes a layout).
+def _static_kv(proto: Any, capacity: int) -> Any:
+    from .export.passes.static_kv import to_static_kv
+
+    return to_static_kv(proto, capacity)
+
+
+def _rowwise_kv(proto: Any, capacity: int) -> Any:
+    from .export.passes.rowwise_kv import to_rowwise_kv
+
+    return to_rowwise_kv(proto, capacity)
+
+
+def _static_batch(proto: Any, source: str) -> Any:
+    from .export.passes.serve_batch import to_serve_batch
+
+    return to_serve_batch(proto, source)
+
+
+def _rowwise_batch(proto: Any, source: str) -> Any:
+    from .export.passes.serve_batch_rowwise import to_serve_batch_rowwise
+
+    return to_serve_batch_rowwise(proto, source)
 
 
 @dataclass(frozen=True)
@@ -24,38 +50,17 @@ class Layout:
     rank: int  # preference at equal precision for the default (0 first; timing may still displace it)
     in_place: bool  # a bound buffer of `capacity` positions (capacity()), written where the step says
     step: str = ""  # the build's step line for its graph pass ({p}: precision, {c}: capacity)
+    # (concat proto, capacity) -> this layout's graph (ExportError: no such flavour); None: the export itself
+    graph_pass: Callable[[Any, int], Any] | None = None
     optional: bool = True  # a graph the pass does not apply to: the build goes on without it (else raises)
     padded: str = ""  # why lone tokens are padded whatever the graph (no row guard); "": probe and guard
     batch: str = S.KV_STATIC  # the layout whose batched serving graph a default of this layout gets
+    # (proto of this layout, its name) -> its batched serving graph (ContractError: does not apply)
+    batch_pass: Callable[[Any, str], Any] | None = None
 
     @property
     def suffix(self) -> str:
         return S.LAYOUT_SUFFIXES.get(self.name, "")
-
-    def graph_pass(self, proto: Any, capacity: int) -> Any:
-        """The concat export ``proto`` rewritten into this layout (ExportError: no such flavour)."""
-        if self.name == S.KV_STATIC:
-            from .export.passes.static_kv import to_static_kv
-
-            return to_static_kv(proto, capacity)
-        if self.name == S.KV_ROWWISE:
-            from .export.passes.rowwise_kv import to_rowwise_kv
-
-            return to_rowwise_kv(proto, capacity)
-        raise ValueError(f"the {self.name} layout is the export itself: it has no graph pass")
-
-    def batch_pass(self, proto: Any, source: str) -> Any:
-        """``proto`` (a graph of this layout) rewritten into its batched serving flavour
-        (ContractError: the pass does not apply)."""
-        if self.name == S.KV_ROWWISE:
-            from .export.passes.serve_batch_rowwise import to_serve_batch_rowwise
-
-            return to_serve_batch_rowwise(proto, source)
-        if self.name == S.KV_STATIC:
-            from .export.passes.serve_batch import to_serve_batch
-
-            return to_serve_batch(proto, source)
-        raise ValueError(f"the {self.name} layout has no batched serving pass")
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -68,8 +73,10 @@ LAYOUTS: dict[str, Layout] = {
         rank=1,
         in_place=True,
         step="static KV flavour of {p} (GroupQueryAttention, capacity {c})",
+        graph_pass=_static_kv,
         optional=False,
         padded="GroupQueryAttention: lone tokens are padded by the runtime",
+        batch_pass=_static_batch,
     ),
     # every query row on one-row kernels: a single token decodes as one row
     S.KV_ROWWISE: Layout(
@@ -77,7 +84,9 @@ LAYOUTS: dict[str, Layout] = {
         rank=0,
         in_place=True,
         step="rowwise KV flavour of {p} (one-row attention in place, capacity {c})",
+        graph_pass=_rowwise_kv,
         batch=S.KV_ROWWISE,
+        batch_pass=_rowwise_batch,
     ),
 }
 assert set(LAYOUTS) == set(S.KV_LAYOUTS), "every layout of the schema is registered"

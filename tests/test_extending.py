@@ -137,11 +137,11 @@ def test_every_kv_layout_has_a_suffix_and_a_place_in_the_preference():
         assert not hasattr(pipeline, gone), f"pipeline.{gone} is back: read layouts.LAYOUTS"
     for k, lay in L.LAYOUTS.items():
         assert lay.name == k and lay.suffix == S.LAYOUT_SUFFIXES.get(k, ""), k
-        assert L.LAYOUTS[lay.batch].in_place, f"{k}: its batched serving graph is an in-place layout's"
+        assert L.LAYOUTS[lay.batch].batch_pass is not None, f"{k}: its batched serving graph has a pass"
         if not lay.in_place:  # the exported graph (concat): the source of the others, no suffix, no pass
-            assert k not in S.LAYOUT_SUFFIXES and k not in L.DERIVED_LAYOUTS
+            assert k not in S.LAYOUT_SUFFIXES and k not in L.DERIVED_LAYOUTS and lay.graph_pass is None
             continue
-        assert k in L.DERIVED_LAYOUTS and "{p}" in lay.step and "{c}" in lay.step, k
+        assert k in L.DERIVED_LAYOUTS and "{p}" in lay.step and "{c}" in lay.step and lay.graph_pass, k
         assert S.split_variant(S.variant_name(S.INT4, k)) == (S.INT4, k), k
         assert defined(REPO / "dejavuu_build" / "export" / "passes" / f"{k}_kv.py", f"to_{k}_kv"), k
 

@@ -57,7 +57,9 @@ def write_serve_batch(
     )
     with step(f"batched serving graph of {target} (requests side by side, each as alone)"):
         try:
-            proto = LAYOUTS[layout].batch_pass(onnx.load(str(folder / rec.file)), rec.file)
+            batch_pass = LAYOUTS[layout].batch_pass
+            assert batch_pass is not None, f"the {layout} layout has no batched serving pass"
+            proto = batch_pass(onnx.load(str(folder / rec.file)), rec.file)
         except ContractError as e:  # a graph the pass does not apply to: the build goes on without it
             manifest.batched = {"skipped": f"the batch pass does not apply to {target}: {e}"}
             logger.info("  no batched serving graph: %s", manifest.batched["skipped"])

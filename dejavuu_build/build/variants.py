@@ -73,6 +73,7 @@ def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: i
 
     name = S.variant_name(precision, layout)
     lay = LAYOUTS[layout]
+    assert lay.graph_pass is not None, f"the {layout} layout is the export itself"
     with step(lay.step.format(p=precision, c=capacity)):
         try:
             proto = lay.graph_pass(onnx.load(str(folder / variant_file(precision))), capacity)
