@@ -94,6 +94,8 @@ assert set(LAYOUTS) == set(S.KV_LAYOUTS), "every layout of the schema is registe
 # Layout preference at equal precision: rowwise decodes a single token as one row (static pays a
 # pad row, concat also copies its cache); timing can still displace it (build.default).
 PREFERRED_LAYOUTS = tuple(sorted(LAYOUTS, key=lambda k: LAYOUTS[k].rank))
+# The layouts with a batched serving graph (serve.batch opens it), in the preference's order.
+BATCHED_LAYOUTS = tuple(k for k in PREFERRED_LAYOUTS if LAYOUTS[k].batch_pass is not None)
 # The layouts written from the export by a graph pass, in the schema's order.
 DERIVED_LAYOUTS = tuple(k for k in S.KV_LAYOUTS if LAYOUTS[k].in_place)
 

@@ -14,7 +14,7 @@ from .. import precisions as P
 from .. import schema as S
 from ..cache import build_lock, check_replace, commit, entry_dir, link_or_copy, record_files, staging, verify_entry
 from ..errors import CacheError
-from ..layouts import LAYOUTS
+from ..layouts import BATCHED_LAYOUTS
 from ..log import logger, step, timeline
 from ..schema import Manifest, variant_file, write_json
 from .calibrate import calibrate_default
@@ -81,8 +81,7 @@ def quant_only(
     final = entry_dir(name)
     redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
     # the batched serving graph is written again from the variant it follows (serve_graph)
-    batched = sorted({lay.batch for lay in LAYOUTS.values()}, key=S.KV_LAYOUTS.index)
-    redo |= {S.batched_file(S.variant_name(v, k)) for v in P.names() for k in batched}
+    redo |= {S.batched_file(S.variant_name(v, k)) for v in P.names() for k in BATCHED_LAYOUTS}
     try:
         with build_lock(name):
             if not (final / S.MANIFEST_FILE).is_file():
