@@ -81,7 +81,7 @@ VARIANTS = tuple(PRECISIONS)
 KV_CONCAT = "concat"  # present = past + new: the exported graph, what other runtimes load
 KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
 KV_ROWWISE = "rowwise"  # in place, every query row on one-row kernels (export.passes.rowwise_kv)
-KV_LAYOUTS = (KV_CONCAT, KV_STATIC, KV_ROWWISE)
+KV_LAYOUTS = (KV_CONCAT, KV_STATIC, KV_ROWWISE)  # what the build does with each: layouts.LAYOUTS (its registry)
 STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache
 ROWWISE_SUFFIX = "-rowwise"  # "int4-rowwise": in place, one-row attention
 LAYOUT_SUFFIXES = {KV_STATIC: STATIC_SUFFIX, KV_ROWWISE: ROWWISE_SUFFIX}  # a concat variant has none

@@ -125,16 +125,24 @@ def test_every_precision_is_one_entry_of_the_table():
 
 # ---------------------------------------------------------------------------------------- KV layouts
 def test_every_kv_layout_has_a_suffix_and_a_place_in_the_preference():
+    """A layout is one entry of layouts.LAYOUTS: its place in the preference, its graph pass and
+    step line, its batched serving graph; schema names it and gives its suffix."""
+    from dejavuu_build import layouts as L
     from dejavuu_build import schema as S
     from dejavuu_build.build import pipeline
 
-    assert set(pipeline.PREFERRED_LAYOUTS) == set(S.KV_LAYOUTS)
-    for k in S.KV_LAYOUTS:
-        if k == S.KV_CONCAT:  # the exported graph: the source of the others, no suffix, no pass
-            assert k not in S.LAYOUT_SUFFIXES
+    assert set(L.LAYOUTS) == set(S.KV_LAYOUTS) == set(L.PREFERRED_LAYOUTS)
+    assert sorted(lay.rank for lay in L.LAYOUTS.values()) == list(range(len(L.LAYOUTS))), "one rank each"
+    for gone in ("PREFERRED_LAYOUTS", "_LAYOUT_STEPS", "static_capacity"):
+        assert not hasattr(pipeline, gone), f"pipeline.{gone} is back: read layouts.LAYOUTS"
+    for k, lay in L.LAYOUTS.items():
+        assert lay.name == k and lay.suffix == S.LAYOUT_SUFFIXES.get(k, ""), k
+        assert lay.batch in L.BATCHED_LAYOUTS, f"{k}: its batched serving graph has a pass"
+        if not lay.in_place:  # the exported graph (concat): the source of the others, no suffix, no pass
+            assert k not in S.LAYOUT_SUFFIXES and k not in L.DERIVED_LAYOUTS and lay.graph_pass is None
             continue
+        assert k in L.DERIVED_LAYOUTS and "{p}" in lay.step and "{c}" in lay.step and lay.graph_pass, k
         assert S.split_variant(S.variant_name(S.INT4, k)) == (S.INT4, k), k
-        assert k in pipeline._LAYOUT_STEPS, k
         assert defined(REPO / "dejavuu_build" / "export" / "passes" / f"{k}_kv.py", f"to_{k}_kv"), k
 
 

@@ -9,7 +9,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..schema import Contract, in_place
+from .. import schema as S
+from ..log import logger, step
+from ..schema import Contract, Manifest, in_place
 
 TIMING_KEYS = ("n2_p256", "n8_p256", "n2_p1024", "n8_p1024")
 
@@ -33,7 +35,7 @@ def time_interleaved(
     Returns per variant the fastest over all rounds per key (ms) and the per-round cost (mean over
     TIMING_KEYS present) from which the picker reads the noise. ``settled(per_round)``, asked after
     each round from ``min_rounds`` on, stops early when no further round can change what the
-    timings decide (the picker's rule: pipeline._settled)."""
+    timings decide (the picker's rule: default.settled)."""
     from ..runtime.decoder import Decoder
 
     rng = np.random.default_rng(0)
@@ -104,3 +106,37 @@ def _fastest_ms(dec, n: int, toks, embeds, kv, repeats: int, skip: int) -> float
 def _release(cases) -> None:
     for kv in {id(c[4]): c[4] for c in cases}.values():
         kv.release()
+
+
+def time_candidates(manifest: Manifest, sessions: dict[str, tuple]) -> dict[str, dict]:
+    """Time the default's candidates interleaved (default.candidates: what timing can choose
+    between; rounds stop once no other can displace the preferred one: default.settled) and record
+    each one's timings; what this run did not time carries no older figures. The variants timed."""
+    from .default import candidates, preference
+    from .default import settled as cannot_change
+
+    cands, _, skip = candidates(manifest)
+    first = min(cands, key=preference(manifest, cands)) if cands else None
+    chosen = {v: s for v, s in sessions.items() if v in cands}
+    timed: dict[str, dict] = {}
+    if chosen:
+        with step(f"time {', '.join(sorted(chosen, key=S.variant_order))}, interleaved"):
+            timed = time_interleaved(
+                chosen,
+                min_rounds=min(len(chosen), 2),
+                settled=lambda per_round: cannot_change(per_round, str(first)),
+            )
+    for v in manifest.variants:
+        if v not in timed:  # what this run did not time carries no older figures
+            rec = manifest.variants[v]
+            rec.timings_ms, rec.timing_rounds_ms, rec.verify_cost_ratio = {}, [], None
+    if skip:
+        logger.info("  not timed (cannot be the default): %s", "; ".join(f"{v}: {w}" for v, w in sorted(skip.items())))
+    for v, t in timed.items():
+        rec = manifest.variants[v]
+        rec.timings_ms, rec.timing_rounds_ms = t["timings_ms"], t["round_costs_ms"]
+        tm = rec.timings_ms
+        if "n1_p256" in tm:
+            rec.verify_cost_ratio = round(tm["n8_p256"] / tm["n1_p256"], 2)
+            tm["pad_cost_ratio"] = round(tm["n2_p256"] / tm["n1_p256"], 2)
+    return timed

@@ -304,6 +304,17 @@ class Recipe:
                     ids.append(int(t))
         return ids
 
+    # --- vision (a VLM recipe: vlm = True) ----------------------------------------------
+    def image_tokens(self) -> dict[str, str]:
+        """The image-token strings the runtime's prompt builder writes (vlm.json: image_token,
+        fake_image_token, global_image_token)."""
+        raise NotImplementedError(f"the {self.name} recipe is not a VLM recipe: it has no image tokens")
+
+    def default_processor_config(self, dims: dict) -> dict:
+        """The image processor's settings for a checkpoint that ships no preprocessor_config.json,
+        sized to its vision tower (``dims``: export.vision.vision_dims)."""
+        raise NotImplementedError(f"the {self.name} recipe is not a VLM recipe: it has no image processor")
+
     # --- tests -------------------------------------------------------------------------
     def tiny_config(self) -> Any:
         """A tiny random config of this family, for in-process tests."""

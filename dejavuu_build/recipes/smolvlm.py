@@ -49,6 +49,20 @@ class SmolVLMRecipe(Recipe):
     def text_config(self, config):
         return config.text_config
 
+    def image_tokens(self) -> dict[str, str]:
+        return {
+            "image_token": "<image>",
+            "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>",
+        }
+
+    def default_processor_config(self, dims: dict) -> dict:
+        """SmolVLM's processor defaults, sized to this vision tower."""
+        from transformers.models.smolvlm.image_processing_smolvlm import SmolVLMImageProcessor
+
+        size = dims["image_size"]
+        return SmolVLMImageProcessor(size={"longest_edge": 4 * size}, max_image_size={"longest_edge": size}).to_dict()
+
     def tiny_config(self):
         from transformers import LlamaConfig, SmolVLMConfig
         from transformers.models.smolvlm.configuration_smolvlm import SmolVLMVisionConfig

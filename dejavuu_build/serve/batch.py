@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import GenerationError
+from ..layouts import BATCHED_LAYOUTS
 from ..log import logger
 from ..runtime.job import Rows
 from ..runtime.kv import round_up
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
     from ..runtime.model import Model
 
 Owner = TypeVar("Owner")  # what holds a slot (the scheduler's Request); opaque here
-BATCHED_LAYOUTS = (S.KV_ROWWISE, S.KV_STATIC)  # the layouts with a batched serving graph
 
 
 class BatchUnavailable(GenerationError):

@@ -1,7 +1,7 @@
 """The default variant: quality first, the smallest passing precision, and timing only where a
 difference stands well above its own measured noise, so load cannot flip it."""
 
-from dejavuu_build.build.pipeline import MIN_SPEEDUP, _choose_default, _pick_default
+from dejavuu_build.build.default import MIN_SPEEDUP, choose_default, pick_default
 from dejavuu_build.schema import Manifest, VariantRecord
 
 
@@ -20,7 +20,7 @@ def test_the_smallest_passing_variant_wins_a_difference_within_the_margin():
             "int8-static": _rec([9.1] * 5, 152, layout="static"),
         }
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int4-static" and why["preferred"] == "int4-static" and why["clearly_faster"] == []
     assert why["margin"] == MIN_SPEEDUP and why["rounds"] == 5
 
@@ -33,7 +33,7 @@ def test_a_variant_faster_in_every_round_by_more_than_the_margin_wins():
             "fp32": _rec([4, 4, 4], 538, passed=False),
         }
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int8-static" and why["clearly_faster"] == ["int8-static"]  # fp32 failed its gates
 
 
@@ -45,7 +45,7 @@ def test_noise_raises_the_margin():
             "int8-static": _rec([7, 10, 7.5], 152, layout="static"),
         }
     )
-    name, why = _choose_default(noisy)
+    name, why = choose_default(noisy)
     assert why["noise"] == 0.4 and why["margin"] == 1.2 and name == "int4-static"
 
 
@@ -56,8 +56,8 @@ def test_quality_floors_come_first():
             "int8-static": _rec([7] * 3, 152, layout="static"),
         }
     )
-    assert _pick_default(m) == "int8-static"
-    assert _choose_default(Manifest(variants={"int4": _rec([5], 97, passed=False)})) == (
+    assert pick_default(m) == "int8-static"
+    assert choose_default(Manifest(variants={"int4": _rec([5], 97, passed=False)})) == (
         None,
         {"rule": "no variant passed its gates"},
     )
@@ -67,7 +67,7 @@ def test_untimed_builds_pick_the_smallest_passing_file():
     m = Manifest(
         variants={"int4": _rec(None, 97), "int4-static": _rec(None, 99, layout="static"), "int8": _rec(None, 150)}
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int4" and why["timing"].startswith("not timed")
 
 
@@ -79,10 +79,10 @@ def test_rowwise_is_preferred_at_equal_precision_and_only_timing_displaces_it():
             "int4-rowwise": _rec([9.8] * 3, 99, layout="rowwise"),
         }
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int4-rowwise" and why["preferred"] == "int4-rowwise" and why["clearly_faster"] == []
     m.variants["int4-static"].timing_rounds_ms = [7.0] * 3  # > 10% faster in every round
-    assert _pick_default(m) == "int4-static"
+    assert pick_default(m) == "int4-static"
 
 
 def _quality(rec, top1, kl):
@@ -100,18 +100,18 @@ def test_a_default_keeps_the_answers_whatever_its_size_or_speed():
             "fp32": _rec([20] * 3, 538),
         }
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int8-rowwise" and why["below_default_floors"] == ["int4-rowwise"]
     m.variants["int4-rowwise"].gates["quality"].update(top1=0.973, mean_kl=0.0039)  # an exact GGUF carry
-    assert _pick_default(m) == "int4-rowwise"
+    assert pick_default(m) == "int4-rowwise"
     m.variants["int4-rowwise"].gates["quality"].update(top1=0.96, mean_kl=0.03)  # KL over its floor
-    assert _pick_default(m) == "int8-rowwise"
+    assert pick_default(m) == "int8-rowwise"
 
 
 def test_only_what_can_be_the_default_is_a_candidate_and_timed():
     """fp32 (the reference) is no candidate once a quantized variant keeps the answers; failed and
     under-the-floors variants never are: each says why, and only the candidates are timed."""
-    from dejavuu_build.build.pipeline import _candidates
+    from dejavuu_build.build.default import candidates
 
     m = Manifest(
         variants={
@@ -122,20 +122,20 @@ def test_only_what_can_be_the_default_is_a_candidate_and_timed():
             "fp32": _rec(None, 538),
         }
     )
-    cands, keep, why = _candidates(m)
+    cands, keep, why = candidates(m)
     assert sorted(cands) == ["int4", "int4-rowwise"] and keep == ["fp32", "int4", "int4-rowwise"]
     assert why == {
         "int4-static": "failed its gates",
         "int8": "under the default floors",
         "fp32": "the fp32 reference: a quantized variant keeps the answers",
     }
-    name, reason = _choose_default(m)
+    name, reason = choose_default(m)
     assert name == "int4" and reason["candidates"] == ["int4", "int4-rowwise"]  # untimed: the smallest file
     assert reason["not_candidates"]["fp32"].startswith("the fp32 reference")
     # no quantized variant keeps the answers: fp32 is the candidate (and the default)
     m.variants["int4"].gates["quality"]["top1"] = m.variants["int4-rowwise"].gates["quality"]["top1"] = 0.5
-    cands, _, why = _candidates(m)
-    assert list(cands) == ["fp32"] and "fp32" not in why and _pick_default(m) == "fp32"
+    cands, _, why = candidates(m)
+    assert list(cands) == ["fp32"] and "fp32" not in why and pick_default(m) == "fp32"
 
 
 def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
@@ -143,7 +143,7 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     than the preferred one (it can then never be 'faster in every round'); a candidate that
     still could keeps the rounds going, up to the cap."""
     from dejavuu_build.build import timing
-    from dejavuu_build.build.pipeline import _settled
+    from dejavuu_build.build.default import settled
     from dejavuu_build.runtime import decoder
 
     class FakeDecoder:
@@ -174,7 +174,7 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     monkeypatch.setattr(FakeDecoder, "forward", lambda self, *a, **k: None, raising=False)
 
     def rounds(names, **kw):
-        out = timing.time_interleaved({n: (n, None) for n in names}, settled=lambda pr: _settled(pr, "a"), **kw)
+        out = timing.time_interleaved({n: (n, None) for n in names}, settled=lambda pr: settled(pr, "a"), **kw)
         return {n: len(t["round_costs_ms"]) for n, t in out.items()}
 
     assert rounds(["a", "b"]) == {"a": 1, "b": 1}
@@ -193,6 +193,6 @@ def test_below_floors_listed_even_when_no_variant_keeps_the_answers():
             "int8-rowwise": _quality(_rec(None, 152, layout="rowwise"), 0.90, 0.05),
         }
     )
-    name, why = _choose_default(m)
+    name, why = choose_default(m)
     assert name == "int4-rowwise"
     assert why["below_default_floors"] == ["int4-rowwise", "int8-rowwise"]

@@ -11,7 +11,7 @@ from test_trust_cli import invoke
 
 from dejavuu_build import precisions as P
 from dejavuu_build import schema as S
-from dejavuu_build.build import cli, pipeline
+from dejavuu_build.build import cli, default, pipeline
 from dejavuu_build.build.config import TreeDecoderConfig
 from dejavuu_build.errors import DejavuuError
 from dejavuu_build.schema import VariantRecord
@@ -75,13 +75,11 @@ def test_the_auto_build_follows_the_tiers(monkeypatch):
 
 def test_the_default_floors_are_each_precisions(monkeypatch):
     rec = VariantRecord("f", gates={"quality": {"top1": 0.9, "mean_kl": 0.01}})
-    assert not pipeline.keeps_answers(S.INT4, rec) and pipeline.keeps_answers(S.FP32, VariantRecord("f"))
+    assert not default.keeps_answers(S.INT4, rec) and default.keeps_answers(S.FP32, VariantRecord("f"))
     monkeypatch.setitem(P.PRECISIONS, S.INT4, replace(P.PRECISIONS[S.INT4], default_top1=0.85))
-    assert pipeline.keeps_answers(S.INT4, rec) and pipeline.keeps_answers("int4-rowwise", rec)
-    assert not pipeline.keeps_answers(S.INT8, rec)
-    assert (
-        pipeline._default_floors_line() == "int8: top-1 >= 0.95, mean KL <= 0.02; int4: top-1 >= 0.85, mean KL <= 0.02"
-    )
+    assert default.keeps_answers(S.INT4, rec) and default.keeps_answers("int4-rowwise", rec)
+    assert not default.keeps_answers(S.INT8, rec)
+    assert default.default_floors_line() == "int8: top-1 >= 0.95, mean KL <= 0.02; int4: top-1 >= 0.85, mean KL <= 0.02"
 
 
 def test_a_build_of_a_registered_precision_reads_only_the_table(cache_dir, registered):

@@ -68,8 +68,8 @@ def test_sibling_leak_would_be_detected(tiny_llama):
 def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     """Long prompt (> window) logits equal torch's: dropping the window would break this."""
     from dejavuu_build.build.gates import gate_parity
-    from dejavuu_build.build.pipeline import REFERENCE_FILE
     from dejavuu_build.build.references import Reference
+    from dejavuu_build.schema import REFERENCE_FILE
 
     folder = build_tiny("gemma3", cache_dir)
     ref = Reference.load(folder / REFERENCE_FILE)

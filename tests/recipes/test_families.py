@@ -11,7 +11,6 @@ import pytest
 from conftest import build_tiny
 
 from dejavuu_build import schema as S
-from dejavuu_build.build.pipeline import REFERENCE_FILE
 from dejavuu_build.build.references import Reference
 from dejavuu_build.recipes import registered
 from dejavuu_build.recipes.base import (
@@ -21,6 +20,7 @@ from dejavuu_build.recipes.base import (
     original_rope_length,
     rope_type,
 )
+from dejavuu_build.schema import REFERENCE_FILE
 
 CASES = [(n, c) for n, cls in sorted(registered().items()) for c in cls().tiny_cases()]
 _built: dict[str, object] = {}
