@@ -249,11 +249,13 @@ def oracle_of(base: Sequence[dict], cost: dict[int, float] | None) -> tuple[floa
     return (tokens / steps, tokens / spent) if steps and spent else None
 
 
-def _set_oracle(row: Row, oracle: tuple[float, float] | None) -> None:
+def _set_oracle(row: Row, oracle: tuple[float, float] | None, share: bool = True) -> None:
+    """The oracle's columns on ``row``, and its share of the oracle's gain unless ``share`` is off (a
+    peer: its speedup over our baseline comes from other kernels, not from drafting our copies)."""
     if oracle is None:
         return
     row.oracle_tokens_per_step, row.oracle_speedup = oracle
-    if row.speedup is not None and oracle[1] > 1.0:
+    if share and row.speedup is not None and oracle[1] > 1.0:
         row.oracle_share = (row.speedup - 1.0) / (oracle[1] - 1.0)
 
 
@@ -290,7 +292,7 @@ def aggregate(
                 if m != "baseline" and m not in PEER_METHODS:
                     flag_slower(row, noise_margin(by[c, m], by[c, "baseline"]))
                 oracles.setdefault(c, oracle_of(by[c, "baseline"], cost))
-                _set_oracle(row, oracles[c])
+                _set_oracle(row, oracles[c], share=m not in PEER_METHODS)
                 rows.append(row)
     for m in methods:
         mine = [r for r in records if r["method"] == m]
@@ -304,7 +306,11 @@ def aggregate(
             flag_slower(row, noise_margin(mine, [r for r in records if r["method"] == "baseline"]))
         known = [o for c in cats if (o := oracles.get(c))]
         if known and len(known) == len(cats):
-            _set_oracle(row, (geomean([o[0] for o in known]) or 0.0, geomean([o[1] for o in known]) or 0.0))
+            _set_oracle(
+                row,
+                (geomean([o[0] for o in known]) or 0.0, geomean([o[1] for o in known]) or 0.0),
+                share=m not in PEER_METHODS,
+            )
         rows.append(row)
     return Report(rows, tuple(methods), tuple(cats))
 

@@ -176,6 +176,10 @@ def test_bench_compare_llamacpp_end_to_end(gguf_build, tmp_path):
         assert row.x_peer["llamacpp"] is not None and row.x_peer["llamacpp-lookup"] is not None
     assert report.row("overall", "llamacpp").x_peer["llamacpp"] == pytest.approx(1.0)
     assert report.row("overall", "llamacpp-lookup").match_plain_pct is not None
+    # the copy oracle's share is ours to take: a peer's speed over our baseline is other kernels
+    assert report.row("overall", "pld").oracle_share is not None
+    assert report.row("overall", "llamacpp").oracle_share is None
+    assert report.row("overall", "llamacpp").oracle_speedup == report.row("overall", "pld").oracle_speedup
     table = report.table()
     assert "× llamacpp" in table and "× llamacpp-lookup" in table and "vs plain" in table
     rows = list(csv.DictReader((tmp_path / "run" / "results.csv").open()))
