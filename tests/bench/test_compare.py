@@ -478,7 +478,8 @@ class _FakeGenai:
 
 
 def test_ngram_sweep_records_every_config_and_picks_the_fastest_over_genai_plain():
-    model = type("M", (), {"encode": staticmethod(lambda msgs: [1, 2, 3])})()
+    chat = type("T", (), {"template": "{{ messages }}"})()  # a chat model: the sweep sends messages
+    model = type("M", (), {"encode": staticmethod(lambda msgs: [1, 2, 3]), "tokenizer": chat})()
     configs = ((2, 4), (3, 8), (4, 16))
     speeds = {None: 100.0, (2, 4): 90.0, (3, 8): 150.0, (4, 16): 120.0}
     genai = _FakeGenai(speeds, {(3, 8): [5, 5, 7, 7, 7, 7, 7, 7]})
