@@ -37,26 +37,16 @@ P = PACKAGE + "."
 # Circles through lazy / TYPE_CHECKING imports that exist today, each a set of modules (the
 # strongly connected component) with the edge that closes it. Remove an entry when its circle goes.
 DESIGN_CIRCLES: dict[frozenset[str], str] = {
-    # build/quality.py imports build/references lazily, references imports quality at module level.
-    frozenset({P + "build.quality", P + "build.references"}): "quality <-> references",
     # runtime/decoder.py and runtime/kv.py: the KV layout's driver is split between them (issue 36,
     # "a KV layout"); one side imports the other inside a function or under TYPE_CHECKING.
     frozenset({P + "runtime.decoder", P + "runtime.kv"}): "KV layout: decoder <-> kv",
-    # runtime/drafters/auto.py builds its members through the package's make_drafter (lazily); the
-    # package's __init__ imports auto to register it.
-    frozenset({P + "runtime.drafters", P + "runtime.drafters.auto"}): "drafter registry: auto -> drafters/__init__",
     # runtime/model.py builds a model drafter (model_drafter) lazily; model_drafter loads its Model.
     frozenset({P + "runtime.model", P + "runtime.model_drafter"}): "model <-> model_drafter",
 }
 
 # `from <module of this package> import _private`: each use listed, (importer, module, name).
 # Remove an entry when its import goes; a new one fails the test (make the name public, or move it).
-PRIVATE_IMPORTS: set[tuple[str, str, str]] = {
-    # the datastore command resolves a tokenizer the way the runtime's load does
-    (P + "build.datastore", P + "runtime.model", "_ours"),
-    # the VLM exporter reuses the text exporter's scope helper
-    (P + "export.vision", P + "export.exporter", "_scope_of"),
-}
+PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 
 # ------------------------------------------------------------------------------------------ graph

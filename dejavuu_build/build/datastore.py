@@ -31,7 +31,7 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
     different one is replaced only with ``force``; an entry of another kind (a decoder build) or
     a folder that is not an entry (bench results) is never replaced. A corpus that is not UTF-8,
     has a line that is not JSON or holds no text is refused before anything is written."""
-    from ..runtime.model import _ours, resolve_folder
+    from ..runtime.model import is_ours, resolve_folder
     from ..runtime.tokenizer import TextTokenizer
 
     check_name(name)
@@ -46,7 +46,7 @@ def build_datastore(src: str, tokenizer: str, name: str, *, force: bool = False)
         """The tokenizer the datastore is keyed on, checked against its entry's manifest first."""
         if (f / S.MANIFEST_FILE).is_file():
             verify_entry(f, files=[S.TOKENIZER_FILE])
-        elif _ours(f, tokenizer):
+        elif is_ours(f, tokenizer):
             raise no_manifest(f)
         return TextTokenizer(f), S.sha256_file(f / S.TOKENIZER_FILE)
 

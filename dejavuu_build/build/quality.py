@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -16,8 +16,13 @@ from ..runtime.tree import causal_inputs
 from ..schema import TOKENIZER_FILE, split_variant
 from .runner import Runner
 
-if TYPE_CHECKING:
-    from .references import Reference
+
+class SavedSet(Protocol):
+    """What ``scoring_set`` reads of a build's torch reference (references.Reference, which imports
+    this module): the quality set saved with it, if any."""
+
+    quality: QualitySet | None
+
 
 # The quality floor of each precision (top-1 agreement with the fp32 export over the quality set,
 # 32 texts x 64 tokens) is its entry in precisions.PRECISIONS (precisions.quality_floors()); a
@@ -90,10 +95,10 @@ def quality_set(fp32: Runner, prompts: list[np.ndarray], source: str, tokens: in
     return QualitySet(prompts, conts, source)
 
 
-def scoring_set(folder: Path, fp32: Runner, ref: Reference | None, limit: int | None = None) -> QualitySet:
+def scoring_set(folder: Path, fp32: Runner, ref: SavedSet | None, limit: int | None = None) -> QualitySet:
     """What the quality gate scores for the build in ``folder``: the set saved with its torch
     reference, else fp32's own continuations of the quality texts; cut to ``limit`` positions.
-    The build's gate and the bench's peer score (bench.genai.peer_quality) read it from here."""
+    The build's gate and the bench's peer score (bench.peer.peer_quality) read it from here."""
     qs = (ref.quality if ref is not None else None) or quality_set(fp32, *quality_prompts(folder, fp32.c.vocab_size))
     return qs.fit(limit) if limit else qs
 

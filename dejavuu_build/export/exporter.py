@@ -161,7 +161,7 @@ def save_model(proto, path: Path) -> None:
         onnx.save(proto, str(path))
 
 
-def _scope_of(node) -> list[str]:
+def scope_of(node) -> list[str]:
     for p in node.metadata_props:
         if p.key == "pkg.torch.onnx.name_scopes":
             try:
@@ -181,7 +181,7 @@ def finalize_graph(proto) -> bool:
     renamed_inits: dict[str, str] = {}
     producers = {o: nd for nd in g.node for o in nd.output}
     for nd in g.node:
-        scope = [s for s in _scope_of(nd)[:-1] if s]  # last entry is the fx node itself
+        scope = [s for s in scope_of(nd)[:-1] if s]  # last entry is the fx node itself
         module = scope[-1] if scope else ""
         if module.startswith("lm."):
             module = module[3:]

@@ -56,7 +56,7 @@ from typing import Any
 from ..errors import ExportError
 from ..log import logger
 from ..schema import EMBED_NODE
-from .exporter import OPSET, _scope_of, dynamo_export, save_model
+from .exporter import OPSET, dynamo_export, save_model, scope_of
 
 PIXEL_VALUES = "pixel_values"
 PIXEL_ATTENTION_MASK = "pixel_attention_mask"
@@ -226,7 +226,7 @@ def _finalize(proto, prefix: str = "") -> None:
     """Name nodes after their module (as the decoder exporter does) and drop exporter metadata."""
     used: collections.Counter[str] = collections.Counter()
     for nd in proto.graph.node:
-        scope = [s for s in _scope_of(nd)[:-1] if s]
+        scope = [s for s in scope_of(nd)[:-1] if s]
         module = scope[-1] if scope else ""
         base = "/" + "/".join(module.split(".")).replace("/layers/", "/layers.") if module else ""
         name = f"{prefix}{base}/{nd.op_type}"

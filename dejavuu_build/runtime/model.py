@@ -676,7 +676,7 @@ def _variant_of_file(folder: Path, manifest: S.Manifest, onnx_file: Path, varian
 def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | None, threads: int, verify: bool) -> Model:
     _check_target(folder, onnx_file, name_or_path)
     manifest = None
-    if not (folder / S.MANIFEST_FILE).is_file() and _ours(folder, name_or_path):
+    if not (folder / S.MANIFEST_FILE).is_file() and is_ours(folder, name_or_path):
         raise no_manifest(folder)
     if (folder / S.MANIFEST_FILE).is_file():
         manifest = read_checked_manifest(folder)
@@ -729,7 +729,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
     return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest, vision=vision)
 
 
-def _ours(folder: Path, name_or_path) -> bool:
+def is_ours(folder: Path, name_or_path) -> bool:
     """Whether ``folder`` is (or was) one of our cache entries, which load only through their
     manifest: a cache name, a folder inside the cache, or one holding our contract.json. Anything
     else without a manifest is a third-party export, whose graph is its only contract."""

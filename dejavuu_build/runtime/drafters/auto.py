@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from .base import Draft, DraftBudget, Drafter, Feedback
-from .history import REGISTRY, HistoryDrafter, register
+from .history import REGISTRY, HistoryDrafter, make_drafter, register
 from .sizing import VerifyCostModel
 from .trees import accepted_length
 
@@ -101,8 +101,6 @@ class Auto(Drafter):
         max_backoff: int = 64,
         fallback: bool = True,
     ):
-        from . import make_drafter  # registry is complete once the package is imported
-
         bad = [m for m in members if m in ("auto", "baseline") or m not in REGISTRY]
         if bad or not members:
             raise ValueError(f"auto members must be registered drafters other than auto/baseline, got {list(members)}")

@@ -3,12 +3,16 @@ hidden-state memory."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from .base import Draft, DraftBudget, Drafter, Feedback
 from .sizing import Sizer
+
+if TYPE_CHECKING:
+    from .datastore import Datastore
 
 REGISTRY: dict[str, type[Drafter]] = {"baseline": Drafter}
 
@@ -191,3 +195,20 @@ class HiddenStore:
         top = np.argpartition(-sims, k - 1)[:k]
         top = top[np.argsort(-sims[top], kind="stable")]
         return [int(p) for p in top if sims[p] >= min_cosine]
+
+
+def make_drafter(name: str, *, datastore: Datastore | str | Path | None = None, **params) -> Drafter:
+    """Construct the drafter registered as ``name``.
+
+    ``datastore`` (a :class:`Datastore` or a directory saved by :meth:`Datastore.save`) goes
+    to the methods that retrieve from one (``rest``, ``sam_decoding``, ``asam*``, and
+    ``auto`` for its members) and is ignored by the others; ``params`` go to the constructor.
+    The registry is complete whenever this runs: the drafters package's ``__init__`` imports (so
+    registers) every method before any of its modules is used.
+    """
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown drafter {name!r}; valid names: {', '.join(REGISTRY)}")
+    if getattr(cls, "uses_datastore", False):
+        params["datastore"] = datastore
+    return cls(**params)
