@@ -36,13 +36,7 @@ P = PACKAGE + "."
 
 # Circles through lazy / TYPE_CHECKING imports that exist today, each a set of modules (the
 # strongly connected component) with the edge that closes it. Remove an entry when its circle goes.
-DESIGN_CIRCLES: dict[frozenset[str], str] = {
-    # runtime/decoder.py and runtime/kv.py: the KV layout's driver is split between them (issue 36,
-    # "a KV layout"); one side imports the other inside a function or under TYPE_CHECKING.
-    frozenset({P + "runtime.decoder", P + "runtime.kv"}): "KV layout: decoder <-> kv",
-    # runtime/model.py builds a model drafter (model_drafter) lazily; model_drafter loads its Model.
-    frozenset({P + "runtime.model", P + "runtime.model_drafter"}): "model <-> model_drafter",
-}
+DESIGN_CIRCLES: dict[frozenset[str], str] = {}
 
 # `from <module of this package> import _private`: each use listed, (importer, module, name).
 # Remove an entry when its import goes; a new one fails the test (make the name public, or move it).

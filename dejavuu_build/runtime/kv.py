@@ -12,14 +12,28 @@ itself does; nothing is re-copied twice and nothing grows quadratically per step
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol, Sequence, Union
 
 import numpy as np
 
 from ..errors import GenerationError
+from ..schema import Contract
 
-if TYPE_CHECKING:
-    from .decoder import Decoder, RowFeeds
+
+class BufferOwner(Protocol):
+    """What a cache reads of the decoder that made it (runtime.decoder.Decoder, which imports this
+    module): the graph's contract and KV names, and where a finished cache's buffers go back."""
+
+    @property
+    def c(self) -> Contract: ...
+
+    @property
+    def kv_in(self) -> Sequence[str]: ...
+
+    @property
+    def kv_out(self) -> Sequence[str]: ...
+
+    def reclaim(self, buffers: np.ndarray, binding: Any) -> None: ...
 
 
 class KVCache:
@@ -68,7 +82,7 @@ class StaticKV:
     one array so that move is a single numpy operation, whatever the layer count.
     """
 
-    def __init__(self, decoder: Decoder, buffers: np.ndarray, binding: Any):
+    def __init__(self, decoder: BufferOwner, buffers: np.ndarray, binding: Any):
         self.dec = decoder
         self.buf: np.ndarray | None = buffers  # [2 * layers, 1, kv_heads, capacity, head_dim]; None once released
         self.binding: Any = binding  # an onnxruntime IOBinding
@@ -132,7 +146,7 @@ class GrowingKV(StaticKV):
     ``mem`` (with the binding) is reused by the next request, starting small again.
     """
 
-    def __init__(self, decoder: Decoder, binding: Any, *, tile: int, capacity: int, mem: np.ndarray | None = None):
+    def __init__(self, decoder: BufferOwner, binding: Any, *, tile: int, capacity: int, mem: np.ndarray | None = None):
         c = decoder.c
         if mem is None:
             dtype = np.float16 if c.kv_dtype == "float16" else np.float32
@@ -143,9 +157,7 @@ class GrowingKV(StaticKV):
         self.tile = tile
         self.capacity = capacity
         self.size = 0
-        self.bound: RowFeeds | None = (
-            None  # the decoder's RowFeeds last bound to this binding (rebound when it changes)
-        )
+        self.bound: Any = None  # the decoder's RowFeeds last bound to this binding (rebound when it changes)
 
     def _view(self, size: int) -> np.ndarray:
         """The first ``size`` positions' layout: [2 * layers, 1, KV, size, D], a view of ``mem``."""

@@ -8,7 +8,7 @@ the engine can accept with min(1, p/q) and resample from the residual.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -18,7 +18,14 @@ from .kv import Cache
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .decoder import Decoder
+
+
+class DraftSource(Protocol):
+    """What drafting reads of the draft model: its decoder. A loaded ``runtime.Model`` is one (this
+    module does not import it: the model builds its draft model's drafter from here)."""
+
+    decoder: Decoder
 
 
 class ModelDrafter(Drafter):
@@ -30,7 +37,7 @@ class ModelDrafter(Drafter):
 
     def __init__(
         self,
-        model: Model,
+        model: DraftSource,
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
