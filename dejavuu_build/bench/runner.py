@@ -341,7 +341,11 @@ def run_prompt(model: Model, p: Prompt, pool: DrafterPool, cfg: BenchConfig, pee
             recs.append(rec)
     own: dict[str, list[list[int]]] = {}  # a peer's plain decoding comes before its speculative one
     for peer in peers:
-        got = run_peer(model, peer, p, cfg, baseline, own.get(PLAIN_OF.get(peer.name, "")))
+        try:
+            got = run_peer(model, peer, p, cfg, baseline, own.get(PLAIN_OF.get(peer.name, "")))
+        except BenchError as e:  # the peer refused this prompt: one line, the run goes on without it here
+            logger.warning("%s skipped on prompt %s (%s): %s", peer.name, p.qid, p.category, str(e)[:400])
+            continue
         own[peer.name] = [r["ids"] for r in got]
         recs += got
     return recs
@@ -484,8 +488,12 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         model.generate(warm, DecodeSettings(max_new_tokens=warm_n))  # warm-up: ORT's first-run costs
         ctx = PeerContext(model, cfg, out, corpus, prompts, fits, resume, model.encode(warm), warm_n)
         peers = load_peers(ctx)
-        for peer in peers:
-            peer.generate(ctx.warmup_ids, warm_n)
+        for peer in list(peers):
+            try:
+                peer.generate(ctx.warmup_ids, warm_n)
+            except BenchError as e:  # it cannot run even the warm-up: one line, the run goes on without it
+                logger.warning("%s skipped: %s", peer.name, str(e)[:400])
+                peers.remove(peer)
         row_costs = _row_costs(model, out, warm)
         for p in progress(todo, "bench", total=len(todo)):
             store.append(run_prompt(model, p, pool, cfg, peers))

@@ -226,3 +226,38 @@ def read_source(folder: Path) -> str:
     from dejavuu_build.schema import read_manifest
 
     return read_manifest(folder).source["path"]
+
+
+def test_a_peer_failing_on_a_prompt_is_one_line_and_the_run_goes_on(gguf_build, tmp_path, monkeypatch, caplog):
+    """genai's n-gram decoding refused a long Gemma prompt mid-run (its sliding-window cache could
+    not rewind): a peer's BenchError on one prompt skips that peer there, and everything else runs."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+
+    calls: list[int] = []
+
+    def refuse(self, ids, max_new_tokens, *, ignore_eos=False):
+        calls.append(len(ids))
+        if len(calls) == 3:  # the warm-up, the first prompt, then the two-turn prompt's first turn: refused
+            raise L.PeerError("cannot rewind")
+        return self.peer._generate([int(t) for t in ids], max_new_tokens, ignore_eos, self.options)
+
+    monkeypatch.setattr(L.LlamaCppLookup, "generate", refuse)
+    cfg = BenchConfig(
+        model=str(gguf_build),
+        methods=("pld",),
+        categories=("qa", "mt_bench"),
+        per_category=1,
+        max_new_tokens=6,
+        threads=1,
+        data=str(data),
+        compare=("llamacpp",),
+    )
+    with caplog.at_level("WARNING"):
+        report = run_bench(cfg, tmp_path / "run")
+    recs = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    lookup = {(r["qid"], r["turn"]) for r in recs if r["method"] == "llamacpp-lookup"}
+    plain = {(r["qid"], r["turn"]) for r in recs if r["method"] == "llamacpp"}
+    assert plain == {("1", 1), ("81", 1), ("81", 2)} and lookup == {("1", 1)}  # skipped where it refused
+    assert any("llamacpp-lookup skipped on prompt" in m and "cannot rewind" in m for m in caplog.messages)
+    assert report.row("overall", "pld").x_peer["llamacpp"] is not None
