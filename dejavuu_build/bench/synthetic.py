@@ -1,0 +1,311 @@
+"""Random-weight Llama GGUFs of a chosen size: speed measurements beyond the real models we have.
+
+A model of ~1B parameters costs a real checkpoint's download; its *speed* (a plain step, a verify
+step of R rows) depends only on its shapes and weight format, not on what the weights say. So
+:func:`write_llama_gguf` writes a Llama-architecture GGUF with random weights in the format the
+real SmolLM2 file uses (Q4_1 blocks for every 2-D projection, Q8_0 for the tied embedding table,
+fp32 norms), and a real tokenizer section copied from another GGUF (``template``: by default the
+SmolLM2 file our default build was made from), so both our build (transformers' GGUF loader) and
+onnxruntime-genai's model builder take it like any downloaded file.
+
+Acceptance on such a model means nothing (its continuations are noise); what it measures is the
+cost of decoding steps at that size. ``python -m dejavuu_build.bench.synthetic --out x.gguf`` writes
+the ~1B default (TinyLlama-like widths, 16 layers, SmolLM2's 49,152-token vocabulary)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The tensors written in Q4_1 (a Llama layer's seven projections): what our quantizer carries
+# exactly, block for block, into MatMulNBits (q4 + block-sum offset), as for SmolLM2's file.
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShapes:
+    """A Llama decoder's sizes. The default is TinyLlama-1.1B's widths at 16 layers (0.80B
+    parameters with a 49,152-token tied vocabulary)."""
+
+    hidden: int = 2048
+    layers: int = 16
+    heads: int = 32
+    kv_heads: int = 4
+    ffn: int = 5632
+    context: int = 2048
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def tensors(self, vocab: int) -> dict[str, tuple[int, ...]]:
+        """Name -> numpy shape (rows = output features, as gguf stores a weight), tied embeddings:
+        no ``output.weight`` (SmolLM2's layout)."""
+        h, kv = self.hidden, self.head_dim * self.kv_heads
+        out: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+        for i in range(self.layers):
+            out |= {
+                f"blk.{i}.attn_norm.weight": (h,),
+                f"blk.{i}.attn_q.weight": (h, h),
+                f"blk.{i}.attn_k.weight": (kv, h),
+                f"blk.{i}.attn_v.weight": (kv, h),
+                f"blk.{i}.attn_output.weight": (h, h),
+                f"blk.{i}.ffn_norm.weight": (h,),
+                f"blk.{i}.ffn_gate.weight": (self.ffn, h),
+                f"blk.{i}.ffn_up.weight": (self.ffn, h),
+                f"blk.{i}.ffn_down.weight": (h, self.ffn),
+            }
+        return out
+
+    def parameters(self, vocab: int) -> int:
+        return sum(int(np.prod(s)) for s in self.tensors(vocab).values())
+
+
+def default_template() -> Path | None:
+    """The SmolLM2 GGUF the cache's default build came from (its manifest's source path), if present."""
+    from ..cache import cache_root
+
+    for name in ("smollm2-lean", "smollm2-135m"):
+        m = cache_root() / name / "manifest.json"
+        if m.is_file():
+            p = Path(json.loads(m.read_text()).get("source", {}).get("path") or "")
+            if p.is_file():
+                return p
+    return None
+
+
+def _tokenizer_fields(template: Path) -> list[tuple[str, Any, Any, Any]]:
+    """Every ``tokenizer.*`` key of a GGUF as (key, value, type, array element type)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(template))
+    out = []
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(f.types[0])
+        sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype, sub))
+    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
+        raise ValueError(f"{template} has no tokenizer.ggml.tokens: pass a GGUF with a tokenizer as the template")
+    return out
+
+
+def write_llama_gguf(
+    path: str | Path,
+    shapes: LlamaShapes = LlamaShapes(),
+    template: str | Path | None = None,
+    *,
+    seed: int = 0,
+    scale: float = 0.02,
+    name: str = "synthetic-llama",
+) -> dict[str, Any]:
+    """Write a random-weight Llama GGUF at ``path``: N(0, ``scale``) weights, Q4_1 projections, a Q8_0
+    tied embedding table, fp32 norms (all ones), the tokenizer section of ``template`` (its vocabulary
+    size is the model's). Returns a small record (shapes, parameters, bytes) for the docs."""
+    import gguf
+
+    template = Path(template) if template is not None else default_template()
+    if template is None:
+        raise FileNotFoundError("no template GGUF for the tokenizer: build smollm2-lean first or pass one")
+    fields = _tokenizer_fields(template)
+    vocab = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
+    if shapes.hidden % shapes.heads or shapes.heads % shapes.kv_heads:
+        raise ValueError(f"hidden {shapes.hidden} / heads {shapes.heads} / kv heads {shapes.kv_heads} do not divide")
+    if shapes.hidden % 32 or shapes.ffn % 32:
+        raise ValueError("hidden and ffn must be multiples of 32 (the Q4_1 / Q8_0 block)")
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(name)
+    w.add_context_length(shapes.context)
+    w.add_embedding_length(shapes.hidden)
+    w.add_block_count(shapes.layers)
+    w.add_feed_forward_length(shapes.ffn)
+    w.add_head_count(shapes.heads)
+    w.add_head_count_kv(shapes.kv_heads)
+    w.add_layer_norm_rms_eps(shapes.rms_eps)
+    w.add_rope_freq_base(shapes.rope_base)
+    w.add_rope_dimension_count(shapes.head_dim)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    for key, value, vtype, sub in fields:
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    types: dict[str, str] = {}
+    for tname, shape in shapes.tensors(vocab).items():
+        if len(shape) == 1:
+            w.add_tensor(tname, np.ones(shape, dtype=np.float32))
+            types[tname] = "F32"
+            continue
+        qtype = gguf.GGMLQuantizationType.Q8_0 if tname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+        data = np.empty(shape, dtype=np.float32)
+        for r0 in range(0, shape[0], 4096):  # chunks: the float64 draw of a whole table is large
+            data[r0 : r0 + 4096] = rng.standard_normal((min(4096, shape[0] - r0), shape[1]), dtype=np.float32) * scale
+        w.add_tensor(tname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        types[tname] = qtype.name
+        del data
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return {
+        "path": str(path),
+        "shapes": dataclasses.asdict(shapes),
+        "vocab": vocab,
+        "parameters": shapes.parameters(vocab),
+        "bytes": path.stat().st_size,
+        "template": str(template),
+        "seed": seed,
+        "types": sorted(set(types.values())),
+    }
+
+
+# suffix_decoding on SmolLM2-135M (docs/methods.md, the interleaved 24-prompt run, overall): tokens
+# per step, and graph rows per step = 1 + drafted tokens per step = 1 + (tokens - 1) / acceptance.
+SUFFIX_TOKENS_PER_STEP = 1.72
+SUFFIX_ROWS_PER_STEP = 2.81
+
+
+def row_cost(points: list[tuple[float, float]], rows: float, plain_rows: int = 1) -> float:
+    """A step's forward cost at ``rows`` graph rows relative to a plain step (``plain_rows`` rows:
+    1, or 2 on a padded decoder), linear between the measured (rows, cost) points; at or below
+    ``plain_rows`` a plain step's; past the last point, the last segment's slope."""
+    if rows <= plain_rows:
+        return 1.0
+    pts = sorted({(float(plain_rows), 1.0), *((r, c) for r, c in points if r > plain_rows)})
+    for (r0, c0), (r1, c1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+    (r0, c0), (r1, c1) = pts[-2], pts[-1]
+    return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+
+
+def size_row(
+    sweep: dict[str, Any],
+    tokens_per_step: float = SUFFIX_TOKENS_PER_STEP,
+    rows_per_step: float = SUFFIX_ROWS_PER_STEP,
+    context: int | None = None,
+) -> dict[str, Any]:
+    """One model's line of docs/sizes.md from a context sweep (``sweep.json`` of ``bench --contexts
+    --verify-rows --compare genai``): plain tok/s ours and genai's, x genai, each verify step's forward
+    cost over a plain step's (x_plain_forward, at the rows it ran: rows_mean), the fitted cost of one
+    extra row past a plain step's rows (1, or 2 on a padded decoder), and the projected speedup of a method that takes ``tokens_per_step`` tokens in steps of
+    ``rows_per_step`` rows: tokens_per_step / row_cost(rows_per_step). A projection from the measured
+    row costs and SmolLM2's measured acceptance, not a measured acceptance."""
+    rows = sweep["rows"]
+    ctx = context if context is not None else min(r["context"] for r in rows)
+    at = [r for r in rows if r["context"] == ctx]
+    plain = next(r for r in at if r["system"] == "baseline")
+    genai = next((r for r in at if r["system"] == "genai"), None)
+    verify = sorted((r for r in at if r["system"] == "verify"), key=lambda r: r["rows"])
+    p_rows = int(plain.get("rows") or 1)  # a padded decoder's plain step already runs 2 rows
+    points = [(float(r["rows_mean"] or r["rows"]), float(r["x_plain_forward"])) for r in verify]
+    # least squares through (plain rows, 1): cost = 1 + b (rows - plain rows), over the points past it
+    fit = [(r, c) for r, c in points if r > p_rows]
+    den = sum((r - p_rows) ** 2 for r, _ in fit)
+    b = sum((r - p_rows) * (c - 1) for r, c in fit) / den if den else None
+    cost = row_cost(points, rows_per_step, p_rows) if points else None
+    speedup = tokens_per_step / cost if cost else None
+    x_genai = plain.get("x_genai")
+    return {
+        "context": ctx,
+        "variant": sweep.get("model_variant"),
+        "plain_rows": p_rows,
+        "ours_tok_s": plain["decode_tok_s"],
+        "genai_tok_s": genai["decode_tok_s"] if genai else None,
+        "x_genai": x_genai,
+        "verify": {int(r["rows"]): float(r["x_plain_forward"]) for r in verify},
+        "verify_rows_mean": {int(r["rows"]): r["rows_mean"] for r in verify},
+        "extra_row": b,
+        "projected_speedup": speedup,
+        "projected_x_genai": speedup * x_genai if speedup and x_genai else None,
+    }
+
+
+def table_main(argv: list[str]) -> int:
+    """``python -m dejavuu_build.bench.synthetic table LABEL=sweep.json ...``: the docs table's lines."""
+    ap = argparse.ArgumentParser(prog="python -m dejavuu_build.bench.synthetic table")
+    ap.add_argument("runs", nargs="+", help="LABEL=path/to/sweep.json")
+    ap.add_argument("--tokens-per-step", type=float, default=SUFFIX_TOKENS_PER_STEP)
+    ap.add_argument("--rows-per-step", type=float, default=SUFFIX_ROWS_PER_STEP)
+    a = ap.parse_args(argv)
+    print(
+        "| model | variant | plain tok/s ours / genai | × genai | verify 2 / 4 / 8 rows × plain step | +1 row | projected speedup | × genai |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for run in a.runs:
+        label, _, path = run.partition("=")
+        r = size_row(json.loads(Path(path).read_text()), a.tokens_per_step, a.rows_per_step)
+        v = " / ".join(f"{r['verify'][n]:.2f}" for n in sorted(r["verify"]))
+        print(
+            f"| {label} | {r['variant']} | {r['ours_tok_s']:.1f} / {r['genai_tok_s']:.1f} | {r['x_genai']:.2f}x | {v} "
+            f"| +{r['extra_row']:.3f} | {r['projected_speedup']:.2f}x | {r['projected_x_genai']:.2f}x |"
+        )
+    return 0
+
+
+def cost_probe_main(argv: list[str]) -> int:
+    """``python -m dejavuu_build.bench.synthetic probe <bench options>``: ``dejavuu-build bench`` with
+    the runtime's exactness calibration taken as chain-exact. Where this CPU's batched verify is not
+    bit-identical to single steps, the runtime decodes plainly instead of verifying drafts, so a
+    context sweep's verify steps would run one row each; for a *cost* probe (how long a step of R rows
+    takes, whatever its acceptance) they must run their R rows. Nothing is cached (the calibration is
+    wrapped in this process only); a lossless run must not use this."""
+    import dataclasses as dc
+
+    from ..runtime import model as rt_model
+    from .cli import bench
+
+    real = rt_model._calibration
+
+    def chain_exact(model):
+        c = real(model)
+        if not c.chain_exact:
+            print(f"cost probe: {model.variant}'s calibration says chain_exact=False here; timed as if exact")
+        return dc.replace(c, chain_exact=True)
+
+    rt_model._calibration = chain_exact
+    try:
+        bench.main(argv, prog_name="dejavuu-build bench", standalone_mode=False)
+    finally:
+        rt_model._calibration = real
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["table"]:
+        return table_main(argv[1:])
+    if argv[:1] == ["probe"]:
+        return cost_probe_main(argv[1:])
+    d = LlamaShapes()
+    ap = argparse.ArgumentParser(prog="python -m dejavuu_build.bench.synthetic", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the .gguf to write")
+    ap.add_argument("--template", default=None, help="GGUF whose tokenizer section is copied [default: SmolLM2's]")
+    for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):
+        ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    shapes = LlamaShapes(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.context)
+    rec = write_llama_gguf(a.out, shapes, a.template, seed=a.seed, name=Path(a.out).stem)
+    json.dump(rec, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
