@@ -72,9 +72,10 @@ class LlamaShapes:
 def default_template() -> Path | None:
     """The SmolLM2 GGUF the cache's default build came from (its manifest's source path), if present."""
     from ..cache import cache_root
+    from ..schema import MANIFEST_FILE
 
-    for name in ("smollm2-lean", "smollm2-135m"):
-        m = cache_root() / name / "manifest.json"
+    for name in ("smollm2-135m", "smollm2-lean"):
+        m = cache_root() / name / MANIFEST_FILE
         if m.is_file():
             p = Path(json.loads(m.read_text()).get("source", {}).get("path") or "")
             if p.is_file():
