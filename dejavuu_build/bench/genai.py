@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 from ..log import logger, step
 from ..precisions import PRECISIONS
-from ..schema import INT4, PEER_FILE, PEERS_DIR
+from ..schema import INT4, PEER_FILE, PEERS_DIR, sha256_file
 from .config import BenchError
 from .peer import KINDS, PeerResult, peer_quality
 
@@ -103,12 +103,6 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _sha256(path: Path) -> str:
-    from ..schema import sha256_file
-
-    return sha256_file(path)
-
-
 # ---------------------------------------------------------------------------------- the build
 def build_source(manifest) -> dict:
     """The source record of our build (``manifest.source``), checked to still resolve to the same bytes."""
@@ -126,7 +120,7 @@ def build_source(manifest) -> dict:
             from ..build.sources import resolve
 
             src.update({k: v for k, v in resolve(src["id"]).to_json().items() if k in ("path", "sha256")})
-        elif src.get("sha256") and _sha256(path) != src["sha256"]:
+        elif src.get("sha256") and sha256_file(path) != src["sha256"]:
             raise BenchError(
                 f"{path} no longer has the sha256 the build recorded: the peer must be built from the "
                 f"same weights; rebuild ours first"
@@ -145,7 +139,7 @@ def folder_digest(folder: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(folder.rglob("*")):
         if p.is_file() and not p.name.startswith("."):
-            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + _sha256(p).encode())
+            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + sha256_file(p).encode())
     return h.hexdigest()
 
 
@@ -165,7 +159,7 @@ def peer_name(src: dict, version: str) -> str:
 
 def _file_records(folder: Path) -> dict[str, dict]:
     return {
-        p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        p.relative_to(folder).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != PEER_FILE
     }
@@ -179,7 +173,7 @@ def check_peer(folder: Path) -> dict:
         raise BenchError(f"{folder / PEER_FILE} is unreadable ({e}): delete {folder} to rebuild the peer") from None
     for rel, want in rec.get("files", {}).items():
         p = folder / rel
-        if not p.is_file() or p.stat().st_size != want["bytes"] or _sha256(p) != want["sha256"]:
+        if not p.is_file() or p.stat().st_size != want["bytes"] or sha256_file(p) != want["sha256"]:
             raise BenchError(f"{p} does not match its recorded sha256: delete {folder} to rebuild the peer")
     return rec
 

@@ -29,7 +29,6 @@ A GGUF user already has llama.cpp, so ``--compare llamacpp`` times it beside our
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ from typing import Any, Sequence
 
 from ..errors import DejavuuError
 from ..log import logger
-from ..schema import PEERS_DIR
+from ..schema import PEERS_DIR, sha256_file
 from .config import BenchError
 from .peer import KINDS, PeerResult, one_line
 
@@ -149,7 +148,7 @@ def glibc_compat_copy(src: Path, cache: Path) -> Path:
     """``src``'s folder of shared libraries copied to ``cache/.peers/llamacpp-lib-<sha>`` with
     :func:`patch_c23` applied (once: staged, then renamed into place); the copy's ``libllama.so``."""
     lib = src / "libllama.so"
-    digest = hashlib.sha256(lib.read_bytes()).hexdigest()[:16]
+    digest = sha256_file(lib)[:16]
     final = cache / PEERS_DIR / f"llamacpp-lib-{digest}"
     if (final / "libllama.so").is_file():
         return final / "libllama.so"
@@ -432,13 +431,8 @@ def source_gguf(manifest) -> Path:
     if not path.is_file():
         raise PeerError(f"the source GGUF {path} is gone: rebuild the model or fetch its source again")
     want = src.get("sha256")
-    if want:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        if h.hexdigest() != want:
-            raise PeerError(f"{path} is not the file this model was built from (sha256 differs)")
+    if want and sha256_file(path) != want:
+        raise PeerError(f"{path} is not the file this model was built from (sha256 differs)")
     return path
 
 
