@@ -88,3 +88,17 @@ def llama_gguf_shapes(v: int, h: int, layers: int, heads: int, kv: int, ff: int)
             f"blk.{i}.ffn_down.weight": (h, ff),
         }
     return shapes
+
+
+def add_llama_hparams(w, *, vocab: int, h: int, layers: int, heads: int, kv: int, ff: int, context: int) -> None:
+    """The hyper-parameters of a Llama GGUF (a ``gguf.GGUFWriter``) that the GGUF sources' and the
+    llama.cpp peer's tests write, beside ``llama_gguf_shapes``' tensors."""
+    w.add_context_length(context)
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(h // heads)
+    w.add_vocab_size(vocab)

@@ -29,22 +29,14 @@ def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
     (``chat=False``: none, as a base model's GGUF)."""
     import gguf
     from gguf.quants import quantize
-    from tiny import llama_gguf_shapes
+    from tiny import add_llama_hparams, llama_gguf_shapes
 
     rng = np.random.default_rng(7)
     h, ff, heads, kv, layers = 64, 128, 2, 1, 2
     tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *LETTERS, "Ġ", "he", "ll", "hell", "hello", "Ġw", "Ġwo", "Ġwor"]
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġwo r"]
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(h)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(h // heads)
-    w.add_vocab_size(len(tokens))
+    add_llama_hparams(w, vocab=len(tokens), h=h, layers=layers, heads=heads, kv=kv, ff=ff, context=512)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -70,6 +62,24 @@ def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def bench_llamacpp(model: Path, tmp_path: Path, max_new_tokens: int):
+    """``pld`` beside llama.cpp (plain and lookup) on PROMPTS (one qa, one two-turn mt_bench) into
+    ``tmp_path / "run"``; the report."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    cfg = BenchConfig(
+        model=str(model),
+        methods=("pld",),
+        categories=("qa", "mt_bench"),
+        per_category=1,
+        max_new_tokens=max_new_tokens,
+        threads=1,
+        data=str(data),
+        compare=("llamacpp",),
+    )
+    return run_bench(cfg, tmp_path / "run")
 
 
 @pytest.fixture(scope="module")
@@ -142,19 +152,7 @@ def test_llamacpp_peer_runs_the_source_gguf(gguf_build, tmp_path):
 
 
 def test_bench_compare_llamacpp_end_to_end(gguf_build, tmp_path):
-    data = tmp_path / "q.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    cfg = BenchConfig(
-        model=str(gguf_build),
-        methods=("pld",),
-        categories=("qa", "mt_bench"),
-        per_category=1,
-        max_new_tokens=10,
-        threads=1,
-        data=str(data),
-        compare=("llamacpp",),
-    )
-    report = run_bench(cfg, tmp_path / "run")
+    report = bench_llamacpp(gguf_build, tmp_path, 10)
     recs = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     plain = [r for r in recs if r["method"] == "llamacpp"]
     lookup = [r for r in recs if r["method"] == "llamacpp-lookup"]
@@ -196,19 +194,7 @@ def test_a_base_model_without_chat_template_is_benched_on_plain_text(cache_dir, 
 
     src = tiny_llama_gguf(tmp_path / "base.gguf", chat=False)
     folder = build_tree_decoder(TreeDecoderConfig(model=str(src), name="tiny-gguf-base", timing=False)).folder
-    data = tmp_path / "q.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    cfg = BenchConfig(
-        model=str(folder),
-        methods=("pld",),
-        categories=("qa", "mt_bench"),
-        per_category=1,
-        max_new_tokens=8,
-        threads=1,
-        data=str(data),
-        compare=("llamacpp",),
-    )
-    run_bench(cfg, tmp_path / "run")
+    bench_llamacpp(folder, tmp_path, 8)
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["gate"]["passed"] and res["prompt_format"].startswith("text")
     recs = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
@@ -231,9 +217,6 @@ def read_source(folder: Path) -> str:
 def test_a_peer_failing_on_a_prompt_is_one_line_and_the_run_goes_on(gguf_build, tmp_path, monkeypatch, caplog):
     """genai's n-gram decoding refused a long Gemma prompt mid-run (its sliding-window cache could
     not rewind): a peer's BenchError on one prompt skips that peer there, and everything else runs."""
-    data = tmp_path / "q.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-
     calls: list[int] = []
 
     def refuse(self, ids, max_new_tokens, *, ignore_eos=False):
@@ -243,18 +226,8 @@ def test_a_peer_failing_on_a_prompt_is_one_line_and_the_run_goes_on(gguf_build, 
         return self.peer._generate([int(t) for t in ids], max_new_tokens, ignore_eos, self.options)
 
     monkeypatch.setattr(L.LlamaCppLookup, "generate", refuse)
-    cfg = BenchConfig(
-        model=str(gguf_build),
-        methods=("pld",),
-        categories=("qa", "mt_bench"),
-        per_category=1,
-        max_new_tokens=6,
-        threads=1,
-        data=str(data),
-        compare=("llamacpp",),
-    )
     with caplog.at_level("WARNING"):
-        report = run_bench(cfg, tmp_path / "run")
+        report = bench_llamacpp(gguf_build, tmp_path, 6)
     recs = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     lookup = {(r["qid"], r["turn"]) for r in recs if r["method"] == "llamacpp-lookup"}
     plain = {(r["qid"], r["turn"]) for r in recs if r["method"] == "llamacpp"}

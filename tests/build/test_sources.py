@@ -5,7 +5,7 @@ import json
 import subprocess
 
 import pytest
-from tiny import llama_gguf_shapes
+from tiny import add_llama_hparams, llama_gguf_shapes
 
 from dejavuu_build.build import sources
 from dejavuu_build.errors import ModelSourceError
@@ -180,15 +180,7 @@ def _tiny_gguf(path, add_bos: bool | None, model: str = "gpt2"):
         merges = []
         types = [2, 3, 3] + [1] * (len(tokens) - 3)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_embedding_length(h)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(h // heads)
-    w.add_vocab_size(len(tokens))
+    add_llama_hparams(w, vocab=len(tokens), h=h, layers=layers, heads=heads, kv=kv, ff=ff, context=64)
     w.add_tokenizer_model(model)
     w.add_token_list(tokens)
     w.add_token_types(types)
