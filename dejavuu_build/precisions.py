@@ -36,12 +36,15 @@ class QuantPlan:
     gguf_min: str = "offset"  # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
     # kernels + an fp32 block-sum term), "nearest" integer zero point
     # (fast, not exact) or "float_zp" (exact, slow kernels)
-    # The 8-bit lm-head (tied: the embedding table too) takes the largest block from lm_head_block
-    # down to 16 whose MatMulNBits keeps rows exact on this machine (choose_table_block); the GGUF's
-    # own table blocks are carried instead where they keep rows exact too and run at most this
-    # factor slower, at 1, 2 and 8 rows, than that block (measured at build time). Off (0) by
-    # default: a timed choice makes the file's bytes follow the machine's load (SmolLM2's Q8_0 in
-    # blocks of 32 timed 1.08-1.15x of 64's), and quant-only must rewrite the same bytes.
+    # The 8-bit lm-head (tied: the embedding table too): the GGUF's own table blocks (Q8_0: blocks
+    # of 32, carried bit for bit) wherever they keep rows as exact as the best block does on this
+    # machine (carry_table, the default: the file's answers, a choice that follows bit comparisons
+    # only, so quant-only rewrites the same bytes). Else the largest block from lm_head_block down to
+    # 16 whose MatMulNBits keeps rows exact (choose_table_block). The cost, measured: SmolLM2's Q8_0
+    # lm-head in blocks of 32 ran 1.08-1.15x the time of re-rounded blocks of 64 (about 2% of a step).
+    carry_table: bool = True
+    # With carry_table off: carry the file's blocks only where they run at most this factor slower,
+    # at 1, 2 and 8 rows, than the largest exact block (timed at build: the bytes follow the load).
     table_carry_slowdown: float = 0.0
 
     def to_json(self) -> dict:

@@ -26,6 +26,7 @@ from .row_guard import guard_variant
 from .serve_graph import write_serve_batch
 from .summary import failed_gates, log_summary, quality_line
 from .timing import time_candidates
+from .trial import trial_tiers
 from .validation import Gating, gated, keep_same_bytes, open_gating, quality, validate
 from .variants import Quantized, add_layouts, quantize
 
@@ -176,7 +177,8 @@ def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool)
             )
         _add(g, list(tier), done, fp32_layouts=False)
         built += tier
-    _settle(g, timing)
+    # the tiers not needed for the answers, tried for speed on this machine (build.trial)
+    _settle(g, timing, trial_tiers(g, done, built) if timing else {})
 
 
 def _add(g: Gating, variants: list[str], done: Quantized, *, fp32_layouts: bool = True) -> None:
@@ -199,9 +201,10 @@ def _add(g: Gating, variants: list[str], done: Quantized, *, fp32_layouts: bool 
     quality(g, [v for v in fresh if v != S.FP32])
 
 
-def _settle(g: Gating, timing: bool) -> None:
+def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> None:
     """Time the default's candidates, pick the default, write the serving batch graph and calibrate
-    what a runtime opens unasked."""
+    what a runtime opens unasked. ``trials``: the speed trials of later tiers (build.trial), said
+    in the default's reason."""
     manifest = g.manifest
     timed = time_candidates(manifest, g.sessions) if timing else {}
     for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
@@ -212,6 +215,8 @@ def _settle(g: Gating, timing: bool) -> None:
     manifest.default_variant, manifest.default_reason = choose_default(manifest)
     if timed:
         manifest.default_reason["timed"] = sorted(timed, key=S.variant_order)
+    if trials:
+        manifest.default_reason["trials"] = trials
     write_serve_batch(g.folder, manifest, g.sessions, g.threads, g.machine, g.embed)
     calibrate_default(g.folder, manifest, g.sessions, g.threads, g.embed)
 

@@ -101,6 +101,14 @@ def log_summary(manifest: Manifest) -> None:
                 ", ".join(why["timed"]),
                 f"; not timed, as no default: {', '.join(f'{v} ({w})' for v, w in skip.items())}" if skip else "",
             )
+        for v, t in (why.get("trials") or {}).items():
+            logger.info(
+                " tried %s for speed: %.2fx the step cost of %s, %s",
+                v,
+                t["ratio"],
+                t["against"],
+                "kept as a candidate" if t["kept"] else "not kept (not faster in every round)",
+            )
     if manifest.steps:
         total = sum(sec for _, sec in manifest.steps)
         top = sorted(manifest.steps, key=lambda x: -x[1])[:6]

@@ -249,10 +249,10 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
     measured as the graph will run it (``nbits_rows`` at the real K and N, with 1 thread and the
     default threads): rows must be ``invariant``, else ``guardable`` (the row guard pads them); a
     ``variant`` block would fail the batched gate (Gemma-3-270M's K=640 lm-head in blocks of 128
-    on an Intel AMX Xeon: docs/exactness.md). Within the best verdict reached, the largest block
-    (fewest scales), unless the file's own blocks reach it too and run at most
-    ``plan.table_carry_slowdown`` times slower at 1, 2 and 8 rows (timed here): then the table is
-    the file's, exactly. Returns the record the quantize report keeps (block, carried, why, what
+    on an Intel AMX Xeon: docs/exactness.md). Within the best verdict reached, the file's own
+    blocks where they reach it too (``plan.carry_table``: the table is the file's, exactly), else
+    the largest block (fewest scales); with ``carry_table`` off, the file's blocks only where they
+    run at most ``plan.table_carry_slowdown`` times slower at 1, 2 and 8 rows (timed here). Returns the record the quantize report keeps (block, carried, why, what
     was measured)."""
     bits, acc = plan.lm_head_bits, plan.accuracy_level
     cands = table_blocks(k, plan.lm_head_block)
@@ -276,7 +276,9 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
         if best is None:
             continue
         rec.update(block=best, verdict=tier, carried=file_block == best)
-        if (
+        if plan.carry_table and file_block is not None and file_block < best and verdict(file_block) == tier:
+            rec.update(block=file_block, carried=True)
+        elif (
             plan.table_carry_slowdown > 0
             and file_block is not None
             and file_block < best

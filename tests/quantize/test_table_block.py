@@ -15,7 +15,7 @@ from dejavuu_build.quantize.nbits import PLANS, QuantPlan, choose_table_block, n
 from dejavuu_build.schema import EMBED_NODE, INT4, INT8, LM_HEAD_NODE
 
 # the timed carry of the file's own table blocks is off by default (bytes must not follow timing)
-TIMED = replace(PLANS[INT4], table_carry_slowdown=1.10)
+TIMED = replace(PLANS[INT4], carry_table=False, table_carry_slowdown=1.10)
 
 K, V = 640, 384  # Gemma-3-270M's hidden size: its 8-bit lm-head in blocks of 128 is row-variant on Intel AMX
 
@@ -49,18 +49,23 @@ def test_the_files_blocks_are_carried_where_invariant_and_fast_enough(monkeypatc
         nbits, "nbits_rows", _fake_rows({128: "variant", 64: "invariant", 32: "invariant", 16: "variant"})
     )
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.05))
-    assert choose_table_block(K, V, PLANS[INT4], file_block=32)["carried"] is False
+    untimed = replace(PLANS[INT4], carry_table=False)
+    assert choose_table_block(K, V, untimed, file_block=32)["carried"] is False
     rec = choose_table_block(K, V, TIMED, file_block=32)
     assert (rec["block"], rec["carried"]) == (32, True) and "the file's own blocks" in rec["why"]
     monkeypatch.setattr(nbits, "nbits_slowdown", _fake_slowdown(1.4))  # too slow: re-rounded at 64
     rec = choose_table_block(K, V, TIMED, file_block=32)
     assert (rec["block"], rec["carried"]) == (64, False) and "1.40x" in rec["why"]
     assert rec["file_block_slowdown"] == {str(m): 1.4 for m in nbits.TABLE_TIMED_ROWS}
-    loose = QuantPlan(lm_head_block=128, table_carry_slowdown=2.0)
+    loose = QuantPlan(lm_head_block=128, carry_table=False, table_carry_slowdown=2.0)
     assert choose_table_block(K, V, loose, file_block=32)["carried"]
     # a file block that is itself the largest invariant one is carried without timing
     monkeypatch.setattr(nbits, "nbits_slowdown", None)
     assert choose_table_block(K, V, PLANS[INT8], file_block=32)["carried"]
+    # the default plan carries the file's blocks wherever they are as exact as the best, untimed
+    monkeypatch.setattr(nbits, "nbits_slowdown", None)
+    rec = choose_table_block(K, V, PLANS[INT4], file_block=32)
+    assert (rec["block"], rec["carried"]) == (32, True) and "file_block_slowdown" not in rec
     # a file block that is variant here is never carried
     monkeypatch.setattr(
         nbits, "nbits_rows", _fake_rows({128: "variant", 64: "invariant", 32: "variant", 16: "variant"})

@@ -133,3 +133,22 @@ def drop_unused_optional_outputs(graph) -> int:
                 n.output[j] = ""
                 blanked += 1
     return blanked
+
+
+def drop_logits_slice(g) -> None:
+    """Undo export.exporter.slice_logits in an onnx GraphProto: the lm-head reads every row again
+    and the LOGITS_FROM input goes. A batched serving graph needs that: its requests' last rows sit
+    at different places, and it returns every row's logits (as a graph without the slice did)."""
+    sl = next((n for n in g.node if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] == S.LOGITS_FROM), None)
+    if sl is None:
+        return
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            if x == sl.output[0]:
+                n.input[i] = sl.input[0]
+    g.node.remove(sl)
+    used = {x for n in g.node for x in n.input}
+    for t in [t for t in g.initializer if t.name in sl.input[1:] and t.name not in used]:
+        g.initializer.remove(t)
+    for v in [v for v in g.input if v.name == S.LOGITS_FROM]:
+        g.input.remove(v)

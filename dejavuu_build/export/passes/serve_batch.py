@@ -30,6 +30,7 @@ from ...schema import (
     SLOT_ROWS,
     UNPAD_INDEX,
 )
+from .common import drop_logits_slice
 
 # com.microsoft.GroupQueryAttention's inputs, by position
 QKV_INPUTS = (0, 1, 2)  # query (or packed q/k/v), key, value
@@ -55,6 +56,7 @@ def to_serve_batch(m, source: str = "the decoder"):
     from onnx import TensorProto, helper
 
     g = m.graph
+    drop_logits_slice(g)  # every request's rows get logits
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not gqa:
         raise ContractError(

@@ -33,6 +33,7 @@ import numpy as np
 
 from ... import schema as S
 from ...errors import ContractError
+from .common import drop_logits_slice
 
 BATCH_DIM = "batch"
 BATCH_INPUTS = (S.INPUT_IDS, S.INPUTS_EMBEDS, S.POSITION_IDS, S.ATTENTION_BIAS, S.KV_WRITE_INDEX)
@@ -45,6 +46,7 @@ def to_serve_batch_rowwise(m, source: str = "the decoder"):
     from onnx import numpy_helper
 
     g = m.graph
+    drop_logits_slice(g)  # every request's rows get logits
     meta = {p.key: p.value for p in m.metadata_props}
     if meta.get(S.KV_LAYOUT_KEY) != S.KV_ROWWISE:
         raise ContractError(f"{source} is not a rowwise-KV graph (its layout: {meta.get(S.KV_LAYOUT_KEY)!r})")

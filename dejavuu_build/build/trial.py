@@ -1,0 +1,91 @@
+"""Later tiers as timed trials: the auto build gates int4 (tier 1) in every layout; int8 (tier 2)
+keeps the answers as well (8-bit blocks, no offset term) but runs other kernels, slower than the
+exact int4 carry on some CPUs (AVX-512 + AMX Xeon: its 8-bit MatMulNBits cost 1.53x the 4-bit
+ones at one row, docs/speed.md) and maybe faster on others. Building, gating and keeping it
+everywhere would add ~40% to the build and break the entry's size budget, so the build quantizes
+it, writes its flavour in the layout of int4's preferred candidate, and times the two interleaved
+through the runtime's own Decoder. The trial variant stays (gated like every variant, a candidate
+the picker then times) only where it is faster in every round by the picker's margin; otherwise
+its files go and the manifest says what was measured (``default_reason["trials"]``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import precisions as P
+from .. import schema as S
+from ..layouts import capacity
+from ..log import logger, step
+from ..schema import variant_file
+from .default import MIN_SPEEDUP, candidates, preference
+from .row_guard import guard_variant
+from .timing import time_interleaved
+from .validation import Gating, quality, validate
+from .variants import Quantized, layout_variant, quantize
+
+TRIAL_ROUNDS = 3  # interleaved rounds (each times 1 and 8 rows at pasts 256 and 1024)
+
+
+def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]:
+    """Try each auto-tier precision not built yet against the preferred candidate; returns the
+    record per trial variant (kept or not, and the timings it was judged on)."""
+    manifest, folder = g.manifest, g.folder
+    cands, _, _ = candidates(manifest)
+    if not cands:
+        return {}
+    first = min(cands, key=preference(manifest, cands))
+    layout = S.split_variant(first)[1]
+    cap = capacity(manifest.build_config.get("max_context"), g.contract.max_positions)
+    trials: dict[str, dict] = {}
+    for precision in (p for tier in P.auto_tiers() for p in tier if p not in built):
+        name = S.variant_name(precision, layout)
+        quantize(folder, manifest, [precision], done)
+        if layout != S.KV_CONCAT and not layout_variant(folder, manifest, precision, cap, layout):
+            _drop(g, done, precision, name)
+            continue
+        guard_variant(folder, manifest, name, g.contract, g.threads)
+        rec = {"against": first, "kept": False}
+        trials[name] = rec
+        with step(f"trial of {name} against {first} (kept only if faster), interleaved"):
+            from ..runtime.session import make_session
+
+            own = (
+                make_session(folder / variant_file(name), threads=g.threads),
+                S.variant_contract(g.contract, manifest.variants[name]),
+            )
+            timed = time_interleaved(
+                {first: g.sessions[first], name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS
+            )
+        mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
+        rec["round_costs_ms"] = {first: theirs, name: mine}
+        rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
+        rec["kept"] = all(a < (1 - MIN_SPEEDUP) * b for a, b in zip(mine, theirs))
+        logger.info(
+            "  %s: %.2fx the step cost of %s (median of %d rounds): %s",
+            name,
+            rec["ratio"],
+            first,
+            len(mine),
+            "faster in every round: gated and kept as a candidate"
+            if rec["kept"]
+            else f"not faster by {MIN_SPEEDUP:.0%} in every round: not kept",
+        )
+        if rec["kept"]:
+            for v in (precision, name):
+                validate(g, v, fresh=True)
+            quality(g, [precision, name])
+        else:
+            _drop(g, done, precision, name)
+    return trials
+
+
+def _drop(g: Gating, done: Quantized, *variants: str) -> None:
+    """Remove trial variants' files and records (nothing of them stays in the entry)."""
+    for v in variants:
+        g.sessions.pop(v, None)
+        g.manifest.variants.pop(v, None)
+        for f in (g.folder / variant_file(v), g.folder / (variant_file(v) + ".data")):
+            f.unlink(missing_ok=True)
+        if v in done.variants:
+            done.variants.remove(v)
+    g.manifest.quantize = {"seconds": round(done.seconds, 1), "variants": list(done.variants)}
