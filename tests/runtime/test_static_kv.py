@@ -6,7 +6,7 @@ import pytest
 from test_engine import PROMPTS
 
 from dejavuu_build.runtime import load
-from dejavuu_build.runtime.kv import StaticKV
+from dejavuu_build.layouts.static import StaticKV
 
 
 @pytest.fixture(scope="module")
