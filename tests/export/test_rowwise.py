@@ -13,8 +13,8 @@ from test_inplace import _runner, matches_concat
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
 from dejavuu_build.export.passes.rowwise_kv import to_rowwise_kv
-from dejavuu_build.runtime import load
 from dejavuu_build.layouts.rowwise import TILE as ROWWISE_TILE
+from dejavuu_build.runtime import load
 from dejavuu_build.runtime.session import derive_contract, make_session
 
 

@@ -13,9 +13,9 @@ from onnx import numpy_helper
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ContractError
 from dejavuu_build.export.passes.serve_batch_rowwise import batch_one_reshapes, to_serve_batch_rowwise
-from dejavuu_build.runtime import load
 from dejavuu_build.layouts import Rows
 from dejavuu_build.layouts.rowwise import RowwiseBatch
+from dejavuu_build.runtime import load
 from dejavuu_build.serve.batch import batch_decoder, measure_exact
 
 VARIANT = "int4-rowwise"
