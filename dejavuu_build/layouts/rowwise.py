@@ -5,9 +5,9 @@ others, and its logits are bit-identical either way: a lone token is one row (``
 one-row kernels block keys from key 0, so trees are verified as chains.
 
 The buffer's length is a multiple of ``TILE`` positions (a multiple of the kernels' key blocks, so
-a row's bits do not depend on it), for one request (``GrowingKV``, fed by ``RowFeeds``), for the
-gates' explicit pasts (``RowwiseDriver.past_feeds``) and for the server's batch (``RowwiseBatch``,
-export.passes.serve_batch_rowwise), each grown in the steps of ``grown``.
+a row's bits do not depend on it): one request's (``GrowingKV``, fed by ``RowFeeds``) and the
+server's batch's (``RowwiseBatch``, export.passes.serve_batch_rowwise) grow in the steps of
+``grown``; the gates' explicit pasts are padded to the next tile (``RowwiseDriver.past_feeds``).
 """
 
 from __future__ import annotations
