@@ -123,9 +123,26 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
     """Every module of the package that ``root`` imports, directly or through others, at module
     level or inside a function (the pipeline imports lazily), with the ``__init__.py`` of each
     package on the way: the code that shapes a build, read from the source, so no hand-kept list
-    can miss a part. A module an import names that does not exist raises (the key never silently
-    skips code); ``from .m import name`` counts ``m.name`` only where that is a module."""
+    can miss a part. Imports under ``if TYPE_CHECKING:`` never run, so they do not count (a type
+    named for the checker, such as serve.batch's runtime.model.Model, shapes nothing). A module an
+    import names that does not exist raises (the key never silently skips code);
+    ``from .m import name`` counts ``m.name`` only where that is a module."""
     import ast
+
+    def imports(tree: ast.AST):
+        """Every import statement of ``tree`` but those under ``if TYPE_CHECKING:``."""
+        todo = [tree]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node
+            elif isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+            ):
+                todo.extend(node.orelse)
+            else:
+                todo.extend(ast.iter_child_nodes(node))
 
     base = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
 
@@ -151,7 +168,7 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
         for i in range(len(here)):  # importing a.b runs a/__init__ first
             if (init := base.joinpath(*here[: i + 1], "__init__.py")).is_file():
                 todo.append(init)
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
+        for node in imports(ast.parse(f.read_text(encoding="utf-8"), str(f))):
             named: list[tuple[list[str], bool]] = []  # (module parts, must exist)
             if isinstance(node, ast.ImportFrom):
                 if node.level:

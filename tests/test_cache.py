@@ -263,7 +263,8 @@ def test_tool_versions_hash_the_package_code(tmp_path):
         "build/sources.py",
         "runtime/session.py",
         "runtime/decoder.py",
-        "runtime/kv.py",
+        "layouts/base.py",
+        "layouts/rowwise.py",
         "runtime/tree.py",
         "export/passes/serve_batch.py",  # the serving batch graph is written and gated at build
         "serve/batch.py",
@@ -274,12 +275,13 @@ def test_tool_versions_hash_the_package_code(tmp_path):
         f.write_text(original + "\n# changed\n")
         assert cache.code_digest(copy) != tools["dejavuu-build-code"], part
         f.write_text(original)
-    for outside in ("serve/app.py", "bench/runner.py"):  # never imported by a build
+    # never imported by a build (a drafter, the engine: not even through the gates' runtime Decoder)
+    for outside in ("serve/app.py", "bench/runner.py", "runtime/drafters/suffix.py", "runtime/engine.py"):
         assert outside not in closure
         (copy / outside).write_text("# does not shape the artifacts\n")
     assert cache.code_digest(copy) == tools["dejavuu-build-code"]
-    (copy / "runtime" / "kv.py").unlink()
-    with pytest.raises(ImportError, match="runtime.kv, which is not in the package"):
+    (copy / "layouts" / "base.py").unlink()
+    with pytest.raises(ImportError, match="layouts.base, which is not in the package"):
         cache.code_digest(copy)
 
 

@@ -80,9 +80,7 @@ def gate_batched(r: Runner, ref: Reference) -> dict:
     256- and 1024-key boundaries. That equality is what makes speculative output equal plain
     decoding. ``raw_single_row_maxdiff`` shows why single steps are padded to two rows: the
     one-row kernel path differs in the last bits, and int8 activations amplify it."""
-    from ..runtime.decoder import Decoder
-
-    dec = Decoder(r.s, r.c, r.embed)
+    dec = r.dec  # the runtime's own Decoder on this session
     limit = r.c.position_limit
     n_max = max(BATCH_ROWS)
     stream = np.concatenate([np.concatenate([p, g]) for p, g in zip(ref.prompts, ref.greedy)] + [ref.chain_ids])

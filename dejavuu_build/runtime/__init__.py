@@ -5,7 +5,7 @@ model = load("smollm2-135m")
 out = model.generate("def add(a, b):", method="pld", tree=True, max_new_tokens=128)
 
 `load`, `Model`, `GenerationResult` and `DecodeSettings` (runtime.settings) are imported on first
-use (PEP 562 `__getattr__`), so importing one part of the runtime (`runtime.session`, `runtime.kv`,
+use (PEP 562 `__getattr__`), so importing one part of the runtime (`runtime.session`, `runtime.tree`,
 ...), as the build does, runs neither `runtime.model` nor the drafters it imports, and this file
 does not put them in the build's cache key (`cache.import_closure` reads import statements from the
 source; the import below is by name, and `tests/test_imports.py` checks that no module the build

@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
+from ..layouts.rowwise import GrowingKV
 from .decoder import Decoder
 from .drafters.base import DraftBudget, Drafter
 from .job import GenerationStats, Job, ResidualFn, StopFn, Successors
-from .kv import GrowingKV
 from .sampling import Sampler, residual
 
 

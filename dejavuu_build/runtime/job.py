@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
+from ..layouts import Rows
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
 from .sampling import Sampler, accept_ratio, residual
 from .tree import aligned_layout, with_root
@@ -255,17 +256,6 @@ class StepTokens(list):
     def __init__(self, ids: Sequence[int], drafted: int = 0, accepted: int = 0, step: bool = True):
         super().__init__(ids)
         self.drafted, self.accepted, self.step = drafted, min(accepted, len(self)), step
-
-
-@dataclass
-class Rows:
-    """What one request feeds a forward: graph rows (tokens, parents per row or None for a chain)
-    and, for inputs_embeds decoders, the rows' embeddings."""
-
-    tokens: list[int]
-    parents: list[int] | None
-    embeds: np.ndarray | None = None  # [rows, hidden]
-    slots: list[int] | None = None  # a tree's aligned layout: token i's slot; parents then per slot
 
 
 class Job:

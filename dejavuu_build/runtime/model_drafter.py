@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 
 from ..errors import GenerationError
+from ..layouts import Cache
 from .drafters.base import Draft, DraftBudget, Drafter
-from .kv import Cache
 from .sampling import Sampler
 
 if TYPE_CHECKING:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import re
 
-import numpy as np
-
 from ..errors import ContractError
 from ..schema import (
     ATTENTION_BIAS,
@@ -176,12 +174,3 @@ def cross_check(derived: Contract, declared: Contract, where: str) -> None:
             problems.append(f"{f}: graph {a!r} vs contract {b!r}")
     if problems:
         raise ContractError(f"{where}: graph and contract.json disagree ({'; '.join(problems)}); rebuild it")
-
-
-def empty_past(contract: Contract) -> dict[str, np.ndarray]:
-    """The past of an empty context: zero rows, or the whole zeroed buffer of a static layout."""
-    rows = contract.kv_capacity if contract.kv_layout == KV_STATIC else 0  # rowwise: grown from 0
-    z = np.zeros((1, contract.num_kv_heads, rows, contract.head_dim), dtype=np.float32)
-    return {
-        contract.kv_input_pattern.format(i=i, kv=kv): z for i in range(contract.num_layers) for kv in ("key", "value")
-    }

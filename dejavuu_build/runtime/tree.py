@@ -45,7 +45,7 @@ def step_inputs(parents: list[int], past_len: int) -> tuple[np.ndarray, np.ndarr
 def row_bias(parents: list[int], past_len: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """position_ids [1, n] and an additive bias [1, 1, n, length] over a whole KV buffer (the
     rowwise flavour) for a tree fed one row per node: row i sees the past and its ancestors among
-    the step's rows, nothing beyond. (Chains get theirs from decoder.RowFeeds, without allocating.)"""
+    the step's rows, nothing beyond. (Chains get theirs from layouts.rowwise.RowFeeds, without allocating.)"""
     n = len(parents)
     bias = np.full((1, 1, n, length), NEG, dtype=np.float32)
     bias[0, 0, :, :past_len] = 0

@@ -27,10 +27,11 @@ import numpy as np
 
 from .. import schema as S
 from ..errors import DejavuuError
+from ..layouts import BatchDriver, Rows
 from ..log import logger
-from ..runtime.job import GenerationStats, Job, Rows
+from ..runtime.job import GenerationStats, Job
 from ..runtime.settings import DecodeSettings
-from .batch import BatchDecoder, BatchUnavailable, check_exact, open_batch
+from .batch import BatchUnavailable, check_exact, open_batch
 from .memory import MEMORY_METHODS, Memory, with_memory
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class Scheduler:
         self.memory = memory
         self.datastore = datastore
         self.metrics = Metrics()
-        self.batch: BatchDecoder[Request] | None = None
+        self.batch: BatchDriver[Request] | None = None
         self.why_sequential = "batching off (--no-batch)"
         if batch:
             try:
@@ -240,7 +241,7 @@ class Scheduler:
             single_rows=self.batch.single_rows if self.batch else 2,  # as Engine: what a lone token costs
         )
 
-    def _admit(self, batch: BatchDecoder[Request]) -> None:
+    def _admit(self, batch: BatchDriver[Request]) -> None:
         while True:
             with self._cv:
                 if not self._waiting or len(self._active) >= self.max_batch:
@@ -258,7 +259,7 @@ class Scheduler:
             self._active.append(req)
             self.metrics.prompt_tokens += len(req.ids)
 
-    def _step(self, batch: BatchDecoder[Request]) -> None:
+    def _step(self, batch: BatchDriver[Request]) -> None:
         for r in [r for r in self._active if r.cancelled]:
             self._release(r)
             self._finish_error(r, Cancelled("the client went away"))

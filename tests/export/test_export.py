@@ -81,7 +81,6 @@ def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dejavuu_build.runtime.session import empty_past
     from dejavuu_build.schema import read_manifest
 
     full = AutoModelForCausalLM.from_pretrained(
@@ -92,7 +91,7 @@ def test_gemma3_sliding_window_is_kept_in_the_graph(cache_dir):
     r = _runner(folder)
     n = len(ref.chain_ids)
     pos, bias = causal_inputs(n, 0)
-    lg, _, _ = r.forward(ref.chain_ids, pos, bias, empty_past(r.c))
+    lg, _, _ = r.forward(ref.chain_ids, pos, bias, r.dec.driver.empty_past())
     assert np.abs(lg - ref.chain_logits).max() < 1e-3  # the graph keeps the window
     assert np.abs(no_window - ref.chain_logits).max() > 1e-2  # dropping it would fail the gate
     assert np.abs(lg - no_window).max() > 1e-2

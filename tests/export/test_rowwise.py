@@ -13,8 +13,8 @@ from test_inplace import _runner, matches_concat
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
 from dejavuu_build.export.passes.rowwise_kv import to_rowwise_kv
+from dejavuu_build.layouts.rowwise import TILE as ROWWISE_TILE
 from dejavuu_build.runtime import load
-from dejavuu_build.runtime.decoder import ROWWISE_TILE
 from dejavuu_build.runtime.session import derive_contract, make_session
 
 
@@ -84,14 +84,14 @@ def test_one_token_is_one_row_and_bit_identical_to_a_batched_verify(tiny_llama):
         kv.commit(pres, len(ids), list(range(len(ids))))
         assert kv.size == ROWWISE_TILE
         fed = []
-        feeds = dec._row_feeds
-        dec._row_feeds = lambda n, size: fed.append(feeds(n, size)) or fed[-1]
+        feeds = dec.driver.row_feeds
+        dec.driver.row_feeds = lambda n, size: fed.append(feeds(n, size)) or fed[-1]
         singles = []
         for t in toks:
             lg, _, pres = dec.forward([t], None, kv)
             kv.commit(pres, 1, [0])
             singles.append(lg[0])
-        del dec._row_feeds
+        del dec.driver.row_feeds
         assert [f.ids.shape for f in fed] == [(1, 1)] * len(toks)  # the graph's input_ids: one row
         assert kv.size == 2 * ROWWISE_TILE  # grew on the way
         kv.truncate(len(ids))
@@ -102,7 +102,7 @@ def test_one_token_is_one_row_and_bit_identical_to_a_batched_verify(tiny_llama):
 
 
 def test_growth_keeps_the_cache_and_capacity_bounds_positions(tiny_llama, tmp_path):
-    from dejavuu_build.runtime.kv import GrowingKV
+    from dejavuu_build.layouts.rowwise import GrowingKV
 
     m = load(tiny_llama, variant="int4-rowwise")
     kv = m.decoder.new_cache()

@@ -86,8 +86,8 @@ def test_tree_best_path_not_first_child(tiny):
 def test_kv_cache_stays_the_committed_length(tiny, monkeypatch):
     """After every step the cache holds exactly the committed sequence but its last token (the
     one the next forward feeds), and its arrays are exactly that long: chains and trees."""
+    from dejavuu_build.layouts.concat import KVCache
     from dejavuu_build.runtime.drafters import make_drafter
-    from dejavuu_build.runtime.kv import KVCache
     from dejavuu_build.runtime.sampling import Sampler
 
     commits = []

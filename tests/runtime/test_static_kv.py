@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from test_engine import PROMPTS
 
+from dejavuu_build.layouts.static import StaticKV
 from dejavuu_build.runtime import load
-from dejavuu_build.runtime.kv import StaticKV
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The rowwise batched serving graph (export.passes.serve_batch_rowwise, serve.batch.RowwiseBatchDecoder)
+"""The rowwise batched serving graph (export.passes.serve_batch_rowwise, layouts.rowwise.RowwiseBatch)
 on a tiny build: B > 1 requests really run in one forward, and each request's logits are
 bit-identical to decoding it alone with the rowwise Decoder, whatever its past, its row count,
 the others' row counts, the batch's buffer length, or a slot move when another request leaves."""
@@ -13,9 +13,10 @@ from onnx import numpy_helper
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ContractError
 from dejavuu_build.export.passes.serve_batch_rowwise import batch_one_reshapes, to_serve_batch_rowwise
+from dejavuu_build.layouts import Rows
+from dejavuu_build.layouts.rowwise import RowwiseBatch
 from dejavuu_build.runtime import load
-from dejavuu_build.runtime.job import Rows
-from dejavuu_build.serve.batch import RowwiseBatchDecoder, batch_decoder, measure_exact
+from dejavuu_build.serve.batch import batch_decoder, measure_exact
 
 VARIANT = "int4-rowwise"
 
@@ -60,7 +61,7 @@ def test_requests_side_by_side_are_bit_identical_to_alone(model, batched_path):
     step (a lone token beside 8 rows), prefill through the batch: every logit bit-equal."""
     dec = model.decoder
     batch = batch_decoder(dec, batched_path, 4, 1)
-    assert isinstance(batch, RowwiseBatchDecoder) and batch.single_rows == 1
+    assert isinstance(batch, RowwiseBatch) and batch.single_rows == 1
     cases = ((5, (1, 8, 2, 1)), (130, (8, 1, 1, 3)), (40, (1, 1, 5, 8)), (300, (2, 3, 1, 1)))
     res = measure_exact(dec, batch, cases, seed=3)
     assert res["passed"] and res["requests"] == 4 and res["steps_checked"] == 20, res
@@ -195,12 +196,13 @@ def test_the_static_batched_graph_still_batches_its_variant(tiny_llama, tmp_path
     """The static flavour (`serve --variant <a static default>`) keeps working: made on the fly
     here, since the build writes the batched graph of the default's layout only."""
     from dejavuu_build.export.passes.serve_batch import to_serve_batch
-    from dejavuu_build.serve.batch import START_CHECK, BatchDecoder
+    from dejavuu_build.layouts.static import StaticBatch
+    from dejavuu_build.serve.batch import START_CHECK
 
     path = tmp_path / "static.batched.onnx"
     onnx.save(to_serve_batch(onnx.load(str(tiny_llama / S.variant_file("int4-static")))), str(path))
     m = load(tiny_llama, variant="int4-static")
     batch = batch_decoder(m.decoder, path, 2, 1)
-    assert type(batch) is BatchDecoder and batch.single_rows == 2
+    assert type(batch) is StaticBatch and batch.single_rows == 2
     res = measure_exact(m.decoder, batch, START_CHECK)
     assert res["passed"] and res["requests"] == 2, res

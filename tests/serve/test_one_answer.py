@@ -83,9 +83,10 @@ def _shared_forwards(metrics: str) -> float:
 def test_a_batched_graph_of_another_variant_is_not_batched(tiny_llama):
     """open_batch refuses the default's (rowwise) graph for the static twin with one line naming
     --variant, and opens it for the default."""
-    from dejavuu_build.serve.batch import BatchUnavailable, RowwiseBatchDecoder, open_batch
+    from dejavuu_build.layouts.rowwise import RowwiseBatch
+    from dejavuu_build.serve.batch import BatchUnavailable, open_batch
 
     m = S.read_manifest(tiny_llama)
     with pytest.raises(BatchUnavailable, match=f"--variant {m.batched['variant']}"):
         open_batch(load(tiny_llama, variant="int4-static"), 4)
-    assert isinstance(open_batch(load(tiny_llama), 4), RowwiseBatchDecoder)
+    assert isinstance(open_batch(load(tiny_llama), 4), RowwiseBatch)
