@@ -67,9 +67,9 @@ SLOT_ROWS = "slot_rows"  # static flavour: the row each attention slot reads (ex
 ROW_SLOTS = "row_slots"  # ... and the slot of each row
 KV_WRITE_INDEX = "kv_write_index"  # rowwise flavour: the first buffer position a step writes (its past)
 LOGITS = "logits"
-# [1] int64, an input with a default of 0 (an initializer of the same name): logits come out for the
-# rows from it on. A prefill needs its last row's only (export.exporter.slice_logits); a caller that
-# never feeds it (another runtime, the gates) gets every row, as a graph without it gives.
+# [1] int64, an input of the in-place flavours: logits come out for the rows from it on (0: all). A
+# prefill needs its last row's only (export.passes.common.slice_logits); the concat export, what
+# other runtimes load, has no such input.
 LOGITS_FROM = "logits_from"
 HIDDEN_STATES = "hidden_states"
 PAST_KEY = "past_key_values.{i}.key"

@@ -207,7 +207,6 @@ def finalize_graph(proto) -> bool:
     if lm_node is None or lm_node.op_type != "MatMul":
         raise ExportError("could not find the lm-head MatMul producing `logits`")
     lm_node.name = LM_HEAD_NODE
-    slice_logits(g, lm_node)
     embed = next(
         (nd for nd in g.node if nd.op_type == "Gather" and len(nd.input) == 2 and nd.input[1] in (S.INPUT_IDS,)), None
     )
@@ -232,38 +231,6 @@ def finalize_graph(proto) -> bool:
     del proto.metadata_props[:]
     dedupe_unary(g)
     return tied
-
-
-def slice_logits(g, lm_node) -> None:
-    """Feed the lm-head the rows from ``logits_from`` on (schema.LOGITS_FROM: an input whose
-    initializer of the same name makes it default to 0, so whoever does not feed it gets every row,
-    and onnxruntime lists it as an overridable initializer, not a required input).
-
-    Why: a prefill keeps only its last row's logits, and the lm-head over every prompt row was 12%
-    of a 64-row-chunked prefill's kernel time (SmolLM2-135M: 49,152 x 576 per row; docs/speed.md).
-    The hidden states keep every row. Rows are computed alike whatever their count (the per-op
-    probe and the row guard see to it), so a row's logits do not depend on where the slice starts."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
-    g.initializer.extend(
-        [
-            numpy_helper.from_array(np.array([0], np.int64), S.LOGITS_FROM),
-            numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "/lm_head/rows.end"),
-            numpy_helper.from_array(np.array([1], np.int64), "/lm_head/rows.axis"),
-        ]
-    )
-    g.input.append(helper.make_tensor_value_info(S.LOGITS_FROM, TensorProto.INT64, [1]))
-    rows = "/lm_head/Slice_output_0"
-    node = helper.make_node(
-        "Slice",
-        [lm_node.input[0], S.LOGITS_FROM, "/lm_head/rows.end", "/lm_head/rows.axis"],
-        [rows],
-        name="/lm_head/Slice",
-    )
-    at = list(g.node).index(lm_node)
-    g.node.insert(at, node)
-    lm_node.input[0] = rows
 
 
 DEDUPED_OPS = ("Cos", "Sin")

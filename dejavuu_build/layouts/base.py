@@ -146,6 +146,18 @@ class Driver:
         self.free: list[tuple[np.ndarray, Any]] = []
         self._out_buf = np.zeros(0, dtype=np.float32)
         self._arange = np.zeros(0, dtype=np.int64)
+        # an in-place graph slices its lm-head's rows (export.passes.common.slice_logits): it must be
+        # fed LOGITS_FROM on every run (0: all rows); older builds and concat graphs have no such input
+        self.logits_from = S.LOGITS_FROM in {i.name for i in dec.s.get_inputs()}
+
+    def logits_start(self, rows: int, last: int | None) -> int:
+        """The first of a step's ``rows`` graph rows whose logits it returns: 0 (all) unless ``last``
+        asks for the last rows only and the graph can slice. Never fewer rows than a lone token's
+        step runs (single_rows), so the lm-head takes the rows' path a decode step takes (rows are
+        row-invariant from there: the per-op probe and the row guard see to it)."""
+        if last is None or not self.logits_from:
+            return 0
+        return max(0, rows - max(last, self.dec.single_rows))
 
     # ------------------------------------------------------------------ what each layout defines
     def new_cache(self) -> Cache:
@@ -159,6 +171,7 @@ class Driver:
         embeds: np.ndarray | None = None,
         copy: bool = True,
         slots: Sequence[int] | None = None,
+        last: int | None = None,
     ) -> Out:
         """runtime.decoder.Decoder.forward, on this layout."""
         raise NotImplementedError
@@ -184,6 +197,8 @@ class Driver:
         this step's logits, hidden states and present (as the next step's past) out."""
         c = self.c
         feeds, bias, keep = self.past_feeds(past, bias, len(ids))
+        if self.logits_from:
+            feeds[S.LOGITS_FROM] = np.zeros(1, np.int64)  # every row
         if c.primary_input == S.INPUTS_EMBEDS:
             feeds[S.INPUTS_EMBEDS] = self.dec.embeddings(ids[None])
         else:
@@ -212,15 +227,16 @@ class Driver:
         self.dec.s.run_with_iobinding(binding)
         self.last_run_s = time.perf_counter() - t0
 
-    def outputs(self, rows: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Logits [1, rows, V] and hidden states [1, rows, H] (None without them) as views of one
-        reused array: a long prompt's chunks do not fault in fresh pages every chunk."""
+    def outputs(self, rows: int, start: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """Logits [1, rows - start, V] and hidden states [1, rows, H] (None without them) as views
+        of one reused array: a long prompt's chunks do not fault in fresh pages every chunk."""
         V, H = self.c.vocab_size, (self.c.hidden_size if self.dec.has_hidden else 0)
-        need = rows * (V + H)
+        lv = (rows - start) * V
+        need = lv + rows * H
         if self._out_buf.size < need:
             self._out_buf = np.empty(max(need, 2 * self._out_buf.size), dtype=np.float32)
-        logits = self._out_buf[: rows * V].reshape(1, rows, V)
-        return logits, (self._out_buf[rows * V : need].reshape(1, rows, H) if self.dec.has_hidden else None)
+        logits = self._out_buf[:lv].reshape(1, rows - start, V)
+        return logits, (self._out_buf[lv:need].reshape(1, rows, H) if self.dec.has_hidden else None)
 
     def identity(self, m: int) -> np.ndarray:
         if len(self._arange) < m:
@@ -251,8 +267,11 @@ class PaddedDriver(Driver):
         """The step's past feeds (a bound in-place buffer: none)."""
         raise NotImplementedError
 
-    def run_step(self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool) -> Out:
-        """Run the step's ``feeds``: ``n`` tokens, ``m`` attention slots, ``rows`` graph rows."""
+    def run_step(
+        self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool, start: int
+    ) -> Out:
+        """Run the step's ``feeds``: ``n`` tokens, ``m`` attention slots, ``rows`` graph rows,
+        logits from row ``start`` on."""
         raise NotImplementedError
 
     def forward(
@@ -263,6 +282,7 @@ class PaddedDriver(Driver):
         embeds: np.ndarray | None = None,
         copy: bool = True,
         slots: Sequence[int] | None = None,
+        last: int | None = None,
     ) -> Out:
         dec, c = self.dec, self.c
         if slots is not None and parents is None:
@@ -308,7 +328,10 @@ class PaddedDriver(Driver):
                 slot_rows = np.zeros(m, np.int64)
                 slot_rows[list(slots)] = np.arange(n)
                 feeds[S.SLOT_ROWS], feeds[S.ROW_SLOTS] = slot_rows, np.asarray(slots, np.int64)
-        return self.run_step(feeds, kv, n, m, len(toks), copy, pad)
+        start = 0 if pad or slots is not None else self.logits_start(len(toks), last)
+        if self.logits_from:  # always fed: an in-place cache's binding keeps what it was last given
+            feeds[S.LOGITS_FROM] = np.array([start], np.int64)
+        return self.run_step(feeds, kv, n, m, len(toks), copy, pad, start)
 
 
 Owner = TypeVar("Owner")  # what holds a batch slot (the scheduler's Request); opaque here

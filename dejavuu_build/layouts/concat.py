@@ -70,11 +70,13 @@ class ConcatDriver(PaddedDriver):
         assert isinstance(kv, KVCache), "a concat decoder's cache comes from its new_cache()"
         return dict(kv.feeds())
 
-    def run_step(self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool) -> Out:
+    def run_step(
+        self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool, start: int
+    ) -> Out:
         past = kv.length
         names = [S.LOGITS] + ([S.HIDDEN_STATES] if self.dec.has_hidden else []) + self.kv_out
         out = self.run(names, feeds)
-        logits = out[0][0][:n]
+        logits = out[0][0][: n - start]
         hidden = out[1][0][:n] if self.dec.has_hidden else None
         present = out[2:] if self.dec.has_hidden else out[1:]
         if pad:

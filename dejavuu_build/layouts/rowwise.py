@@ -126,8 +126,16 @@ class RowFeeds:
 
     KEEP_ROWS = 64  # row counts up to this keep their feeds between steps (drafts; not prefill chunks)
 
-    def __init__(self, c: S.Contract, n: int, size: int, outputs: tuple[np.ndarray, np.ndarray | None]):
+    def __init__(
+        self,
+        c: S.Contract,
+        n: int,
+        size: int,
+        outputs: tuple[np.ndarray, np.ndarray | None],
+        start: np.ndarray | None = None,
+    ):
         self.c, self.n, self.size = c, n, size
+        self.start = start  # [1]: the first row with logits (LOGITS_FROM); None: a graph without it
         self.ids = np.zeros((1, n), np.int64)
         self.embeds = np.zeros((1, n, c.hidden_size), np.float32) if c.primary_input == S.INPUTS_EMBEDS else None
         self.pos = np.zeros((1, n), np.int64)
@@ -162,6 +170,7 @@ class RowFeeds:
             (c.position_input, self.pos),
             (c.mask_input, self.bias),
             (S.KV_WRITE_INDEX, self.write),
+            *([(S.LOGITS_FROM, self.start)] if self.start is not None else []),
         ):
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         binding.bind_ortvalue_output(S.LOGITS, ort.OrtValue.ortvalue_from_numpy(self.logits))
@@ -179,7 +188,7 @@ class RowwiseDriver(Driver):
 
     def __init__(self, dec: Host):
         super().__init__(dec)
-        self._feeds: dict[int, RowFeeds] = {}  # bound inputs/outputs per row count
+        self._feeds: dict[tuple[int, int], RowFeeds] = {}  # bound inputs/outputs per (rows, first logits row)
         self._feeds_size = 0
 
     def new_cache(self) -> GrowingKV:
@@ -197,6 +206,7 @@ class RowwiseDriver(Driver):
         embeds: np.ndarray | None = None,
         copy: bool = True,
         slots: Sequence[int] | None = None,
+        last: int | None = None,
     ) -> Out:
         assert isinstance(kv, GrowingKV), "a rowwise decoder's cache comes from its new_cache()"
         if slots is not None:
@@ -204,7 +214,7 @@ class RowwiseDriver(Driver):
         n, past = len(tokens), kv.length
         check_room(kv, n)
         kv.ensure(past + n)
-        f = self.row_feeds(n, kv.size)
+        f = self.row_feeds(n, kv.size, self.logits_start(n, last))
         f.fill(tokens, parents, past)
         if f.embeds is not None:  # an inputs_embeds decoder
             f.embeds[:] = embeds if embeds is not None else self.dec.embeddings(np.asarray(tokens, np.int64)[None])
@@ -215,16 +225,18 @@ class RowwiseDriver(Driver):
         logits, hidden = f.logits[0], (f.hidden[0] if f.hidden is not None else None)
         return (logits.copy(), hidden.copy() if hidden is not None else None, None) if copy else (logits, hidden, None)
 
-    def row_feeds(self, n: int, size: int) -> RowFeeds:
-        """The reusable feeds for ``n`` rows over a buffer of ``size`` positions: kept for decode-sized
-        steps (a buffer growth drops them all), made fresh for prefill chunks."""
+    def row_feeds(self, n: int, size: int, start: int = 0) -> RowFeeds:
+        """The reusable feeds for ``n`` rows over a buffer of ``size`` positions, logits from row
+        ``start`` on: kept for decode-sized steps (a buffer growth drops them all), made fresh for
+        longer prefill chunks."""
         if size != self._feeds_size:
             self._feeds, self._feeds_size = {}, size
-        f = self._feeds.get(n)
+        f = self._feeds.get((n, start))
         if f is None:
-            f = RowFeeds(self.c, n, size, self.outputs(n))
+            first = np.array([start], np.int64) if self.logits_from else None
+            f = RowFeeds(self.c, n, size, self.outputs(n, start), first)
             if n <= RowFeeds.KEEP_ROWS:
-                self._feeds[n] = f
+                self._feeds[(n, start)] = f
         return f
 
     def past_feeds(

@@ -103,7 +103,9 @@ class StaticDriver(PaddedDriver):
         assert isinstance(kv, StaticKV), "a static decoder's cache comes from its new_cache()"
         return {}  # bound once, as past and present
 
-    def run_step(self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool) -> Out:
+    def run_step(
+        self, feeds: dict[str, np.ndarray], kv: Any, n: int, m: int, rows: int, copy: bool, pad: bool, start: int
+    ) -> Out:
         """With ``copy=False`` the returned rows are views, valid until the next forward (the
         engine's hot path reads them before that; callers that keep outputs get copies)."""
         import onnxruntime as ort
@@ -112,14 +114,14 @@ class StaticDriver(PaddedDriver):
         b = kv.binding
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
-        logits, hidden = self.outputs(rows if self.sparse else m)  # sparse graphs: one row per token
+        logits, hidden = self.outputs(rows if self.sparse else m, start)  # sparse graphs: one row per token
         b.bind_ortvalue_output(S.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         if hidden is not None:
             b.bind_ortvalue_output(self.c.hidden_output, ort.OrtValue.ortvalue_from_numpy(hidden))
         self.run_bound(b)
         if not copy:
-            return logits[0, :n], (hidden[0, :n] if hidden is not None else None), None
-        return logits[0, :n].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
+            return logits[0, : n - start], (hidden[0, :n] if hidden is not None else None), None
+        return logits[0, : n - start].copy(), (hidden[0, :n].copy() if hidden is not None else None), None
 
 
 class StaticBatch(BatchDriver[Owner]):

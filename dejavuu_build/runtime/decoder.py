@@ -99,6 +99,7 @@ class Decoder:
         embeds: np.ndarray | None = None,
         copy: bool = True,
         slots: Sequence[int] | None = None,
+        last: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray] | None]:
         """Run new ``tokens`` (a chain when ``parents`` is None) over the cached past.
 
@@ -109,9 +110,11 @@ class Decoder:
 
         A single token is padded to two graph rows where ``pad_single`` (layouts.base.PaddedDriver
         says why). With ``copy=False`` an in-place layout's returned rows are views, valid until
-        the next forward (the engine's hot path reads them before that).
+        the next forward (the engine's hot path reads them before that). ``last``: logits of the
+        last ``last`` tokens only (a prefill keeps its last row's; a graph without the lm-head
+        slice, export.exporter.slice_logits, returns all); hidden states come for every token.
         """
-        return self.driver.forward(tokens, parents, kv, embeds, copy, slots)
+        return self.driver.forward(tokens, parents, kv, embeds, copy, slots, last)
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray:
         """ids [1, N] -> inputs_embeds [1, N, H] through the embedder the decoder was opened with."""

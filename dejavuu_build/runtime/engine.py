@@ -93,7 +93,12 @@ class Engine:
                     # the last chunk (rowwise): decode room too (earlier chunks must not attend to it, masked)
                     kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
                 logits, hidden, present = self.dec.forward(
-                    rows.tokens, None, kv, embeds=None if rows.embeds is None else rows.embeds[None], copy=False
+                    rows.tokens,
+                    None,
+                    kv,
+                    embeds=None if rows.embeds is None else rows.embeds[None],
+                    copy=False,
+                    last=1,  # the job reads the last row's logits only (the lm-head skips the rest)
                 )
                 job.after_prefill(partial(kv.commit, present), logits, hidden)
             while not job.done:

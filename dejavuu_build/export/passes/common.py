@@ -91,9 +91,38 @@ def query_heads(att, q3, head_dim: int) -> int:
     raise ExportError(f"{att.name}: cannot tell the number of query heads")
 
 
+def slice_logits(g) -> None:
+    """Feed the lm-head only the rows from a new input, LOGITS_FROM ([1] int64; 0: every row).
+
+    Why: a prefill keeps its last row's logits only, and the lm-head over every prompt row was 12%
+    of a 64-row-chunked prefill's kernel time (SmolLM2-135M: 49,152 x 576 per row; docs/speed.md).
+    Hidden states keep every row; rows are computed alike whatever their count (the per-op probe
+    and the row guard see to it), so a row's logits do not depend on where the slice starts.
+    In-place flavours only (finish_layout): their runtime feeds inputs of its own anyway, while
+    the concat export stays what other runtimes load. (An optional input -- an initializer of the
+    same name -- cannot be bound through onnxruntime's IOBinding, which the in-place caches need.)"""
+    import onnx_ir as ir
+
+    logits = next((v for v in g.outputs if v.name == S.LOGITS), None)
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
+        # an element-wise tail after the lm-head (a soft cap): follow its one computed input
+        live = [x for x in node.inputs if x is not None and x.const_value is None and x.producer() is not None]
+        node = live[0].producer() if len(live) == 1 and live[0].producer().op_type != "Constant" else None
+    if node is None:
+        raise ExportError("no lm-head product found behind the logits output")
+    start = ir.Value(name=S.LOGITS_FROM, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+    g.inputs.append(start)
+    end = initializer(g, "lm_head.rows_end", np.array([np.iinfo(np.int64).max], np.int64))
+    axis = initializer(g, "lm_head.rows_axis", np.array([1], np.int64))
+    sl = insert(g, "Slice", [node.inputs[0], start, end, axis], "/lm_head/rows_Slice", node)
+    node.replace_input_with(0, sl.outputs[0])
+
+
 def finish_layout(m, layout: str, capacity: int):
-    """The rewritten model as a proto: unused initializers (the unfused weights) dropped, nodes
-    sorted, layout and capacity recorded, checked where the checker can serialise it (< 2 GB)."""
+    """The rewritten model as a proto: the lm-head's rows sliced (slice_logits), unused
+    initializers (the unfused weights) dropped, nodes sorted, layout and capacity recorded,
+    checked where the checker can serialise it (< 2 GB)."""
     import onnx
     import onnx_ir as ir
     from onnx_ir.passes.common import TopologicalSortPass
@@ -101,6 +130,7 @@ def finish_layout(m, layout: str, capacity: int):
     from ..exporter import EXTERNAL_DATA_BYTES, tensor_bytes
 
     g = m.graph
+    slice_logits(g)
     graph_outs = set(g.outputs)
     for name, v in list(g.initializers.items()):
         if not list(v.uses()) and v not in graph_outs:
@@ -136,8 +166,8 @@ def drop_unused_optional_outputs(graph) -> int:
 
 
 def drop_logits_slice(g) -> None:
-    """Undo export.exporter.slice_logits in an onnx GraphProto: the lm-head reads every row again
-    and the LOGITS_FROM input goes. A batched serving graph needs that: its requests' last rows sit
+    """Undo slice_logits in an onnx GraphProto: the lm-head reads every row again and the
+    LOGITS_FROM input goes. A batched serving graph needs that: its requests' last rows sit
     at different places, and it returns every row's logits (as a graph without the slice did)."""
     sl = next((n for n in g.node if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] == S.LOGITS_FROM), None)
     if sl is None:
