@@ -16,7 +16,7 @@ from .suffix_index import SEP
 from .trees import continuation_tree
 
 L_EDGES = (1, 2, 3, 5, 8, 12, 16, 24)  # effective match length buckets: <=1, 2, 3, 4-5, 6-8, 9-12, 13-16, 17-24, 25+
-SHARE_EDGES = (0.5, 0.8, 0.999)  # the drafted token's share of the agreeing occurrences' weight
+SHARE_EDGES = (0.3, 0.5, 0.7, 0.9, 0.999)  # the drafted token's share of the agreeing occurrences' weight
 
 
 def _bucket(x: float, edges: tuple) -> int:
@@ -28,7 +28,9 @@ def _bucket(x: float, edges: tuple) -> int:
 
 class Hazard:
     """Forgetful acceptance per feature cell: the chance a drafted token is accepted given the tokens
-    before it were, pooled toward its match-length bucket, then toward a prior that grows with it."""
+    before it were. A cell is a tuple of features, most telling first; its estimate is shrunk toward
+    the cell of its first ``k - 1`` features, down to the first feature's, and that toward a prior
+    that grows with it (the match length bucket)."""
 
     def __init__(self, forget: float = 0.999, weight: float = 4.0):
         self.forget, self.weight = forget, weight
@@ -38,21 +40,24 @@ class Hazard:
 
     @staticmethod
     def prior(lb: int) -> float:
-        return min(0.3 + 0.07 * lb, 0.85)
+        return min(0.2 + 0.1 * lb, 0.9)
 
     def alpha(self, cell: tuple) -> float:
-        lb = cell[0]
-        pooled = (self.hit.get((lb,), 0.0) + self.prior(lb) * self.weight) / (self.seen.get((lb,), 0.0) + self.weight)
-        return (self.hit.get(cell, 0.0) + pooled * self.weight) / (self.seen.get(cell, 0.0) + self.weight)
+        p = self.prior(cell[0])
+        for k in range(1, len(cell) + 1):
+            key = cell[:k]
+            p = (self.hit.get(key, 0.0) + p * self.weight) / (self.seen.get(key, 0.0) + self.weight)
+        return p
 
     def learn(self, cell: tuple, ok: bool) -> None:
         self._n += 1
         if self._n % 256 == 0:  # forget in batches: the same decay, without touching every cell each time
             f = self.forget**256
             for d in (self.hit, self.seen):
-                for k in d:
-                    d[k] *= f
-        for key in (cell, cell[:1]):
+                for cell_key in d:
+                    d[cell_key] *= f
+        for k in range(1, len(cell) + 1):
+            key = cell[:k]
             self.seen[key] = self.seen.get(key, 0.0) + 1.0
             if ok:
                 self.hit[key] = self.hit.get(key, 0.0) + 1.0
@@ -112,7 +117,8 @@ class SuffixVote(SuffixDecoding):
     ``length ** power`` of its own match with the context (``live`` times more inside this
     request). Each level drafts the token with the most weight among the occurrences that agreed
     with every level before it. A level's chance of acceptance is learnt per cell (the longest
-    agreeing match, the token's share of the weight, one or several occurrences), from every chain
+    agreeing match, the token's share of the weight, whether the model's own last output after the
+    token before it was this token, one or several occurrences), from every chain
     built, scored against the tokens committed after it (so levels never verified are learnt too);
     the chain is cut at the depth maximising ``(1 + expected accepted) / verify time(rows)``, with
     verify time measured per row count (``Feedback.verify_seconds``, ``Feedback.rows``): depth 0,
@@ -125,7 +131,7 @@ class SuffixVote(SuffixDecoding):
         max_candidates: int = 24,
         short: int = 2,
         power: float = 2.0,
-        live: float = 2.0,
+        live: float = 4.0,
         forget: float = 0.999,
         sized: bool = True,
         **kwargs,
@@ -139,8 +145,15 @@ class SuffixVote(SuffixDecoding):
         self._live_start = 0
         self._pending: list[tuple[int, list[int], list[tuple]]] = []  # (history position, chain, cells)
         self.cut = 0  # the depth the latest chain was cut to
+        # token -> the token the model last produced after it (its outputs only, every request)
+        self._succ: dict[int, int] = {}
+        self._prompt_len = 0
 
     # -- history ---------------------------------------------------------------------------------
+    def begin(self, prompt_ids) -> None:
+        self._prompt_len = len(prompt_ids)
+        super().begin(prompt_ids)
+
     def _reset(self) -> None:
         super()._reset()
         self._live_start = len(self._global.tokens)
@@ -148,6 +161,9 @@ class SuffixVote(SuffixDecoding):
 
     def _on_tokens(self, tokens: list[int]) -> None:
         super()._on_tokens(tokens)
+        h = self._hist
+        for i in range(max(len(h) - len(tokens), self._prompt_len, 1), len(h)):
+            self._succ[h[i - 1]] = h[i]
         if self._pending:
             self._score()
 
@@ -222,7 +238,17 @@ class SuffixVote(SuffixDecoding):
             share = tally[tok] / sum(tally.values())
             active = [i for i in active if len(seqs[i]) > j and seqs[i][j] == tok]
             longest = max(lengths[i] for i in active) + j
-            cells.append((_bucket(longest, L_EDGES), _bucket(share, SHARE_EDGES), min(len(active), 2)))
+            prev = chain[-1] if chain else self._hist[-1]
+            said = self._succ.get(prev)
+            agree = 1 if said is None else (2 if said == tok else 0)
+            cells.append(
+                (
+                    _bucket(longest, L_EDGES),
+                    _bucket(share, SHARE_EDGES),
+                    agree,
+                    min(len(active), 2),
+                )
+            )
             chain.append(tok)
         if not chain:
             return Draft()
@@ -232,7 +258,7 @@ class SuffixVote(SuffixDecoding):
         return Draft.chain(chain[:n])
 
     def _cut(self, cells: list[tuple]) -> int:
-        """The depth maximising expected tokens per second of verify time (0: draft nothing)."""
+        """The depth maximising ``(1 + E[accepted]) / verify time(rows)`` (0: draft nothing)."""
         c = self.costs
         best_n, best = 0, 1.0 / c.cost(c.rows(0))
         e = surv = 1.0
