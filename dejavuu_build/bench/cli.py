@@ -140,7 +140,8 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     type=click.Path(dir_okay=False),
     metavar="FILE",
     help="Offline replay instead of timing: each method against plain decoding's greedy answers recorded "
-    "in FILE (recorded first, from --model and the prompt options, when FILE does not exist); reports "
+    "in FILE (recorded first, from --model and the prompt options, when FILE does not exist; then the first "
+    "--per-category prompts of each recorded category); reports "
     "tokens per step, the speedup estimated at the row costs (draft time included) and the share of the "
     "copy oracle's gain, per category. With --out: replay.csv and replay.json there.",
 )
@@ -305,6 +306,7 @@ def _replay(
         cost=cost,
         step_ms=step_ms,
         categories=cats,
+        per_category=per_category,
         budget=DraftBudget(max_nodes=S.DEFAULT_MAX_DEPTH, max_depth=S.DEFAULT_MAX_DEPTH, width=width),
     )
     click.echo(R.table(rows))

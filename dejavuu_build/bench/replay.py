@@ -393,16 +393,25 @@ def replay(
     budget: DraftBudget = BUDGET,
     fill: bool = True,
     categories: Sequence[str] | None = None,
+    per_category: int | None = None,
     make: Callable[[str, str], Drafter] | None = None,
 ) -> list[ReplayRow]:
     """Rows per category (recording order) × method, then ``overall`` (geometric means over the
     categories, as the bench's report). ``cost``: relative cost of a step of R rows (default: the
-    recording's probe); ``step_ms``: a one-row step (default: the recording's, else 10 ms)."""
+    recording's probe); ``step_ms``: a one-row step (default: the recording's, else 10 ms);
+    ``per_category``: the first that many recorded prompts of each category (the bench's order)."""
     cost = dict(cost or rec.relative_costs())
     if step_ms is None:
         step_ms = 1e3 * rec.row_costs_s[1] if 1 in rec.row_costs_s else DEFAULT_STEP_MS
     step_s = step_ms / 1e3
     turns = [t for t in rec.turns if categories is None or t.category in categories]
+    if per_category is not None:
+        first: dict[str, list[str]] = {}
+        for t in turns:
+            qids = first.setdefault(t.category, [])
+            if t.qid not in qids and len(qids) < per_category:
+                qids.append(t.qid)
+        turns = [t for t in turns if t.qid in first[t.category]]
     cats = list(dict.fromkeys(t.category for t in turns))
     make = make or default_factory(rec)
     oracle: dict[str, tuple[float, float]] = {}

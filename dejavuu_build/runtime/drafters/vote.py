@@ -125,6 +125,8 @@ class SuffixVote(SuffixDecoding):
     nothing drafted, where a lone token is one row and no level pays for its row.
     """
 
+    sizes_itself = True  # auto plays its drafts as cut (see Auto._best_cut)
+
     def __init__(
         self,
         *,
@@ -133,6 +135,7 @@ class SuffixVote(SuffixDecoding):
         power: float = 2.0,
         live: float = 4.0,
         forget: float = 0.999,
+        prior_weight: float = 4.0,
         sized: bool = True,
         **kwargs,
     ):
@@ -140,7 +143,7 @@ class SuffixVote(SuffixDecoding):
         super().__init__(spec_factor=None, max_candidates=max_candidates, **kwargs)
         self.short, self.power, self.live = short, power, live
         self.sized = sized
-        self.hazard = Hazard(forget)
+        self.hazard = Hazard(forget, prior_weight)
         self.costs = RowCosts()
         self._live_start = 0
         self._pending: list[tuple[int, list[int], list[tuple]]] = []  # (history position, chain, cells)
