@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 from .. import schema as S
+from ..log import logger
 from ..runtime.cli import friendly as _friendly
+from ..runtime.drafters import DraftBudget
 from .config import DEFAULT_CATEGORIES, NGRAM_OFF, NGRAM_SWEEP, PEERS, BenchConfig, BenchError
 from .peer import KINDS
 from .runner import ExactnessError, run_bench
@@ -131,6 +133,31 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     help="Context sweep: also time verify steps of exactly R graph rows (R-1 drafted tokens) at each "
     "context: what one drafted token costs, the bound on any speculative method's speedup.",
 )
+@click.option(
+    "--replay",
+    "replay_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Offline replay instead of timing: each method against plain decoding's greedy answers recorded "
+    "in FILE (recorded first, from --model and the prompt options, when FILE does not exist; then the first "
+    "--per-category prompts of each recorded category); reports "
+    "tokens per step, the speedup estimated at the row costs (draft time included) and the share of the "
+    "copy oracle's gain, per category. With --out: replay.csv and replay.json there.",
+)
+@click.option(
+    "--row-costs",
+    default=None,
+    metavar="C1,C2,...",
+    help="With --replay: a step of 1, 2, ... graph rows as multiples of a one-row step [default: the "
+    "recording's own probe].",
+)
+@click.option(
+    "--step-ms",
+    default=None,
+    type=float,
+    help="With --replay: a one-row step in ms, what draft time is weighed against [default: the recording's].",
+)
 @_friendly
 def bench(
     model,
@@ -154,6 +181,9 @@ def bench(
     contexts,
     repeats,
     verify_rows,
+    replay_file,
+    row_costs,
+    step_ms,
 ):
     """Spec-Bench speedups per category and method, with a 100% greedy exactness gate."""
     compare_t, contexts_t = _csv(compare), _ints(contexts)
@@ -163,6 +193,25 @@ def bench(
         raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
     for k in compare_t:
         KINDS[k].require()  # a missing package: one line and exit 2, before anything slow
+    if replay_file:
+        _replay(
+            replay_file,
+            model,
+            methods,
+            per_category,
+            categories,
+            max_new_tokens,
+            threads,
+            width,
+            variant,
+            data,
+            out,
+            row_costs,
+            step_ms,
+        )
+        return
+    if row_costs or step_ms is not None:
+        raise BenchError("--row-costs and --step-ms go with --replay")
     if contexts_t and resume is not None:
         raise BenchError("a context sweep cannot be resumed: run it again with another --out")
     folder, resuming = _out_dir(model, out, resume, "-sweep" if contexts_t else "")
@@ -208,3 +257,59 @@ def bench(
         sys.exit(130)
     click.echo(report.table())
     click.echo("results: " + ", ".join(str(p) for p in report.files.values()))
+
+
+def _replay(
+    path,
+    model,
+    methods,
+    per_category,
+    categories,
+    max_new_tokens,
+    threads,
+    width,
+    variant,
+    data,
+    out,
+    row_costs,
+    step_ms,
+) -> None:
+    """``bench --replay``: record FILE if it is missing, then replay the methods against it."""
+    from . import replay as R
+
+    file = Path(path).expanduser()
+    if file.is_file():
+        rec = R.Recording.load(file)
+        logger.info("replaying %d recorded turns of %s from %s", len(rec.turns), rec.model, file)
+    else:
+        cfg = BenchConfig(
+            model=model,
+            categories=_csv(categories),
+            per_category=per_category,
+            max_new_tokens=max_new_tokens,
+            threads=threads,
+            width=width,
+            variant=variant,
+            data=data,
+        )
+        rec = R.record(cfg, file)
+    cost = None
+    if row_costs:
+        vals = [float(v) for v in _csv(row_costs)]
+        cost = {r: max(vals[:r]) for r in range(1, len(vals) + 1)}
+    wanted = [m for m in _csv(methods) if m != "baseline"]
+    turns_cats = set(t.category for t in rec.turns)
+    cats = [c for c in _csv(categories) if c in turns_cats] or None
+    rows = R.replay(
+        rec,
+        ["baseline", *wanted],
+        cost=cost,
+        step_ms=step_ms,
+        categories=cats,
+        per_category=per_category,
+        budget=DraftBudget(max_nodes=S.DEFAULT_MAX_DEPTH, max_depth=S.DEFAULT_MAX_DEPTH, width=width),
+    )
+    click.echo(R.table(rows))
+    if out:
+        target = R.write(rows, Path(out).expanduser() / "replay.csv", {"recording": str(file), "meta": rec.meta})
+        click.echo(f"results: {target}, {target.with_suffix('.json')}")

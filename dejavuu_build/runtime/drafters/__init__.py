@@ -11,6 +11,7 @@ from . import lookup  # noqa: F401  isort: skip
 from . import lookahead  # noqa: F401  isort: skip
 from . import token_recycling  # noqa: F401  isort: skip
 from . import suffix  # noqa: F401  isort: skip
+from . import vote  # noqa: F401  isort: skip
 from . import auto  # noqa: F401  isort: skip
 from .base import Draft, DraftBudget, Drafter, Feedback
 from .datastore import Datastore, build_from_file

@@ -172,10 +172,19 @@ class Auto(Drafter):
 
     def _best_cut(self, i: int, draft: Draft) -> tuple[float, int]:
         """(tokens per second, depth) of member ``i``'s draft cut at its best depth (0: drafting nothing)."""
-        best = (1.0 / self._time(0), 0)
+        plain = 1.0 / self._time(0)
+        best = (plain, 0)
         chain = draft.is_chain()
         pooled = self._acc[i][-1]
         own = self._acc[i].get(self._buckets[i], pooled)
+        if getattr(self.members[i], "sizes_itself", False):
+            # the member cut its draft by its own measured acceptance and row costs: play it whole
+            # (valued by auto's estimate, to choose among members, never below a plain step's)
+            e, surv = 0.0, 1.0
+            for n in range(1, draft.depth() + 1):
+                surv *= own.alpha(n, pooled.alpha(n, 0.5))
+                e += surv
+            return (max((1.0 + e) / self._time(len(draft)), plain * (1.0 + 1e-9)), draft.depth())
         e, surv = 0.0, 1.0  # expected accepted of the cut at depth n, and the chance of reaching level n
         for n in range(1, draft.depth() + 1):
             surv *= own.alpha(n, pooled.alpha(n, 0.5))

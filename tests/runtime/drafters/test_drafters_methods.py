@@ -69,6 +69,7 @@ def test_methods_are_registered_and_construct():
         "asam_verify",
         "asd",
         "asd_verify",
+        "suffix_vote",
         "auto",
     }
     assert set(METHODS) == expected
