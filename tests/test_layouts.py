@@ -110,7 +110,7 @@ class _Driver(Driver):
         _Driver.calls.append("new_cache")
         return _Cache()
 
-    def forward(self, tokens, parents, kv, embeds=None, copy=True, slots=None):
+    def forward(self, tokens, parents, kv, embeds=None, copy=True, slots=None, last=None):
         _Driver.calls.append(f"forward {len(tokens)}")
         return np.full((len(tokens), 4), 7.0, np.float32), None, None
 

@@ -85,7 +85,7 @@ def test_one_token_is_one_row_and_bit_identical_to_a_batched_verify(tiny_llama):
         assert kv.size == ROWWISE_TILE
         fed = []
         feeds = dec.driver.row_feeds
-        dec.driver.row_feeds = lambda n, size: fed.append(feeds(n, size)) or fed[-1]
+        dec.driver.row_feeds = lambda n, size, start=0: fed.append(feeds(n, size, start)) or fed[-1]
         singles = []
         for t in toks:
             lg, _, pres = dec.forward([t], None, kv)
