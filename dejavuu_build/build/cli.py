@@ -47,7 +47,10 @@ def _auto_help() -> str:
     tiers = P.auto_tiers()
     text = f"auto: the fp32 export and {' and '.join(tiers[0])} in every KV layout"
     for before, tier in zip(tiers, tiers[1:]):
-        text += f" ({' and '.join(tier)} too when no {' or '.join(before)} keeps the model's answers)"
+        text += (
+            f" ({' and '.join(tier)} too when no {' or '.join(before)} keeps the model's answers, else "
+            f"tried for speed in the preferred layout and kept only if faster)"
+        )
     return text
 
 

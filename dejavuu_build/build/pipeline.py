@@ -158,8 +158,9 @@ def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool)
     from) and the precisions of the table's first auto tier (int4) in every KV layout, the
     candidates the machine's measurements pick the default from; each next tier (int8) is added
     only when no variant of the tiers before passes its gates and keeps the model's answers
-    (keeps_answers), so a user always gets a default that does. fp32's in-place flavours (each as
-    large as the fp32 export: docs/quantization.md, Sizes) only on request."""
+    (keeps_answers), so a user always gets a default that does; otherwise it is tried for speed
+    (build.trial) and kept only where faster. fp32's in-place flavours (each as large as the fp32
+    export: docs/quantization.md, Sizes) only on request."""
     g = open_gating(folder, manifest, threads)
     done = Quantized()
     built: list[str] = []
