@@ -10,7 +10,10 @@ onnxruntime-genai's model builder take it like any downloaded file.
 
 Acceptance on such a model means nothing (its continuations are noise); what it measures is the
 cost of decoding steps at that size. ``python -m dejavuu_build.bench.synthetic --out x.gguf`` writes
-the ~1B default (TinyLlama-like widths, 16 layers, SmolLM2's 49,152-token vocabulary)."""
+the ~1B default (TinyLlama-like widths, 16 layers, SmolLM2's 49,152-token vocabulary; ``--layers 22
+--vocab 32000`` for TinyLlama-1.1B's own depth and vocabulary); ``... build`` builds one for speed
+measurements only (:func:`speed_build`), ``... probe`` times it (:func:`cost_probe_main`) and
+``... table`` writes docs/sizes.md's lines."""
 
 from __future__ import annotations
 
