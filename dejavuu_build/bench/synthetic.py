@@ -10,7 +10,10 @@ onnxruntime-genai's model builder take it like any downloaded file.
 
 Acceptance on such a model means nothing (its continuations are noise); what it measures is the
 cost of decoding steps at that size. ``python -m dejavuu_build.bench.synthetic --out x.gguf`` writes
-the ~1B default (TinyLlama-like widths, 16 layers, SmolLM2's 49,152-token vocabulary)."""
+the ~1B default (TinyLlama-like widths, 16 layers, SmolLM2's 49,152-token vocabulary; ``--layers 22
+--vocab 32000`` for TinyLlama-1.1B's own depth and vocabulary); ``... build`` builds one for speed
+measurements only (:func:`speed_build`), ``... probe`` times it (:func:`cost_probe_main`) and
+``... table`` writes docs/sizes.md's lines."""
 
 from __future__ import annotations
 
@@ -100,6 +103,34 @@ def _tokenizer_fields(template: Path) -> list[tuple[str, Any, Any, Any]]:
     return out
 
 
+def cut_vocabulary(fields: list[tuple[str, Any, Any, Any]], vocab: int) -> list[tuple[str, Any, Any, Any]]:
+    """A BPE tokenizer section (``tokenizer.ggml.model`` gpt2) cut to its first ``vocab`` tokens: the
+    per-token arrays cut, and only the merges whose two parts and result are all kept. A byte-level
+    BPE numbers a merge's result after its parts, so the cut vocabulary still tokenizes every text
+    (in more, shorter tokens). For a model of a real size's vocabulary (TinyLlama's 32,000) from
+    a template with more (SmolLM2's 49,152): the lm-head and embedding table are what that size has."""
+    f = {k: v for k, v, *_ in fields}
+    tokens = list(f["tokenizer.ggml.tokens"])
+    if vocab >= len(tokens):
+        if vocab > len(tokens):
+            raise ValueError(f"the template has {len(tokens)} tokens: cannot make a vocabulary of {vocab}")
+        return fields
+    if f.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"only a BPE (gpt2) tokenizer can be cut, not {f.get('tokenizer.ggml.model')!r}")
+    keep = set(tokens[:vocab])
+    ids = [f[k] for k in f if k.endswith("_token_id")]
+    if any(int(i) >= vocab for i in ids):
+        raise ValueError(f"a special token id of the template ({max(map(int, ids))}) is past {vocab}")
+    out = []
+    for key, value, vtype, sub in fields:
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = list(value)[:vocab]
+        elif key == "tokenizer.ggml.merges":
+            value = [m for m in value if (lambda a, b: a in keep and b in keep and a + b in keep)(*m.split(" ", 1))]
+        out.append((key, value, vtype, sub))
+    return out
+
+
 def write_llama_gguf(
     path: str | Path,
     shapes: LlamaShapes = LlamaShapes(),
@@ -108,16 +139,20 @@ def write_llama_gguf(
     seed: int = 0,
     scale: float = 0.02,
     name: str = "synthetic-llama",
+    vocab: int | None = None,
 ) -> dict[str, Any]:
     """Write a random-weight Llama GGUF at ``path``: N(0, ``scale``) weights, Q4_1 projections, a Q8_0
     tied embedding table, fp32 norms (all ones), the tokenizer section of ``template`` (its vocabulary
-    size is the model's). Returns a small record (shapes, parameters, bytes) for the docs."""
+    size is the model's), cut to its first ``vocab`` tokens if asked (cut_vocabulary). Returns a small
+    record (shapes, parameters, bytes) for the docs."""
     import gguf
 
     template = Path(template) if template is not None else default_template()
     if template is None:
         raise FileNotFoundError("no template GGUF for the tokenizer: build smollm2-lean first or pass one")
     fields = _tokenizer_fields(template)
+    if vocab is not None:
+        fields = cut_vocabulary(fields, vocab)
     vocab = len(next(v for k, v, *_ in fields if k == "tokenizer.ggml.tokens"))
     if shapes.hidden % shapes.heads or shapes.heads % shapes.kv_heads:
         raise ValueError(f"hidden {shapes.hidden} / heads {shapes.heads} / kv heads {shapes.kv_heads} do not divide")
@@ -287,8 +322,110 @@ def cost_probe_main(argv: list[str]) -> int:
     return 0
 
 
+SPEED_ONLY = (
+    "speed-only build of a random-weight model (bench.synthetic.speed_build): no torch references, no "
+    "gates, no quality; its int4 files are what a full build would write, timed, never answered from"
+)
+
+
+def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: int | None = None) -> Path:
+    """Build ``model`` (a random-weight GGUF of :func:`write_llama_gguf`) into the cache as ``name``
+    with only what a speed row times: the fp32 export (what the quantizer reads, deleted after it),
+    int4 and its static in-place flavour (the default), row-guarded as a full build would write them,
+    and the default's exactness calibration. A full build also computes torch references and holds
+    the fp32 graph's and every variant's sessions for its gates: for a ~1B model that peaked at
+    18.4 GB (docs/sizes.md, Memory), and on random weights the gates measure nothing (no answers to
+    keep: int4 agrees with fp32 on noise-level near-ties, so the build would fall back to fp32 or
+    add int8). Every variant is recorded ``passed`` with a ``speed_only`` gate saying so, and the
+    build config carries ``speed_only``: a cache entry for ``bench`` and the size table, not a model
+    to answer with. Returns the entry's folder."""
+    from .. import schema as S
+    from ..build import pipeline
+    from ..build.calibrate import calibrate_default
+    from ..build.config import TreeDecoderConfig, cache_key, tool_versions
+    from ..build.export_step import export_fp32
+    from ..build.row_guard import guard_variant
+    from ..build.sources import resolve
+    from ..build.variants import Quantized, add_layouts, quantize
+    from ..cache import build_lock, check_replace, commit, entry_dir, staging
+    from ..errors import CacheError
+    from ..log import timeline
+    from ..runtime.session import make_session
+    from ..schema import read_contract
+
+    cfg = TreeDecoderConfig(
+        model=str(model),
+        name=name,
+        variants=(S.FP32, "int4"),
+        kv_layouts=(S.KV_CONCAT, S.KV_STATIC),
+        timing=False,
+        threads=threads,
+        max_context=max_context,
+    )
+    cfg.validate()
+    src = resolve(cfg.model)
+    tools = tool_versions()
+    final = entry_dir(name)
+    with build_lock(name):
+        old = final / S.MANIFEST_FILE
+        if old.is_file() and not json.loads(old.read_text()).get("build_config", {}).get("speed_only"):
+            raise CacheError(f"{final} is a full build: a speed-only build replaces only a speed-only one")
+        check_replace(name, S.KIND_DECODER, force=True)
+        with staging(name) as tmp:
+            with timeline() as steps:
+                manifest = export_fp32(
+                    cfg,
+                    src,
+                    tmp,
+                    name,
+                    cache_key(cfg, src.identity, {**tools, "speed_only": 1}),
+                    tools,
+                    references=False,
+                )
+                manifest.build_config["speed_only"] = SPEED_ONLY
+                contract = read_contract(tmp)
+                quantize(tmp, manifest, ["int4"], Quantized())
+                (tmp / S.variant_file(S.FP32)).unlink()  # the quantizer's source; a speed row never opens it
+                (tmp / (S.variant_file(S.FP32) + ".data")).unlink(missing_ok=True)
+                add_layouts(tmp, manifest, ["int4"], contract.max_positions, fp32=False)
+                sessions = {}
+                for v in list(manifest.variants):
+                    guard_variant(tmp, manifest, v, contract, threads)
+                    rec = manifest.variants[v]
+                    rec.gates, rec.passed = {"speed_only": {"passed": True, "why": SPEED_ONLY}}, True
+                manifest.default_variant = S.variant_name("int4", S.KV_STATIC)
+                manifest.default_reason = {"rule": SPEED_ONLY}
+                manifest.batched = {"skipped": SPEED_ONLY}
+                rec = manifest.variants[manifest.default_variant]
+                sessions[manifest.default_variant] = (
+                    make_session(tmp / rec.file, threads=threads),
+                    S.variant_contract(contract, rec),
+                )
+                calibrate_default(tmp, manifest, sessions, threads)
+                sessions.clear()
+                pipeline._finish(tmp, manifest, steps)
+            return commit(tmp, name)
+
+
+def speed_build_main(argv: list[str]) -> int:
+    """``python -m dejavuu_build.bench.synthetic build --model X.gguf --name N``: speed_build."""
+    from ..log import setup_logging
+
+    ap = argparse.ArgumentParser(prog="python -m dejavuu_build.bench.synthetic build", description=SPEED_ONLY)
+    ap.add_argument("--model", required=True, help="a GGUF written by this module")
+    ap.add_argument("--name", required=True, help="the cache name")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-context", type=int, default=None)
+    a = ap.parse_args(argv)
+    setup_logging()
+    print(speed_build(a.model, a.name, threads=a.threads, max_context=a.max_context))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["build"]:
+        return speed_build_main(argv[1:])
     if argv[:1] == ["table"]:
         return table_main(argv[1:])
     if argv[:1] == ["probe"]:
@@ -299,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--template", default=None, help="GGUF whose tokenizer section is copied [default: SmolLM2's]")
     for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
+    ap.add_argument("--vocab", type=int, default=None, help="cut the template's vocabulary to this many tokens")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     shapes = LlamaShapes(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.context)
-    rec = write_llama_gguf(a.out, shapes, a.template, seed=a.seed, name=Path(a.out).stem)
+    rec = write_llama_gguf(a.out, shapes, a.template, seed=a.seed, name=Path(a.out).stem, vocab=a.vocab)
     json.dump(rec, sys.stdout, indent=1)
     print()
     return 0

@@ -15,8 +15,14 @@ from ..schema import REFERENCE_FILE, TOKENIZER_FILES, Contract, Manifest, varian
 from .config import TreeDecoderConfig
 
 
-def export_fp32(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: dict) -> Manifest:
-    """Everything of the entry that comes from torch, into ``tmp``; the manifest to fill in."""
+def export_fp32(
+    cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, tools: dict, *, references: bool = True
+) -> Manifest:
+    """Everything of the entry that comes from torch, into ``tmp``; the manifest to fill in.
+    ``references=False`` (bench.synthetic's speed-only build of a random-weight model, which has no
+    gates to feed) leaves out the torch references. The torch model is freed before the fp32 graph
+    is opened for its contract: the two side by side were two fp32 copies of the model at once
+    (measured: docs/sizes.md, Memory)."""
     from ..export.exporter import export_decoder, text_dims
     from .references import compute_reference
     from .sources import load_model_and_tokenizer
@@ -27,16 +33,18 @@ def export_fp32(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, too
         info = export_decoder(
             model, recipe, tmp / variant_file(S.FP32), hidden_layer=cfg.hidden_layer, primary=cfg.primary_input
         )
-    with step("torch fp32 references (greedy continuations, chain and tree parity)"):
-        ref = compute_reference(
-            model,
-            recipe,
-            tok,
-            hidden_layer=cfg.hidden_layer,
-            new_tokens=cfg.reference_tokens,
-            primary=cfg.primary_input,
-        )
-        ref.save(tmp / REFERENCE_FILE)
+    if references:
+        with step("torch fp32 references (greedy continuations, chain and tree parity)"):
+            ref = compute_reference(
+                model,
+                recipe,
+                tok,
+                hidden_layer=cfg.hidden_layer,
+                new_tokens=cfg.reference_tokens,
+                primary=cfg.primary_input,
+            )
+            ref.save(tmp / REFERENCE_FILE)
+            del ref
     lm = recipe.text_causal_lm(model)
     extra: dict = {}
     if cfg.primary_input == S.INPUTS_EMBEDS:
@@ -47,8 +55,10 @@ def export_fp32(cfg: TreeDecoderConfig, src, tmp: Path, name: str, key: str, too
     if cfg.vision:
         extra["vision"] = _export_vision(cfg, src, recipe, model, tmp)
     _save_tokenizer(tok, gen, tmp)
-    dims = text_dims(recipe, model.config)
-    contract = _declared_contract(tmp, cfg, recipe, model, gen, dims)
+    config = model.config
+    dims = text_dims(recipe, config)
+    del model, lm  # the last references to the torch weights: freed before the fp32 graph is opened
+    contract = _declared_contract(tmp, cfg, recipe, config, gen, dims)
     write_json(tmp / S.CONTRACT_FILE, contract.to_json())
     return Manifest(
         name=name,
@@ -107,16 +117,16 @@ def _processor_config(src, recipe, dims: dict) -> dict:
     return recipe.default_processor_config(dims)
 
 
-def _declared_contract(folder: Path, cfg, recipe, model, gen, dims) -> Contract:
+def _declared_contract(folder: Path, cfg, recipe, config, gen, dims) -> Contract:
     from ..runtime.session import derive_contract, make_session
 
     c = derive_contract(make_session(folder / variant_file(S.FP32), threads=1))
     c.hidden_layer = cfg.hidden_layer
     c.num_heads = dims["num_heads"]
     c.max_positions = dims["max_positions"]
-    c.sliding_window = recipe.sliding_windows(model.config)
-    c.eos_token_ids = recipe.eos_token_ids(model.config, gen)
-    tc = recipe.text_config(model.config)
+    c.sliding_window = recipe.sliding_windows(config)
+    c.eos_token_ids = recipe.eos_token_ids(config, gen)
+    tc = recipe.text_config(config)
     c.bos_token_id = getattr(tc, "bos_token_id", None)
     c.pad_token_id = getattr(tc, "pad_token_id", None)
     if c.hidden_size == 0:

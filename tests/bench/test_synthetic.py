@@ -118,3 +118,65 @@ def test_size_row_on_a_padded_decoder():
     r = size_row(sweep, tokens_per_step=1.5, rows_per_step=4.0)
     assert r["plain_rows"] == 2 and r["extra_row"] == pytest.approx(0.05) and r["genai_tok_s"] is None
     assert r["projected_speedup"] == pytest.approx(1.5 / 1.1)
+
+
+def test_vocabulary_cut_keeps_a_working_bpe(tmp_path, template):
+    """--vocab N: the template's first N tokens and only the merges among them; the cut tokenizer
+    still spells every text (in shorter pieces), and the model's tables are N rows."""
+    rec = write_llama_gguf(tmp_path / "cut.gguf", TINY, template, vocab=18)
+    f = gguf.GGUFReader(rec["path"]).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    assert rec["vocab"] == 18 and len(tokens) == 18 and len(f["tokenizer.ggml.token_type"].contents()) == 18
+    assert f["tokenizer.ggml.merges"].contents() == ["h e", "l l", "he ll", "hell o"]  # "Ġ w"... made cut tokens
+    assert rec["parameters"] == TINY.parameters(18)
+    model, tok, _, _ = sources.load_model_and_tokenizer(sources.resolve(rec["path"]))
+    assert model.config.vocab_size == len(tok) == 18
+    ids = tok.encode("hello world")
+    assert max(ids) < 18 and tok.decode(ids) == "hello world"
+    with pytest.raises(ValueError, match="cannot make a vocabulary of 99"):
+        write_llama_gguf(tmp_path / "big.gguf", TINY, template, vocab=99)
+
+
+def test_vocabulary_cut_refuses_what_it_cannot_cut(template):
+    from dejavuu_build.bench.synthetic import _tokenizer_fields, cut_vocabulary
+
+    fields = _tokenizer_fields(template)
+    assert cut_vocabulary(fields, 21) is fields  # the whole vocabulary: unchanged
+    with pytest.raises(ValueError, match="special token id"):
+        cut_vocabulary(fields, 2)  # EOS is id 2
+    spm = [(k, "llama" if k == "tokenizer.ggml.model" else v, t, s) for k, v, t, s in fields]
+    with pytest.raises(ValueError, match="only a BPE"):
+        cut_vocabulary(spm, 10)
+
+
+def test_speed_build_writes_only_what_a_speed_row_times(tmp_path, template, cache_dir):
+    """The speed-only build: int4 and its static flavour (the default), no fp32 graph, no torch
+    references, every variant marked speed_only; the runtime loads it and decodes; a full build of
+    the same name is never replaced by one."""
+    from dejavuu_build import schema as S
+    from dejavuu_build.bench.synthetic import SPEED_ONLY, speed_build
+    from dejavuu_build.errors import CacheError
+    from dejavuu_build.runtime import load
+    from dejavuu_build.runtime.model import read_checked_manifest
+
+    gguf_path = tmp_path / "s.gguf"
+    write_llama_gguf(gguf_path, LlamaShapes(hidden=64, layers=1, heads=4, kv_heads=2, ffn=96, context=128), template)
+    folder = speed_build(gguf_path, "synth-speed", threads=1)
+    m = read_checked_manifest(folder)
+    assert set(m.variants) == {"int4", "int4-static"} and m.default_variant == "int4-static"
+    assert m.build_config["speed_only"] == SPEED_ONLY and m.batched == {"skipped": SPEED_ONLY}
+    for rec in m.variants.values():
+        assert rec.passed and rec.gates == {"speed_only": {"passed": True, "why": SPEED_ONLY}}
+        assert rec.row_guard  # guarded (or marked padded) as a full build writes it
+    files = {p.name for p in folder.iterdir()}
+    assert S.variant_file(S.FP32) not in files and S.REFERENCE_FILE not in files
+    assert m.variants["int4-static"].calibration["key"]  # measured at build: bench measures nothing
+    model = load("synth-speed", threads=1)
+    assert model.variant == "int4-static"
+    assert len(model.generate("hello", max_new_tokens=4).tokens) >= 1
+    # a full build of a name is never replaced by a speed-only one
+    full = cache_dir / "synth-full"
+    full.mkdir()
+    (full / S.MANIFEST_FILE).write_text('{"build_config": {}}')
+    with pytest.raises(CacheError, match="is a full build"):
+        speed_build(gguf_path, "synth-full", threads=1)
