@@ -20,10 +20,14 @@ A GGUF user already has llama.cpp, so ``--compare llamacpp`` times it beside our
   AVX2 only, and ``describe()`` records the library's own system info). The wheel's libraries
   ask for glibc 2.38 for four C23 parsing functions only (``__isoc23_strtol`` …); on an older
   glibc they are loaded from a patched copy (:func:`glibc_compat_copy`) in the peers' cache.
-* **OpenMP waits passively** unless you set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``: the wheel's
-  llama.cpp is built with OpenMP, whose threads spin at every barrier, and on a shared 2-core
-  machine (load 8-10) that made a 135M model decode at 0.4 tok/s against 9.8-10.2 with passive
-  waits (GOMP_SPINCOUNT 10000: 6.1, 100000: 1.6); ``describe()`` records the policy it ran with.
+* **OpenMP spins briefly** (``GOMP_SPINCOUNT=10000``) unless you set ``OMP_WAIT_POLICY`` or
+  ``GOMP_SPINCOUNT``: the wheel's llama.cpp is built with OpenMP, whose threads meet at a barrier
+  per op. Spinning without end (``ACTIVE``) keeps its threads busy after a step, in our process,
+  and halved our own decoding beside it (49 vs 125 tok/s); waiting passively makes every barrier
+  a wake-up (quiet AVX-512 Xeon, SmolLM2-135M: 35 tok/s passive, 121 with 10000 spins, 107 with
+  100000, 100 active; 2026-12-05). On a loaded 2-core machine (load 8-10) the order flips (passive
+  9.8-10.2 tok/s, 10000 spins 6.1, 100000 1.6, default spinning 0.4): there no figure means much.
+  ``describe()`` records the policy it ran with.
 * **A peer that cannot run is one line**, and the bench goes on without it.
 """
 
@@ -46,6 +50,7 @@ from .peer import KINDS, PeerResult, one_line
 LLAMACPP, LLAMACPP_LOOKUP = KINDS["llamacpp"].methods  # plain decoding, prompt lookup
 INSTALL_HINT = 'pip install -e ".[llamacpp]" (or pip install llama-cpp-py-sync)'
 LIB_ENV = "DEJAVUU_LLAMA_CPP_LIB"
+SPINCOUNT = "10000"  # GOMP_SPINCOUNT unless the user sets a wait policy (module docstring: measured)
 LOOKUP = (2, 10)  # llama-cpp-python's LlamaPromptLookupDecoding defaults: max_ngram_size, num_pred_tokens
 N_CTX = 4096  # KV positions of the peer's context (prompt + generation must fit)
 N_BATCH = 512  # ids per prefill forward
@@ -182,7 +187,7 @@ def require_llamacpp(cache: Path | None = None) -> tuple[Any, Any, str]:
         raise PeerError(f"--compare llamacpp needs llama.cpp's C API: {INSTALL_HINT}") from None
     ffi = get_ffi()
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read once, when the OpenMP runtime loads (module docstring)
+        os.environ["GOMP_SPINCOUNT"] = SPINCOUNT  # read once, when the OpenMP runtime loads (module docstring)
     own = os.environ.get(LIB_ENV)
     path = Path(own) if own else Path(llama_cpp_py_sync.__file__).parent / "libllama.so"
     if not path.is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -234,3 +235,18 @@ def test_a_peer_failing_on_a_prompt_is_one_line_and_the_run_goes_on(gguf_build, 
     assert plain == {("1", 1), ("81", 1), ("81", 2)} and lookup == {("1", 1)}  # skipped where it refused
     assert any("llamacpp-lookup skipped on prompt" in m and "cannot rewind" in m for m in caplog.messages)
     assert report.row("overall", "pld").x_peer["llamacpp"] is not None
+
+
+def test_openmp_spins_briefly_unless_the_user_chose(monkeypatch):
+    """The peer's OpenMP wait policy (module docstring: measured): a short spin by default, the
+    user's own setting untouched."""
+    from dejavuu_build.bench import llamacpp
+
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    llamacpp.require_llamacpp()
+    assert os.environ["GOMP_SPINCOUNT"] == llamacpp.SPINCOUNT and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    llamacpp.require_llamacpp()
+    assert "GOMP_SPINCOUNT" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
