@@ -34,7 +34,8 @@ def to_rowwise_kv(model, capacity: int, *, fuse: bool = True):
     bias masks what lies beyond the context.
 
     Graph I/O after the pass:
-        input_ids [1, R] | inputs_embeds [1, R, H]; position_ids [1, R]; logits, hidden_states [1, R, ...]
+        input_ids [1, R] | inputs_embeds [1, R, H]; position_ids [1, R]; hidden_states [1, R, H]
+        logits [1, R - logits_from, V]; logits_from [1]: the first row given logits (0: all; common.slice_logits)
         attention_bias [1, 1, R, L]   per row, over the L buffer positions (rows write past..past+R-1)
         kv_write_index [1]            the first position written (the past length)
         past_key_values.{i}.* / present.{i}.*  [1, KV, L, D], one buffer bound as both

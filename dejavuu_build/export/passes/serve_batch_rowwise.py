@@ -15,7 +15,7 @@ differ. A batch adds a leading axis and nothing that mixes requests:
 A request with fewer rows than the step's longest is right-padded: its pad rows are real graph
 rows whose K/V land past the request's length (masked for its real rows, overwritten by its next
 step), so they never count. L is shared by the batch; a row's bits do not depend on L as long as
-it is a multiple of the buffer's tile (runtime.decoder.ROWWISE_TILE), which the gate checks
+it is a multiple of the buffer's tile (layouts.rowwise.TILE), which the gate checks
 (serve.batch.measure_exact: requests alone at their own L, side by side at a larger one).
 
 The rewrite itself: every batch-1 dimension of the graph's I/O becomes ``batch``, and every

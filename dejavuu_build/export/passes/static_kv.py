@@ -21,7 +21,8 @@ period-aligned slots (runtime.tree.aligned_layout), and the pad slots between th
 attention only instead of a whole forward row each. A chain passes the identity.
 
 Graph I/O after the pass (names unchanged):
-    input_ids [1, R] | inputs_embeds [1, R, H]; logits, hidden_states [1, R, ...]
+    input_ids [1, R] | inputs_embeds [1, R, H]; logits [1, R - logits_from, V], hidden_states [1, R, H]
+    logits_from [1]                int64, the first row given logits (0: all; common.slice_logits)
     slot_rows [S], row_slots [R]   int64, as above
     position_ids [1, S]
     attention_bias [1, 1, S, P+S]  still past+new wide: the past length P is read off its shape
