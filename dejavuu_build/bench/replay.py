@@ -155,7 +155,7 @@ def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
     turns' answers as the bench sends them, and save the recording to ``path``."""
     from ..runtime import load
     from ..runtime.settings import DecodeSettings
-    from .runner import _fits
+    from .runner import prompt_fits
 
     if not cfg.greedy:
         raise BenchError("the replay needs greedy answers: drop --temperature")
@@ -164,7 +164,7 @@ def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
     if model.tokenizer is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
     prompts = select(
-        read_prompts(data), cfg.categories, cfg.per_category, lambda p: _fits(model, p, cfg.max_new_tokens)
+        read_prompts(data), cfg.categories, cfg.per_category, lambda p: prompt_fits(model, p, cfg.max_new_tokens)
     )
     if not prompts:
         raise BenchError("no prompt fits the model: lower --max-new-tokens")

@@ -222,7 +222,7 @@ def _tokenizer(model: Model) -> TextTokenizer:
     return model.tokenizer
 
 
-def _fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
+def prompt_fits(model: Model, p: Prompt, max_new_tokens: int) -> bool:
     """Whether the whole conversation (answers at their longest) fits the model's positions."""
     limit = model.contract.max_positions
     if not limit:
@@ -456,7 +456,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     tok = model.tokenizer
     if tok is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
-    fits = lambda p: _fits(model, p, cfg.max_new_tokens)  # noqa: E731
+    fits = lambda p: prompt_fits(model, p, cfg.max_new_tokens)  # noqa: E731
     prompts = select(corpus, cfg.categories, cfg.per_category, fits)
     if cfg.ngram and cfg.genai_ngram == NGRAM_SWEEP:  # fail before anything slow if nothing is left to sweep on
         from .ngram import sweep_prompts

@@ -356,7 +356,7 @@ def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: 
     cfg = TreeDecoderConfig(
         model=str(model),
         name=name,
-        variants=(S.FP32, "int4"),
+        variants=(S.FP32, S.INT4),
         kv_layouts=(S.KV_CONCAT, S.KV_STATIC),
         timing=False,
         threads=threads,
@@ -384,16 +384,16 @@ def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: 
                 )
                 manifest.build_config["speed_only"] = SPEED_ONLY
                 contract = read_contract(tmp)
-                quantize(tmp, manifest, ["int4"], Quantized())
+                quantize(tmp, manifest, [S.INT4], Quantized())
                 (tmp / S.variant_file(S.FP32)).unlink()  # the quantizer's source; a speed row never opens it
                 (tmp / (S.variant_file(S.FP32) + ".data")).unlink(missing_ok=True)
-                add_layouts(tmp, manifest, ["int4"], contract.max_positions, fp32=False)
+                add_layouts(tmp, manifest, [S.INT4], contract.max_positions, fp32=False)
                 sessions = {}
                 for v in list(manifest.variants):
                     guard_variant(tmp, manifest, v, contract, threads)
                     rec = manifest.variants[v]
                     rec.gates, rec.passed = {"speed_only": {"passed": True, "why": SPEED_ONLY}}, True
-                manifest.default_variant = S.variant_name("int4", S.KV_STATIC)
+                manifest.default_variant = S.variant_name(S.INT4, S.KV_STATIC)
                 manifest.default_reason = {"rule": SPEED_ONLY}
                 manifest.batched = {"skipped": SPEED_ONLY}
                 rec = manifest.variants[manifest.default_variant]
