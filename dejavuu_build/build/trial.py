@@ -71,6 +71,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             else f"not faster by {MIN_SPEEDUP:.0%} in every round: not kept",
         )
         if rec["kept"]:
+            guard_variant(folder, manifest, precision, g.contract, g.threads)  # its concat base, as _add guards it
             for v in (precision, name):
                 validate(g, v, fresh=True)
             quality(g, [precision, name])

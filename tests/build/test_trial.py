@@ -57,5 +57,7 @@ def test_a_faster_trial_is_gated_and_becomes_a_candidate(cache_dir, monkeypatch)
     for v in ("int8", name):  # its concat base and the trial flavour, gated like every variant
         assert m.variants[v].passed and "quality" in m.variants[v].gates, v
         assert (r.folder / m.variants[v].file).is_file() and m.variants[v].file in m.files
+    assert m.variants["int8"].row_guard  # its rows measured (and guarded where needed) on this machine
+    assert m.variants["int8"].length_invariant == m.variants["int4"].length_invariant  # guarded as _add guards int4
     assert name in m.default_reason["candidates"]
     assert m.quantize["variants"] == ["int4", "int8"]
