@@ -194,21 +194,18 @@ def bench(
     for k in compare_t:
         KINDS[k].require()  # a missing package: one line and exit 2, before anything slow
     if replay_file:
-        _replay(
-            replay_file,
-            model,
-            methods,
-            per_category,
-            categories,
-            max_new_tokens,
-            threads,
-            width,
-            variant,
-            data,
-            out,
-            row_costs,
-            step_ms,
+        what = BenchConfig(
+            model=model,
+            methods=_csv(methods),
+            categories=_csv(categories),
+            per_category=per_category,
+            max_new_tokens=max_new_tokens,
+            threads=threads,
+            width=width,
+            variant=variant,
+            data=data,
         )
+        _replay(replay_file, what, out, row_costs, step_ms)
         return
     if row_costs or step_ms is not None:
         raise BenchError("--row-costs and --step-ms go with --replay")
@@ -259,22 +256,9 @@ def bench(
     click.echo("results: " + ", ".join(str(p) for p in report.files.values()))
 
 
-def _replay(
-    path,
-    model,
-    methods,
-    per_category,
-    categories,
-    max_new_tokens,
-    threads,
-    width,
-    variant,
-    data,
-    out,
-    row_costs,
-    step_ms,
-) -> None:
-    """``bench --replay``: record FILE if it is missing, then replay the methods against it."""
+def _replay(path, cfg: BenchConfig, out, row_costs, step_ms) -> None:
+    """``bench --replay``: record FILE if it is missing (plain decoding of ``cfg``'s prompts), then
+    replay ``cfg``'s methods against it."""
     from . import replay as R
 
     file = Path(path).expanduser()
@@ -282,32 +266,21 @@ def _replay(
         rec = R.Recording.load(file)
         logger.info("replaying %d recorded turns of %s from %s", len(rec.turns), rec.model, file)
     else:
-        cfg = BenchConfig(
-            model=model,
-            categories=_csv(categories),
-            per_category=per_category,
-            max_new_tokens=max_new_tokens,
-            threads=threads,
-            width=width,
-            variant=variant,
-            data=data,
-        )
         rec = R.record(cfg, file)
     cost = None
     if row_costs:
         vals = [float(v) for v in _csv(row_costs)]
         cost = {r: max(vals[:r]) for r in range(1, len(vals) + 1)}
-    wanted = [m for m in _csv(methods) if m != "baseline"]
     turns_cats = set(t.category for t in rec.turns)
-    cats = [c for c in _csv(categories) if c in turns_cats] or None
+    cats = [c for c in cfg.categories if c in turns_cats] or None
     rows = R.replay(
         rec,
-        ["baseline", *wanted],
+        list(cfg.methods),  # baseline first (BenchConfig)
         cost=cost,
         step_ms=step_ms,
         categories=cats,
-        per_category=per_category,
-        budget=DraftBudget(max_nodes=S.DEFAULT_MAX_DEPTH, max_depth=S.DEFAULT_MAX_DEPTH, width=width),
+        per_category=cfg.per_category,
+        budget=DraftBudget(max_nodes=S.DEFAULT_MAX_DEPTH, max_depth=S.DEFAULT_MAX_DEPTH, width=cfg.width),
     )
     click.echo(R.table(rows))
     if out:
