@@ -16,6 +16,7 @@ from .. import precisions as P
 from .. import schema as S
 from ..layouts import capacity
 from ..log import logger, step
+from ..runtime.session import make_session
 from ..schema import variant_file
 from .default import MIN_SPEEDUP, candidates, preference
 from .row_guard import guard_variant
@@ -47,8 +48,6 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         rec = {"against": first, "kept": False}
         trials[name] = rec
         with step(f"trial of {name} against {first} (kept only if faster), interleaved"):
-            from ..runtime.session import make_session
-
             own = (
                 make_session(folder / variant_file(name), threads=g.threads),
                 S.variant_contract(g.contract, manifest.variants[name]),

@@ -328,7 +328,7 @@ class PaddedDriver(Driver):
                 slot_rows = np.zeros(m, np.int64)
                 slot_rows[list(slots)] = np.arange(n)
                 feeds[S.SLOT_ROWS], feeds[S.ROW_SLOTS] = slot_rows, np.asarray(slots, np.int64)
-        start = 0 if pad or slots is not None else self.logits_start(len(toks), last)
+        start = 0 if slots is not None else self.logits_start(len(toks), last)  # a padded lone row: 0
         if self.logits_from:  # always fed: an in-place cache's binding keeps what it was last given
             feeds[S.LOGITS_FROM] = np.array([start], np.int64)
         return self.run_step(feeds, kv, n, m, len(toks), copy, pad, start)

@@ -252,8 +252,8 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
     on an Intel AMX Xeon: docs/exactness.md). Within the best verdict reached, the file's own
     blocks where they reach it too (``plan.carry_table``: the table is the file's, exactly), else
     the largest block (fewest scales); with ``carry_table`` off, the file's blocks only where they
-    run at most ``plan.table_carry_slowdown`` times slower at 1, 2 and 8 rows (timed here). Returns the record the quantize report keeps (block, carried, why, what
-    was measured)."""
+    run at most ``plan.table_carry_slowdown`` times slower at 1, 2 and 8 rows (timed here).
+    Returns the record the quantize report keeps (block, carried, why, what was measured)."""
     bits, acc = plan.lm_head_bits, plan.accuracy_level
     cands = table_blocks(k, plan.lm_head_block)
     if file_block and k % file_block == 0 and file_block not in cands:
