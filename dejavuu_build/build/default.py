@@ -16,6 +16,12 @@ from ..schema import Manifest, VariantRecord
 MIN_SPEEDUP = 0.10
 
 
+def faster_every_round(mine: list[float], theirs: list[float], margin: float = MIN_SPEEDUP) -> bool:
+    """Whether ``mine`` (per-round costs) beat ``theirs`` by more than ``margin`` in every round:
+    the one rule by which timing displaces a variant (the picker, build.trial's speed trials)."""
+    return all(a < (1 - margin) * b for a, b in zip(mine, theirs))
+
+
 def keeps_answers(variant: str, rec: VariantRecord) -> bool:
     """The variant's quality gate meets its precision's default floors (precisions.Precision:
     default_top1, default_mean_kl): what a default must keep of the model, whatever its size or
@@ -112,7 +118,7 @@ def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
         return smallest, why
     noise = max((max(x) - min(x)) / float(np.median(x)) for x in rounds.values())
     margin = max(MIN_SPEEDUP, 3 * noise)
-    faster = [n for n in passing if n != first and all(a < (1 - margin) * b for a, b in zip(rounds[n], rounds[first]))]
+    faster = [n for n in passing if n != first and faster_every_round(rounds[n], rounds[first], margin)]
     pick = min(faster, key=lambda n: (float(np.median(rounds[n])), pref(n))) if faster else first
     why.update(
         noise=round(noise, 4),

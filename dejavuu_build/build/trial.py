@@ -18,7 +18,7 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import MIN_SPEEDUP, candidates, preference
+from .default import MIN_SPEEDUP, candidates, faster_every_round, preference
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
@@ -58,7 +58,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
         rec["round_costs_ms"] = {first: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
-        rec["kept"] = all(a < (1 - MIN_SPEEDUP) * b for a, b in zip(mine, theirs))
+        rec["kept"] = faster_every_round(mine, theirs)
         logger.info(
             "  %s: %.2fx the step cost of %s (median of %d rounds): %s",
             name,
