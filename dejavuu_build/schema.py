@@ -84,6 +84,7 @@ VARIANTS = tuple(PRECISIONS)
 # KV layouts: how a variant's graph holds its cache (Contract.kv_layout, VariantRecord.kv_layout).
 KV_CONCAT = "concat"  # present = past + new: the exported graph, what other runtimes load
 KV_STATIC = "static"  # in place: GroupQueryAttention over one bound buffer (export.passes.static_kv)
+GQA_MIN_ROWS = 2  # GroupQueryAttention's rows agree bit for bit among any row counts >= 2, not with 1
 KV_ROWWISE = "rowwise"  # in place, every query row on one-row kernels (export.passes.rowwise_kv)
 KV_LAYOUTS = (KV_CONCAT, KV_STATIC, KV_ROWWISE)  # what the build does with each: layouts.LAYOUTS (its registry)
 STATIC_SUFFIX = "-static"  # "int4-static": int4 with the in-place KV cache

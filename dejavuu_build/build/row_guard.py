@@ -1,6 +1,6 @@
 """The row guard: measure each op of a variant for row invariance on this machine and guard the
-ops that need two rows, so a lone token runs as one graph row (a layout that pads lone tokens,
-layouts.Layout.padded, is left as it is); and the fp32 export as the quantizer must read it,
+ops that need two rows, so a lone token runs as one graph row (every layout: the static flavour
+floors its attention rows in the graph itself); and the fp32 export as the quantizer must read it,
 without a guard (unguarded)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import schema as S
-from ..layouts import LAYOUTS
 from ..log import logger, step
 from ..schema import Manifest, VariantRecord, variant_file
 
@@ -21,10 +20,9 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
     guard the ops that need two rows (export.passes.row_guard), so the graph is length-invariant
     by construction where its ops allow: a lone token then runs as one graph row, in our runtime or
     any other. Attention above head size 128 gets its key floor first (export.passes.key_floor), so
-    a step's row count never changes how the kernel reduces a head. The static flavour is left as
-    it is: GroupQueryAttention's lone row differs from its multi-row one whatever the pad, so its
-    runtime pads a lone token instead (layouts.Layout.padded; its key floor is part of the graph:
-    static_kv)."""
+    a step's row count never changes how the kernel reduces a head. The static flavour's
+    GroupQueryAttention is not probed: its floors (rows and keys) are part of the graph (static_kv),
+    and the batched gate checks the whole graph."""
     import onnx
 
     from ..export.exactness import probe
@@ -35,9 +33,6 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
     precision, layout = S.split_variant(v)
     rec = manifest.variants.get(v) or manifest.variants.setdefault(v, VariantRecord(file=variant_file(v)))
     if rec.row_guard:  # carried from an earlier build (quant-only): measured and guarded there
-        return
-    if LAYOUTS[layout].padded:
-        rec.row_guard = {"length_invariant": False, "why": LAYOUTS[layout].padded}
         return
     path = folder / variant_file(v)
     with step(f"row invariance of {v}, per op, on this CPU"):

@@ -43,7 +43,6 @@ class Layout:
     # (concat proto, capacity) -> this layout's graph (ExportError: no such flavour); None: the export itself
     graph_pass: Callable[[Any, int], Any] | None = None
     optional: bool = True  # a graph the pass does not apply to: the build goes on without it (else raises)
-    padded: str = ""  # why lone tokens are padded whatever the graph (no row guard); "": probe and guard
     batch: str = S.KV_STATIC  # the layout whose batched serving graph a default of this layout gets
     # (proto of this layout, its name) -> its batched serving graph (ContractError: does not apply)
     batch_pass: Callable[[Any, str], Any] | None = None

@@ -2,10 +2,15 @@
 ``[1, kv_heads, capacity, head_dim]`` buffer, bound through I/O binding as both past and present
 (export.passes.static_kv), so a step writes its new rows only.
 
-Its lone row differs from its multi-row one whatever the pad, so a lone token is padded to two rows
-(PaddedDriver) and no row guard applies. A tree comes in its aligned slot layout; the graph takes
-the slots as two index inputs (``slot_rows``, ``row_slots``: ``sparse``), so pad slots cost
-attention only. Its batched serving graph (export.passes.serve_batch) is driven by ``StaticBatch``.
+GroupQueryAttention's lone row differs from its multi-row one, so the graph runs every GQA on at
+least two query rows itself (static_kv's floor: a zero row after a lone one) and a lone token is
+one graph row wherever the graph is length-invariant (its other ops probed and guarded like any
+layout's: build.row_guard); a graph built before the floor has no such record, and the runtime
+pads its lone tokens to two rows (PaddedDriver). The floor's extra row is written one position
+past the context, so a step keeps that position free (``run_step``). A tree comes in its aligned
+slot layout; the graph takes the slots as two index inputs (``slot_rows``, ``row_slots``:
+``sparse``), so pad slots cost attention only. Its batched serving graph
+(export.passes.serve_batch) is driven by ``StaticBatch``.
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ class StaticDriver(PaddedDriver):
         engine's hot path reads them before that; callers that keep outputs get copies)."""
         import onnxruntime as ort
 
-        check_room(kv, m)
+        check_room(kv, max(m, S.GQA_MIN_ROWS))  # a lone row's floor row is written after it
         b = kv.binding
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
@@ -127,11 +132,12 @@ class StaticDriver(PaddedDriver):
 class StaticBatch(BatchDriver[Owner]):
     """A static variant's batched graph (export.passes.serve_batch): one KV buffer row per active
     request, all rows in one array ``[2 * layers, max_batch, kv_heads, capacity, head_dim]``. A step
-    feeds each request's rows right-padded to the longest (``query_seqlens``), exactly the rows
-    StaticDriver would feed it alone -- a one-token step becomes two rows, a tree's tokens sit at
-    their period-aligned attention slots (pad slots read the root row and exist in attention
-    only) -- so each row's logits are bit-identical to decoding that request alone (rows are
-    independent for any row count >= 2)."""
+    feeds each request's rows right-padded to the longest (``query_seqlens``), the rows
+    StaticDriver would feed it alone -- a one-token step is one row in two attention slots, as the
+    single graph's floor runs it, a tree's tokens sit at their period-aligned attention slots (pad
+    slots read the root row and exist in attention only) -- so each row's logits are bit-identical
+    to decoding that request alone (GroupQueryAttention's rows are independent for any row count
+    >= 2, the other ops' for any row count where the graph is length-invariant)."""
 
     def __init__(self, decoder: Host, path: Path, max_batch: int, threads: int):
         super().__init__(decoder, path, max_batch, threads)
@@ -143,14 +149,16 @@ class StaticBatch(BatchDriver[Owner]):
         B = len(rows)
         fed: list[Rows | None] = []
         for r in rows:
-            if r is not None and len(r.tokens) == 1 and r.slots is None:  # as StaticDriver: one -> two rows
-                r = Rows(r.tokens * 2, [-1, -1], None if r.embeds is None else np.concatenate([r.embeds] * 2))
+            if r is not None and len(r.tokens) == 1 and r.slots is None:
+                # as the single graph's floor: one row, two attention slots (the second a pad slot,
+                # masked for the row, its K/V written past the context); the batched graph has no floor
+                r = Rows(r.tokens, [-1] * S.GQA_MIN_ROWS, r.embeds, slots=[0])
             fed.append(r)
         widths = [
             0 if r is None else len(r.parents) if r.slots is not None and r.parents is not None else len(r.tokens)
             for r in fed
         ]
-        W = max([2] + widths)  # attention slots per entry (a tree's aligned layout)
+        W = max([S.GQA_MIN_ROWS] + widths)  # attention slots per entry (a tree's aligned layout)
         lens = [self.lengths[lo + b] for b in range(B)]
         for b, r in enumerate(fed):
             if r is not None and lens[b] + W > self.capacity:
@@ -230,7 +238,6 @@ LAYOUT = Layout(
     step="static KV flavour of {p} (GroupQueryAttention, capacity {c})",
     graph_pass=_graph_pass,
     optional=False,
-    padded="GroupQueryAttention: lone tokens are padded by the runtime",
     batch_pass=_batch_pass,
     batch_driver=StaticBatch,
 )

@@ -122,7 +122,7 @@ def batch_decoder(decoder: Decoder, path: Path, max_batch: int, threads: int) ->
 # What the server checks on its own machine before it batches (a few forwards) and what the build
 # gates the graph with: (past, row counts of its steps) per request, side by side in one batch.
 START_CHECK = ((11, (1, 3, 5)), (23, (5, 1, 3)))
-# the build's gate: pasts whose steps cross 64 and 256 positions, steps of 1 (padded to two rows) to 8 rows
+# the build's gate: pasts whose steps cross 64 and 256 positions, steps of 1 (a lone token) to 8 rows
 GATE_CHECK = ((11, (1, 3, 5, 8)), (70, (5, 8, 1, 3)), (250, (3, 1, 8, 5)))
 
 

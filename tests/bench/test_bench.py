@@ -212,14 +212,26 @@ def test_raw_one_row_baseline_is_timed_not_gated(tiny_llama, tmp_path):
     assert all(r["gated"] for r in recs if r["method"] != "baseline_n1")
 
 
-@pytest.mark.parametrize("variant,pad", [("int4-rowwise", False), ("int4-static", True)])
+@pytest.mark.parametrize("variant,pad", [("int4-rowwise", False), ("int4-static", False), ("int4-static", True)])
 def test_methods_decode_as_generate_does(tiny_llama, data, tmp_path, monkeypatch, variant, pad):
     """The bench never changes how a method decodes: each runs with the decoder's own pad-row
-    setting (a rowwise decoder has none, so no pad-row fill and a lone token costs one row, as a
-    user's `generate` gets); only the raw reference baseline_n1 drops a padded decoder's pad row.
-    (It once forced the pad row on every method, so rowwise runs were timed with the fill.)"""
+    setting (a length-invariant decoder has none, so no pad-row fill and a lone token costs one
+    row, as a user's `generate` gets); only the raw reference baseline_n1 drops a padded decoder's
+    pad row. (It once forced the pad row on every method, so rowwise runs were timed with the
+    fill.) ``pad``: the static decoder as a graph built before its attention floor loads (the
+    runtime pads its lone tokens)."""
     seen: list[bool] = []
     original = Model.generate
+    if pad:
+        from dejavuu_build.runtime.decoder import Decoder
+
+        init = Decoder.__init__
+
+        def padded(self, *a, **kw):
+            init(self, *a, **kw)
+            self.pad_single = True
+
+        monkeypatch.setattr(Decoder, "__init__", padded)
 
     def spy(self, prompt, settings=None, **kw):
         method = settings.method if settings else kw.get("method")

@@ -60,6 +60,64 @@ def test_tree_pad_slots_cost_attention_only(static):
         kv.release()
 
 
+def test_a_lone_token_is_one_row_bit_equal_to_its_verified_rows(static, tiny_llama):
+    """The graph floors GroupQueryAttention at two query rows itself (static_kv._Floor), so the
+    build records it length-invariant and the runtime feeds a lone token as ONE graph row; each
+    row of 2/3/5/8-row verify steps is bit-equal to the same token decoded alone, at pasts on
+    both sides of the key-block edges (without the floor, GQA's one-row kernel gives a lone row
+    other bits: 0 of 144 rows equal on SmolLM2 here, docs/exactness.md)."""
+    from dejavuu_build.schema import read_manifest
+
+    rec = read_manifest(tiny_llama).variants["int4-static"]
+    assert rec.length_invariant, rec.row_guard
+    dec = static.decoder
+    assert not dec.pad_single and dec.single_rows == 1
+    fed = []
+    ids = static.encode(PROMPTS[0]) * 6
+    for past in (len(ids) // 6, 63, 64, 70):
+        toks = ids[past : past + 8]
+        kv = dec.new_cache()
+        try:
+            _, _, pres = dec.forward(ids[:past], None, kv, last=1)
+            kv.commit(pres, past, list(range(past)))
+            bind = kv.binding.bind_cpu_input
+
+            def spy(name, arr, bind=bind):
+                fed.append((name, arr.shape))
+                bind(name, arr)
+
+            kv.binding.bind_cpu_input = spy
+            lone = []
+            for t in toks:
+                lg, _, pres = dec.forward([t], None, kv)
+                kv.commit(pres, 1, [0])
+                lone.append(lg[-1])
+            kv.binding.bind_cpu_input = bind
+            for r in (2, 3, 5, 8):
+                kv.truncate(past)
+                lg, _, _ = dec.forward(toks[:r], None, kv)
+                for i in range(r):
+                    np.testing.assert_array_equal(lg[i], lone[i], err_msg=f"past {past}, row {i} of {r}")
+        finally:
+            kv.release()
+    assert {shape for name, shape in fed if name == "input_ids"} == {(1, 1)}  # one graph row each
+
+
+def test_a_lone_step_keeps_room_for_the_floor_row(static):
+    """The floor writes its extra row one position past the context: a lone step on the last free
+    position is refused clearly instead of writing beyond the buffer."""
+    from dejavuu_build.errors import GenerationError
+
+    dec = static.decoder
+    kv = dec.new_cache()
+    try:
+        kv.length = kv.capacity - 1
+        with pytest.raises(GenerationError, match="KV cache holds"):
+            dec.forward([5], None, kv)
+    finally:
+        kv.release()
+
+
 def test_commit_moves_only_accepted_rows():
     rng = np.random.default_rng(0)
     buf = rng.standard_normal((4, 1, 2, 32, 8)).astype(np.float32)

@@ -196,13 +196,19 @@ def test_the_static_batched_graph_still_batches_its_variant(tiny_llama, tmp_path
     """The static flavour (`serve --variant <a static default>`) keeps working: made on the fly
     here, since the build writes the batched graph of the default's layout only."""
     from dejavuu_build.export.passes.serve_batch import to_serve_batch
+    from dejavuu_build.export.passes.static_kv import ROW_FLOOR_PREFIX
     from dejavuu_build.layouts.static import StaticBatch
     from dejavuu_build.serve.batch import START_CHECK
 
     path = tmp_path / "static.batched.onnx"
-    onnx.save(to_serve_batch(onnx.load(str(tiny_llama / S.variant_file("int4-static")))), str(path))
+    single = onnx.load(str(tiny_llama / S.variant_file("int4-static")))
+    assert any(ROW_FLOOR_PREFIX in n.name for n in single.graph.node)  # the single graph floors GQA's rows
+    batched = to_serve_batch(single)
+    assert not any(ROW_FLOOR_PREFIX in n.name and n.op_type in ("Pad", "Slice") for n in batched.graph.node)
+    onnx.save(batched, str(path))
     m = load(tiny_llama, variant="int4-static")
     batch = batch_decoder(m.decoder, path, 2, 1)
-    assert type(batch) is StaticBatch and batch.single_rows == 2
+    # a lone token: one row in two attention slots, as the single graph's floor runs it
+    assert type(batch) is StaticBatch and batch.single_rows == m.decoder.single_rows == 1
     res = measure_exact(m.decoder, batch, START_CHECK)
     assert res["passed"] and res["requests"] == 2, res

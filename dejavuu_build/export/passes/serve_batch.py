@@ -31,6 +31,7 @@ from ...schema import (
     UNPAD_INDEX,
 )
 from .common import drop_logits_slice
+from .static_kv import KEY_FLOOR_PREFIX, ROW_FLOOR_PREFIX
 
 # com.microsoft.GroupQueryAttention's inputs, by position
 QKV_INPUTS = (0, 1, 2)  # query (or packed q/k/v), key, value
@@ -62,11 +63,12 @@ def to_serve_batch(m, source: str = "the decoder"):
         raise ContractError(
             f"{source} has no GroupQueryAttention: batched serving needs a static-KV variant (`--kv-layouts static`)"
         )
-    if any("/kv_static/key_floor/" in n.name for n in g.node):
+    if any(KEY_FLOOR_PREFIX in n.name for n in g.node):
         raise ContractError(
             f"{source} feeds its GroupQueryAttention a key floor (head size above 128: export.passes.key_floor), "
             f"which the batched serving graph does not carry over per request"
         )
+    _strip_row_floor(g)
     names = {i.name for i in g.input}
     new_inputs = (SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX, GQA_POSITIONS)
     if any(n in names for n in new_inputs):
@@ -154,6 +156,23 @@ def to_serve_batch(m, source: str = "the decoder"):
     for v in [i for i in g.input if i.name not in used]:  # e.g. position_ids, now read by GQA only
         g.input.remove(v)
     return m
+
+
+def _strip_row_floor(g) -> None:
+    """Bypass the static graph's row floor (static_kv._Floor): the batch driver feeds every request
+    at least two attention slots itself (layouts.static.StaticBatch), so a request's rows meet the
+    same kernel path as when the single graph pads a lone row; the floor's rows would be padding
+    per batch, not per request. Its Pad/Slice nodes are bypassed and removed, the rest of it (the
+    row count it adds, zero here) is left to _prune."""
+    floor = [n for n in g.node if ROW_FLOOR_PREFIX in n.name and n.op_type in ("Pad", "Slice")]
+    bypass = {n.output[0]: n.input[0] for n in floor}
+    for n in floor:
+        g.node.remove(n)
+    for n in g.node:
+        for j, x in enumerate(n.input):
+            while x in bypass:
+                x = bypass[x]
+            n.input[j] = x
 
 
 def _attr(node, name: str) -> int:
