@@ -117,8 +117,9 @@ class SuffixVote(SuffixDecoding):
     ``length ** power`` of its own match with the context (``live`` times more inside this
     request). Each level drafts the token with the most weight among the occurrences that agreed
     with every level before it. A level's chance of acceptance is learnt per cell (the longest
-    agreeing match, the token's share of the weight, whether the model's own last output after the
-    token before it was this token, one or several occurrences), from every chain
+    agreeing match, the longest inside this request, the token's share of the weight, whether the
+    model's own last output after the token before it was this token, one or several occurrences),
+    from every chain
     built, scored against the tokens committed after it (so levels never verified are learnt too);
     the chain is cut at the depth maximising ``(1 + expected accepted) / verify time(rows)``, with
     verify time measured per row count (``Feedback.verify_seconds``, ``Feedback.rows``): depth 0,
@@ -193,19 +194,20 @@ class SuffixVote(SuffixDecoding):
         self.costs.learn(fb)
 
     # -- drafting --------------------------------------------------------------------------------
-    def _candidates(self, depth: int) -> tuple[list[list[int]], list[float], list[int]]:
-        """Continuations of the matching occurrences, their weights and match lengths."""
+    def _candidates(self, depth: int) -> tuple[list[list[int]], list[float], list[int], list[bool]]:
+        """Continuations of the matching occurrences, their weights, match lengths and whether each
+        lies inside this request."""
         idx = self._global
         t = idx.tokens
         q = self._hist[-self.max_match :]
         best = idx.longest_match(q, self.min_match, self.max_match)
         if not best:
-            return [], [], []
+            return [], [], [], []
         self.match_len = best
         ends = idx.match_ends(q[-best:], limit=self.max_candidates)
         if self.short < best:
             ends = list(dict.fromkeys(ends + idx.match_ends(q[-self.short :], limit=self.max_candidates)))
-        seqs, weights, lengths = [], [], []
+        seqs, weights, lengths, live = [], [], [], []
         nq = len(q)
         for e in ends:
             n = 0
@@ -216,12 +218,13 @@ class SuffixVote(SuffixDecoding):
                 continue
             seqs.append(seq)
             lengths.append(n)
-            weights.append(n**self.power * (self.live if e >= self._live_start else 1.0))
-        return seqs, weights, lengths
+            live.append(e >= self._live_start)
+            weights.append(n**self.power * (self.live if live[-1] else 1.0))
+        return seqs, weights, lengths, live
 
     def _draft(self, budget: DraftBudget) -> Draft:
         depth = budget.max_depth
-        seqs, weights, lengths = self._candidates(depth)
+        seqs, weights, lengths, live = self._candidates(depth)
         if not seqs:
             return Draft()
         if budget.tree:
@@ -241,12 +244,14 @@ class SuffixVote(SuffixDecoding):
             share = tally[tok] / sum(tally.values())
             active = [i for i in active if len(seqs[i]) > j and seqs[i][j] == tok]
             longest = max(lengths[i] for i in active) + j
+            inside = max((lengths[i] for i in active if live[i]), default=-1 - j) + j
             prev = chain[-1] if chain else self._hist[-1]
             said = self._succ.get(prev)
             agree = 1 if said is None else (2 if said == tok else 0)
             cells.append(
                 (
                     _bucket(longest, L_EDGES),
+                    _bucket(inside, L_EDGES) if inside >= 0 else -1,
                     _bucket(share, SHARE_EDGES),
                     agree,
                     min(len(active), 2),
