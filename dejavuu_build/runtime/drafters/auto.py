@@ -10,7 +10,7 @@ from typing import Sequence
 
 from .base import Draft, DraftBudget, Drafter, Feedback
 from .history import REGISTRY, HistoryDrafter, make_drafter, register
-from .sizing import VerifyCostModel
+from .sizing import RowCosts
 from .trees import accepted_length
 
 DEFAULT_MEMBERS = ("pld", "suffix_decoding", "token_recycling", "lookahead")
@@ -121,7 +121,7 @@ class Auto(Drafter):
         self._acc: list[dict[int, LevelAcceptance]] = [{-1: LevelAcceptance(forget)} for _ in range(k)]
         self._yield = [1.0] * k  # forgetful mean of accepted tokens a member's draft would give per query
         self._draft_s = [0.0] * k  # forgetful mean of each member's draft time
-        self._cost = VerifyCostModel()
+        self._cost = RowCosts()
         self._drafts: list[Draft] = [Draft()] * k
         self._buckets = [0] * k
         self._pending: list[tuple[int, int, int, Draft]] = []  # (history position, member, bucket, draft)
@@ -167,8 +167,7 @@ class Auto(Drafter):
         return e
 
     def _time(self, nodes: int) -> float:
-        a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
-        return a + b * self._cost.extra_rows(nodes)
+        return self._cost.seconds(nodes)
 
     def _best_cut(self, i: int, draft: Draft) -> tuple[float, int]:
         """(tokens per second, depth) of member ``i``'s draft cut at its best depth (0: drafting nothing)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .base import Draft, DraftBudget, Feedback
 from .history import register
+from .sizing import RowCosts
 from .suffix import SuffixDecoding
 from .suffix_index import SEP
 from .trees import continuation_tree
@@ -61,49 +62,6 @@ class Hazard:
             self.seen[key] = self.seen.get(key, 0.0) + 1.0
             if ok:
                 self.hit[key] = self.hit.get(key, 0.0) + 1.0
-
-
-class RowCosts:
-    """Verify seconds by graph rows: a forgetful mean per row count seen, a least-squares line
-    through them for the counts not seen yet (``prior``: relative costs until timings arrive)."""
-
-    def __init__(
-        self, prior: tuple[float, ...] = (1.0, 1.2, 1.4, 1.55, 1.7, 1.85, 2.0, 2.15, 2.3), forget: float = 0.95
-    ):
-        self.prior, self.forget = prior, forget
-        self.mean: dict[int, float] = {}
-        self.single_rows = 2  # a lone token's rows: 1 once a step without draft reports it (rowwise)
-
-    def learn(self, fb: Feedback) -> None:
-        if fb.drafted == 0 and fb.rows:
-            self.single_rows = min(self.single_rows, fb.rows)
-        rows = fb.rows or fb.drafted + 1
-        if fb.verify_seconds > 0 and rows > 0:
-            m = self.mean.get(rows)
-            self.mean[rows] = (
-                fb.verify_seconds if m is None else self.forget * m + (1 - self.forget) * fb.verify_seconds
-            )
-
-    def rows(self, drafted: int) -> int:
-        return max(drafted + 1, self.single_rows)
-
-    def cost(self, rows: int) -> float:
-        """Seconds (or, before any timing, relative units) of a step of ``rows`` rows."""
-        if rows in self.mean:
-            return self.mean[rows]
-        if not self.mean:
-            return self.prior[min(rows, len(self.prior)) - 1] + 0.15 * max(0, rows - len(self.prior))
-        xs = sorted(self.mean)
-        if len(xs) == 1:
-            x = xs[0]
-            rel = self.prior[min(rows, len(self.prior)) - 1] / self.prior[min(x, len(self.prior)) - 1]
-            return self.mean[x] * rel
-        n = len(xs)
-        mx = sum(xs) / n
-        my = sum(self.mean[x] for x in xs) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        b = max(sum((x - mx) * (self.mean[x] - my) for x in xs) / var, 0.0)
-        return max(my + b * (rows - mx), 1e-9)
 
 
 @register("suffix_vote")
@@ -268,12 +226,12 @@ class SuffixVote(SuffixDecoding):
     def _cut(self, cells: list[tuple]) -> int:
         """The depth maximising ``(1 + E[accepted]) / verify time(rows)`` (0: draft nothing)."""
         c = self.costs
-        best_n, best = 0, 1.0 / c.cost(c.rows(0))
+        best_n, best = 0, 1.0 / c.seconds(0)
         e = surv = 1.0
         for n, cell in enumerate(cells, 1):
             surv *= self.hazard.alpha(cell)
             e += surv
-            rate = e / c.cost(c.rows(n))
+            rate = e / c.seconds(n)
             if rate > best:
                 best_n, best = n, rate
         return best_n
