@@ -182,11 +182,10 @@ class RowCosts:
 
     def cost(self, rows: int) -> float:
         """Seconds (relative units before any timing) of a step of ``rows`` graph rows."""
-        if not self._table:
-            self._table = self._build(len(self.prior) + 8)
-        if rows < len(self._table):
-            return self._table[max(rows, 1)]
-        return max(self._line(rows), self._table[-1])
+        table = self._table or self._build()
+        if rows < len(table):
+            return table[max(rows, 1)]
+        return max(self._line(rows, self._fit()), table[-1])
 
     def seconds(self, drafted: int) -> float:
         """Verify seconds of a step drafting ``drafted`` chain nodes."""
@@ -196,25 +195,34 @@ class RowCosts:
         p = self.prior
         return p[min(rows, len(p)) - 1] + (p[-1] - p[-2]) * max(0, rows - len(p))
 
-    def _line(self, rows: int) -> float:
+    def _fit(self) -> tuple[float, float, int]:
+        """The line's ``(a, b, 0)``, or ``(mean, 0, rows)`` when one row count holds every timing
+        (its mean in the prior's shape), or ``(1, 0, 1)`` before any timing (the prior)."""
         w, sx, sxx, st, sxt = self._s
         if w <= 0:
-            return self._prior(rows)
+            return 1.0, 0.0, 1
         var = sxx * w - sx * sx
-        if var <= 1e-9 * max(w * w, 1.0):  # one row count seen: its mean, in the prior's shape
+        if var <= 1e-9 * max(w * w, 1.0):
             x = max(self.mean, key=self.weight.__getitem__)
-            return self.mean[x] * self._prior(rows) / self._prior(x)
+            return self.mean[x], 0.0, x
         b = max((sxt * w - sx * st) / var, 0.0)
-        a = (st - b * sx) / w
+        return (st - b * sx) / w, b, 0
+
+    def _line(self, rows: int, fit: tuple[float, float, int]) -> float:
+        a, b, x = fit
+        if x:
+            return a * self._prior(rows) / self._prior(x)
         return max(a + b * (rows - 1), 1e-9)
 
-    def _build(self, top: int) -> list[float]:
+    def _build(self) -> list[float]:
+        fit = self._fit()
         out = [0.0]
-        for r in range(1, top + 1):
-            line = self._line(r)
+        for r in range(1, max(len(self.prior), max(self.mean, default=0)) + 1):
+            line = self._line(r, fit)
             k = self.weight.get(r, 0.0)
             c = (k * self.mean[r] + self.shrink * line) / (k + self.shrink) if k else line
             out.append(max(c, out[-1]))
+        self._table = out
         return out
 
 
