@@ -67,8 +67,8 @@ class Auto(Drafter):
     ``n`` it can be cut to, at ``(1 + E[accepted | n]) / verify_time(rows(n))``, where the
     acceptance per level is learnt per member and match-length bucket from every draft any member
     made (counterfactually for those not played, scored against the tokens committed after it,
-    however many steps later), and ``verify_time`` is fitted to ``Feedback.verify_seconds`` over the
-    graph rows each step ran (``Feedback.rows``). The best (member, depth) is played; depth 0 is a
+    however many steps later), and ``verify_time`` is learnt from ``Feedback.verify_seconds`` over the
+    graph rows each step ran (``Feedback.rows``; ``sizing.RowCosts``). The best (member, depth) is played; depth 0 is a
     plain step (where a lone token is one graph row, a draft must earn its rows). With chance
     ``explore`` (default 0: the counterfactual scoring measures every level of every draft already)
     a random member's whole draft is played instead.
