@@ -10,10 +10,13 @@ from typing import Sequence
 
 from .base import Draft, DraftBudget, Drafter, Feedback
 from .history import REGISTRY, HistoryDrafter, make_drafter, register
-from .sizing import VerifyCostModel
+from .sizing import RowCosts
 from .trees import accepted_length
 
-DEFAULT_MEMBERS = ("pld", "suffix_decoding", "token_recycling", "lookahead")
+# suffix_vote alone: every other member added to it lowered the offline replay (docs/methods.md,
+# 2026-12-06); pass members= for a portfolio, e.g. ("pld", "suffix_decoding", "token_recycling",
+# "lookahead"), the default before, for trees (suffix_vote's tree is its uncut trie)
+DEFAULT_MEMBERS: tuple[str, ...] = ("suffix_vote",)
 # members draft as deep as the budget allows: auto cuts each draft where its measured acceptance stops paying
 DEFAULT_MEMBER_PARAMS: dict[str, dict] = {"suffix_decoding": {"spec_factor": None, "max_candidates": 8}}
 MAX_LEVEL = 16  # acceptance is tracked per draft level up to this depth (deeper levels share the last)
@@ -64,8 +67,8 @@ class Auto(Drafter):
     ``n`` it can be cut to, at ``(1 + E[accepted | n]) / verify_time(rows(n))``, where the
     acceptance per level is learnt per member and match-length bucket from every draft any member
     made (counterfactually for those not played, scored against the tokens committed after it,
-    however many steps later), and ``verify_time`` is fitted to ``Feedback.verify_seconds`` over the
-    graph rows each step ran (``Feedback.rows``). The best (member, depth) is played; depth 0 is a
+    however many steps later), and ``verify_time`` is learnt from ``Feedback.verify_seconds`` over the
+    graph rows each step ran (``Feedback.rows``; ``sizing.RowCosts``). The best (member, depth) is played; depth 0 is a
     plain step (where a lone token is one graph row, a draft must earn its rows). With chance
     ``explore`` (default 0: the counterfactual scoring measures every level of every draft already)
     a random member's whole draft is played instead.
@@ -73,7 +76,10 @@ class Auto(Drafter):
     Drafting itself costs time, which the per-step choice cannot win back once spent. So ``auto``
     also keeps, per request, a forgetful mean of what proposing saved per step against plain
     decoding at the fitted row costs (tokens committed × a one-row step, less the step's verify
-    and draft time); when it is negative it stops asking the members for drafts and decodes
+    and draft time), judged once it holds ``patience`` proposing steps' worth of evidence (a
+    self-sizing member that drafts nothing where nothing pays loses its draft time on each such
+    step: judged on a few of them, it would be silenced just before the text turns copyable);
+    when it is negative it stops asking the members for drafts and decodes
     plainly for ``backoff`` steps (doubling, up to ``max_backoff``, each time a probe does not
     pay), then proposes again: by construction it spends little more than plain decoding where
     drafting does not pay on this machine, and re-decides as acceptance changes.
@@ -96,7 +102,8 @@ class Auto(Drafter):
         member_params: dict[str, dict] | None = None,
         probe_every: int = 8,
         queried: int = 2,
-        gain_forget: float = 0.8,
+        gain_forget: float = 0.95,
+        patience: float = 8.0,
         backoff: int = 4,
         max_backoff: int = 64,
         fallback: bool = True,
@@ -114,6 +121,7 @@ class Auto(Drafter):
         self.explore, self.forget = explore, forget
         self.probe_every, self.queried = max(1, probe_every), max(1, queried)
         self.gain_forget, self.min_backoff, self.max_backoff = gain_forget, max(1, backoff), max(1, max_backoff)
+        self.patience = min(patience, 0.99 / (1.0 - gain_forget)) if gain_forget < 1 else patience
         self.fallback = fallback  # False: never decode plainly without asking the members (the old auto)
         self._rng = random.Random(seed)
         k = len(self.members)
@@ -121,7 +129,7 @@ class Auto(Drafter):
         self._acc: list[dict[int, LevelAcceptance]] = [{-1: LevelAcceptance(forget)} for _ in range(k)]
         self._yield = [1.0] * k  # forgetful mean of accepted tokens a member's draft would give per query
         self._draft_s = [0.0] * k  # forgetful mean of each member's draft time
-        self._cost = VerifyCostModel()
+        self._cost = RowCosts()
         self._drafts: list[Draft] = [Draft()] * k
         self._buckets = [0] * k
         self._pending: list[tuple[int, int, int, Draft]] = []  # (history position, member, bucket, draft)
@@ -167,8 +175,7 @@ class Auto(Drafter):
         return e
 
     def _time(self, nodes: int) -> float:
-        a, b = self._cost.coefficients() if self._cost.ready else (1.0, 0.0)
-        return a + b * self._cost.extra_rows(nodes)
+        return self._cost.seconds(nodes)
 
     def _best_cut(self, i: int, draft: Draft) -> tuple[float, int]:
         """(tokens per second, depth) of member ``i``'s draft cut at its best depth (0: drafting nothing)."""
@@ -316,7 +323,7 @@ class Auto(Drafter):
         w = self._gain_w * self.gain_forget
         self._gain = (self._gain * w + saved) / (w + 1.0)
         self._gain_w = w + 1.0
-        if self.fallback and self._gain_w >= 3.0 and self._gain < 0.0:
+        if self.fallback and self._gain_w >= self.patience and self._gain < 0.0:
             self._plain_left = self._backoff
             self._backoff = min(2 * self._backoff, self.max_backoff)
             self._gain_w = 0.0  # the next probe is judged on its own steps

@@ -3,8 +3,9 @@
 Drafters find candidates; a :class:`Sizer` decides how much of them is worth verifying. The
 policies here are shared: a fixed budget (optionally proportional to the match length, as in
 SuffixDecoding), additive-increase / shrink-toward-accepted (ANPD), acceptance calibrated per
-match length (adaptive SAM), and the same plus a fitted verify-cost model (the ``_verify``
-variants and ``auto``).
+match length (adaptive SAM), and the same plus the verify-cost model (:class:`RowCosts`: verify
+seconds by graph rows, learnt from feedback timings), which ``suffix_vote`` and ``auto`` price their
+drafts with too.
 """
 
 from __future__ import annotations
@@ -108,69 +109,129 @@ class CalibratedSizer(Sizer):
         self._misses[b] = self._misses.get(b, 0.0) + (1.0 if fb.accepted < depth else 0.0)
 
 
-class VerifyCostModel:
-    """Forgetful least-squares fit of verify time ``t(n) = a + b*n`` over a step's graph rows
-    beyond the first (``learn``), or over any count fed to ``observe``.
+# relative verify cost of a step of 1, 2, ... graph rows before any timing (a CPU's shape: the
+# probes in docs/methods.md put a second row at +17-48%, 8 rows at 2.1-2.9x one)
+PRIOR_ROW_COSTS = (1.0, 1.2, 1.4, 1.55, 1.7, 1.85, 2.0, 2.15, 2.3)
 
-    ``single_rows`` is what a lone token costs: 2 until a step with no draft reports 1
-    (``Feedback.rows``: a rowwise decoder, which has no pad row); ``extra_rows(n)`` is then what
-    an ``n``-node draft costs beyond it."""
 
-    def __init__(self, forget: float = 0.98):
-        self.forget = forget
-        self._s = [0.0] * 5  # sum w, sum n, sum n^2, sum t, sum n*t
+class RowCosts:
+    """Verify seconds of a step by the graph rows it runs, learnt from ``Feedback`` timings: the one
+    verify-cost model of every drafter that weighs a draft's rows against what it may gain.
+
+    Per row count, a forgetful mean of the steps' ``verify_seconds`` (``forget`` per step of that
+    count): verify time is not linear in rows on a CPU (a fifth row can be nearly free, a seventh
+    dear), so a count drafted often is priced as measured. A count with few timings leans on a line
+    ``a + b * (rows - 1)`` fitted by forgetful least squares (``line_forget``) to every timing,
+    ``shrink`` timings' worth; with timings of one count only, on that count's mean scaled by
+    ``prior``'s shape (and before any timing, on ``prior`` itself, relative units). Costs never fall
+    as rows grow. ``single_rows`` is what a lone token runs: 2 until a step with no draft reports 1
+    (``Feedback.rows``: a rowwise decoder, which has no pad row); ``rows(n)`` is then what an
+    ``n``-node draft runs. ``draft_seconds`` is a forgetful mean of ``Feedback.draft_seconds``."""
+
+    def __init__(
+        self,
+        prior: tuple[float, ...] = PRIOR_ROW_COSTS,
+        *,
+        forget: float = 0.95,
+        line_forget: float = 0.98,
+        shrink: float = 2.0,
+    ):
+        self.prior, self.forget, self.line_forget, self.shrink = prior, forget, line_forget, shrink
+        self.mean: dict[int, float] = {}  # rows -> forgetful mean seconds
+        self.weight: dict[int, float] = {}  # rows -> forgetful count of its timings
+        self._s = [0.0] * 5  # the line's sums: w, x, x^2, t, x*t (x = rows - 1)
         self.draft_seconds = 0.0
         self.single_rows = 2
+        self._table: list[float] = []  # cost by rows (index 0 unused), monotone; [] when stale
 
+    # -- learning ----------------------------------------------------------------------------------
     def learn(self, fb: Feedback) -> None:
         """One verify step: its rows (learning ``single_rows`` from a step with no draft) and time."""
         if fb.drafted == 0 and fb.rows:
             self.single_rows = min(self.single_rows, fb.rows)
-        self.observe(self.extra_rows((fb.rows or fb.drafted + 1) - 1), fb.verify_seconds, fb.draft_seconds)
+        self.observe(fb.rows or self.rows(fb.drafted), fb.verify_seconds, fb.draft_seconds)
 
-    def extra_rows(self, n: int) -> int:
-        """Graph rows beyond the first that a step drafting ``n`` chain nodes runs."""
-        return max(n + 1, self.single_rows) - 1
-
-    def observe(self, n: int, seconds: float, draft_seconds: float = 0.0) -> None:
-        if seconds <= 0:
+    def observe(self, rows: int, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A step of ``rows`` graph rows took ``seconds`` to verify (ignored unless positive)."""
+        if seconds <= 0 or rows < 1:
             return
+        m = self.mean.get(rows)
         f = self.forget
-        s = [x * f for x in self._s]
+        self.mean[rows] = seconds if m is None else f * m + (1 - f) * seconds
+        self.weight[rows] = f * self.weight.get(rows, 0.0) + 1.0
+        g, x = self.line_forget, rows - 1
+        s = [v * g for v in self._s]
         s[0] += 1
-        s[1] += n
-        s[2] += n * n
+        s[1] += x
+        s[2] += x * x
         s[3] += seconds
-        s[4] += n * seconds
+        s[4] += x * seconds
+        self.draft_seconds = g * self.draft_seconds + (1 - g) * draft_seconds if self._s[0] > 0 else draft_seconds
         self._s = s
-        self.draft_seconds = f * self.draft_seconds + (1 - f) * draft_seconds if s[0] > 1 else draft_seconds
+        self._table = []
 
     @property
     def ready(self) -> bool:
+        """Whether a few timings have been seen (before that, costs are ``prior``'s relative units)."""
         return self._s[0] >= 3
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``; with no spread in ``n`` yet, ``b = 0`` (optimism that explores longer drafts)."""
-        w, sn, snn, st, snt = self._s
-        if w <= 0:
-            return 0.0, 0.0
-        var = snn * w - sn * sn
-        b = (snt * w - sn * st) / var if var > 1e-9 * max(w * w, 1.0) else 0.0
-        b = max(b, 0.0)
-        a = max((st - b * sn) / w, 1e-9)
-        return a, b
+    # -- prices ------------------------------------------------------------------------------------
+    def rows(self, drafted: int) -> int:
+        """Graph rows of a step drafting ``drafted`` chain nodes."""
+        return max(drafted + 1, self.single_rows)
 
-    def predict(self, n: int) -> float:
-        a, b = self.coefficients()
-        return a + b * n + self.draft_seconds
+    def cost(self, rows: int) -> float:
+        """Seconds (relative units before any timing) of a step of ``rows`` graph rows."""
+        table = self._table or self._build()
+        if rows < len(table):
+            return table[max(rows, 1)]
+        return max(self._line(rows, self._fit()), table[-1])
+
+    def seconds(self, drafted: int) -> float:
+        """Verify seconds of a step drafting ``drafted`` chain nodes."""
+        return self.cost(self.rows(drafted))
+
+    def _prior(self, rows: int) -> float:
+        p = self.prior
+        return p[min(rows, len(p)) - 1] + (p[-1] - p[-2]) * max(0, rows - len(p))
+
+    def _fit(self) -> tuple[float, float, int]:
+        """The line's ``(a, b, 0)``, or ``(mean, 0, rows)`` when one row count holds every timing
+        (its mean in the prior's shape), or ``(1, 0, 1)`` before any timing (the prior)."""
+        w, sx, sxx, st, sxt = self._s
+        if w <= 0:
+            return 1.0, 0.0, 1
+        var = sxx * w - sx * sx
+        if var <= 1e-9 * max(w * w, 1.0):
+            x = max(self.mean, key=self.weight.__getitem__)
+            return self.mean[x], 0.0, x
+        b = max((sxt * w - sx * st) / var, 0.0)
+        return (st - b * sx) / w, b, 0
+
+    def _line(self, rows: int, fit: tuple[float, float, int]) -> float:
+        a, b, x = fit
+        if x:
+            return a * self._prior(rows) / self._prior(x)
+        return max(a + b * (rows - 1), 1e-9)
+
+    def _build(self) -> list[float]:
+        fit = self._fit()
+        out = [0.0]
+        for r in range(1, max(len(self.prior), max(self.mean, default=0)) + 1):
+            line = self._line(r, fit)
+            k = self.weight.get(r, 0.0)
+            c = (k * self.mean[r] + self.shrink * line) / (k + self.shrink) if k else line
+            out.append(max(c, out[-1]))
+        self._table = out
+        return out
 
 
 class CostAwareSizer(CalibratedSizer):
     """Pick the draft size that maximises expected tokens per second.
 
-    ``(1 + E[accepted | n]) / (draft + a + b*(rows(n) - 1))``, with ``alpha`` from the calibration,
-    ``a, b`` fitted to ``Feedback.verify_seconds`` over the graph rows each step ran, and
-    ``rows(n) = max(n + 1, single_rows)``. Wins when verification cost grows with the number of
+    ``(1 + E[accepted | n]) / (draft + verify(rows(n)))``, with ``alpha`` from the calibration,
+    ``verify`` the :class:`RowCosts` learnt from ``Feedback.verify_seconds`` over the graph rows each
+    step ran, and ``rows(n) = max(n + 1, single_rows)``. Wins when verification cost grows with the number of
     drafted tokens (compute-bound CPU inference, big trees); falls back to the calibrated cap until
     a few timings have been seen. Where a lone token runs as two rows (padded decoders), one draft
     node is free, so it never drafts less than one; where it runs as one row (rowwise decoders,
@@ -181,7 +242,7 @@ class CostAwareSizer(CalibratedSizer):
 
     def __init__(self, explore: int = 8, **kwargs):
         super().__init__(**kwargs)
-        self.cost = VerifyCostModel()
+        self.cost = RowCosts()
         self.explore = explore
         self._skipped = 0
 
@@ -194,11 +255,10 @@ class CostAwareSizer(CalibratedSizer):
         if not self.cost.ready or budget.max_nodes < 1:
             return nodes, depth
         alpha = self.alpha(match_len)
-        a, b = self.cost.coefficients()
-        fixed = a + self.cost.draft_seconds
+        c = self.cost
 
         def rate(n: int) -> float:
-            return (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (fixed + b * self.cost.extra_rows(n))
+            return (1 + self.expected_accepted(alpha, min(n, budget.max_depth))) / (c.draft_seconds + c.seconds(n))
 
         best_n = max(range(1, budget.max_nodes + 1), key=rate)
         if self.single_rows == 1 and rate(0) > rate(best_n):

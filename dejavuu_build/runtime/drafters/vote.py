@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .base import Draft, DraftBudget, Feedback
 from .history import register
+from .sizing import RowCosts
 from .suffix import SuffixDecoding
 from .suffix_index import SEP
 from .trees import continuation_tree
@@ -63,49 +64,6 @@ class Hazard:
                 self.hit[key] = self.hit.get(key, 0.0) + 1.0
 
 
-class RowCosts:
-    """Verify seconds by graph rows: a forgetful mean per row count seen, a least-squares line
-    through them for the counts not seen yet (``prior``: relative costs until timings arrive)."""
-
-    def __init__(
-        self, prior: tuple[float, ...] = (1.0, 1.2, 1.4, 1.55, 1.7, 1.85, 2.0, 2.15, 2.3), forget: float = 0.95
-    ):
-        self.prior, self.forget = prior, forget
-        self.mean: dict[int, float] = {}
-        self.single_rows = 2  # a lone token's rows: 1 once a step without draft reports it (rowwise)
-
-    def learn(self, fb: Feedback) -> None:
-        if fb.drafted == 0 and fb.rows:
-            self.single_rows = min(self.single_rows, fb.rows)
-        rows = fb.rows or fb.drafted + 1
-        if fb.verify_seconds > 0 and rows > 0:
-            m = self.mean.get(rows)
-            self.mean[rows] = (
-                fb.verify_seconds if m is None else self.forget * m + (1 - self.forget) * fb.verify_seconds
-            )
-
-    def rows(self, drafted: int) -> int:
-        return max(drafted + 1, self.single_rows)
-
-    def cost(self, rows: int) -> float:
-        """Seconds (or, before any timing, relative units) of a step of ``rows`` rows."""
-        if rows in self.mean:
-            return self.mean[rows]
-        if not self.mean:
-            return self.prior[min(rows, len(self.prior)) - 1] + 0.15 * max(0, rows - len(self.prior))
-        xs = sorted(self.mean)
-        if len(xs) == 1:
-            x = xs[0]
-            rel = self.prior[min(rows, len(self.prior)) - 1] / self.prior[min(x, len(self.prior)) - 1]
-            return self.mean[x] * rel
-        n = len(xs)
-        mx = sum(xs) / n
-        my = sum(self.mean[x] for x in xs) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        b = max(sum((x - mx) * (self.mean[x] - my) for x in xs) / var, 0.0)
-        return max(my + b * (rows - mx), 1e-9)
-
-
 @register("suffix_vote")
 class SuffixVote(SuffixDecoding):
     """Suffix decoding whose chain is voted by every occurrence of the context's matching suffixes and
@@ -117,8 +75,9 @@ class SuffixVote(SuffixDecoding):
     ``length ** power`` of its own match with the context (``live`` times more inside this
     request). Each level drafts the token with the most weight among the occurrences that agreed
     with every level before it. A level's chance of acceptance is learnt per cell (the longest
-    agreeing match, the token's share of the weight, whether the model's own last output after the
-    token before it was this token, one or several occurrences), from every chain
+    agreeing match, the longest inside this request, the token's share of the weight, whether the
+    model's own last output after the token before it was this token, one or several occurrences),
+    from every chain
     built, scored against the tokens committed after it (so levels never verified are learnt too);
     the chain is cut at the depth maximising ``(1 + expected accepted) / verify time(rows)``, with
     verify time measured per row count (``Feedback.verify_seconds``, ``Feedback.rows``): depth 0,
@@ -193,19 +152,20 @@ class SuffixVote(SuffixDecoding):
         self.costs.learn(fb)
 
     # -- drafting --------------------------------------------------------------------------------
-    def _candidates(self, depth: int) -> tuple[list[list[int]], list[float], list[int]]:
-        """Continuations of the matching occurrences, their weights and match lengths."""
+    def _candidates(self, depth: int) -> tuple[list[list[int]], list[float], list[int], list[bool]]:
+        """Continuations of the matching occurrences, their weights, match lengths and whether each
+        lies inside this request."""
         idx = self._global
         t = idx.tokens
         q = self._hist[-self.max_match :]
         best = idx.longest_match(q, self.min_match, self.max_match)
         if not best:
-            return [], [], []
+            return [], [], [], []
         self.match_len = best
         ends = idx.match_ends(q[-best:], limit=self.max_candidates)
         if self.short < best:
             ends = list(dict.fromkeys(ends + idx.match_ends(q[-self.short :], limit=self.max_candidates)))
-        seqs, weights, lengths = [], [], []
+        seqs, weights, lengths, live = [], [], [], []
         nq = len(q)
         for e in ends:
             n = 0
@@ -216,12 +176,13 @@ class SuffixVote(SuffixDecoding):
                 continue
             seqs.append(seq)
             lengths.append(n)
-            weights.append(n**self.power * (self.live if e >= self._live_start else 1.0))
-        return seqs, weights, lengths
+            live.append(e >= self._live_start)
+            weights.append(n**self.power * (self.live if live[-1] else 1.0))
+        return seqs, weights, lengths, live
 
     def _draft(self, budget: DraftBudget) -> Draft:
         depth = budget.max_depth
-        seqs, weights, lengths = self._candidates(depth)
+        seqs, weights, lengths, live = self._candidates(depth)
         if not seqs:
             return Draft()
         if budget.tree:
@@ -241,12 +202,14 @@ class SuffixVote(SuffixDecoding):
             share = tally[tok] / sum(tally.values())
             active = [i for i in active if len(seqs[i]) > j and seqs[i][j] == tok]
             longest = max(lengths[i] for i in active) + j
+            inside = max((lengths[i] for i in active if live[i]), default=-1 - j) + j
             prev = chain[-1] if chain else self._hist[-1]
             said = self._succ.get(prev)
             agree = 1 if said is None else (2 if said == tok else 0)
             cells.append(
                 (
                     _bucket(longest, L_EDGES),
+                    _bucket(inside, L_EDGES) if inside >= 0 else -1,
                     _bucket(share, SHARE_EDGES),
                     agree,
                     min(len(active), 2),
@@ -263,12 +226,12 @@ class SuffixVote(SuffixDecoding):
     def _cut(self, cells: list[tuple]) -> int:
         """The depth maximising ``(1 + E[accepted]) / verify time(rows)`` (0: draft nothing)."""
         c = self.costs
-        best_n, best = 0, 1.0 / c.cost(c.rows(0))
+        best_n, best = 0, 1.0 / c.seconds(0)
         e = surv = 1.0
         for n, cell in enumerate(cells, 1):
             surv *= self.hazard.alpha(cell)
             e += surv
-            rate = e / c.cost(c.rows(n))
+            rate = e / c.seconds(n)
             if rate > best:
                 best_n, best = n, rate
         return best_n

@@ -46,6 +46,10 @@ def make(name: str, datastore: Datastore | None = None, **params):
     return make_drafter(name, datastore=datastore, **params)
 
 
+# auto's members before suffix_vote became its default: a portfolio that exercises its bandit
+PORTFOLIO = ("pld", "suffix_decoding", "token_recycling", "lookahead")
+
+
 @pytest.fixture(scope="module")
 def markov_datastore() -> Datastore:
     model = MarkovModel(seed=1)
@@ -88,7 +92,8 @@ def test_unknown_method_is_one_line_listing_valid_names():
 
 
 def test_signals_are_requested_by_the_methods_that_use_them():
-    assert make_drafter("token_recycling").wants_topk and make_drafter("auto").wants_topk
+    assert make_drafter("token_recycling").wants_topk and make_drafter("auto", members=PORTFOLIO).wants_topk
+    assert not make_drafter("auto").wants_topk  # its default member (suffix_vote) reads no top-k
     assert make_drafter("pld_plus").wants_hidden and make_drafter("adapld").wants_hidden
     assert not make_drafter("pld").wants_topk and not make_drafter("pld").wants_hidden
 
@@ -226,7 +231,9 @@ def _propose_seconds(name: str, datastore: Datastore, n: int) -> list[float]:
     text = np.random.default_rng(2).integers(0, 2000, n + 1000).tolist()
     text[n - 1000 : n - 600] = text[500:900]
     model = OracleModel(text)
-    d = make(name, datastore)
+    # auto's plain stretches (no member asked, ~2 us) would make the median a coin toss between
+    # them and its proposing steps: time the proposing steps
+    d = make(name, datastore, **({"fallback": False} if name == "auto" else {}))
     ctx = text[:n]
     d.begin(ctx)
     times = []
@@ -305,7 +312,7 @@ def test_adapld_falls_back_to_the_nearest_hidden_state():
 
 def test_auto_keeps_members_in_sync_and_feeds_token_recycling():
     model = MarkovModel(vocab=8, seed=2)
-    d = make("auto")
+    d = make("auto", members=PORTFOLIO)
     run(d, model, [1, 2, 3], 100, DraftBudget(8, 8, 2, True))
     d.begin([1, 2, 3])
     ctx = [1, 2, 3] + model.generate([1, 2, 3], 5)
@@ -440,12 +447,37 @@ def test_auto_falls_back_to_plain_steps_without_asking_its_members(monkeypatch):
     asked = _never_member(monkeypatch)
     d = make("auto", members=("never",), explore=0.0)
     _drive(d, 400, single_rows=1)
-    assert len(asked) < 60, len(asked)
+    # each judgement waits for `patience` (8) proposing steps: the first, then one per probe
+    assert len(asked) < 100, len(asked)
     assert d.plain_steps > 300
     asked.clear()
     d = make("auto", members=("never",), explore=0.0, fallback=False)  # plain steps only where no draft pays
     _drive(d, 400, single_rows=1)
     assert len(asked) == 400
+
+
+def test_auto_waits_for_evidence_before_silencing_a_member_that_drafts_nothing(monkeypatch):
+    """A self-sizing member (suffix_vote) drafts nothing where nothing pays, losing only its draft
+    time; ``auto`` judges its fallback on ``patience`` proposing steps, so a member quiet for the
+    first 8 steps of a request is still asked when the text turns copyable (judged on 3, as
+    before, it was silenced for a plain stretch there)."""
+    from dejavuu_build.runtime.drafters import Drafter
+    from dejavuu_build.runtime.drafters.history import REGISTRY
+
+    class Quiet(Drafter):
+        name = "quiet"
+        sizes_itself = True
+
+        def propose(self, context, budget):
+            return Draft.chain([5] * 3) if len(context) >= 12 else Draft()  # after 8 plain steps
+
+    monkeypatch.setitem(REGISTRY, "quiet", Quiet)
+    patient = make("auto", members=("quiet",))
+    sizes = _drive(patient, 40, single_rows=1)
+    assert patient.plain_steps == 0 and sizes[8:] == [3] * 32, sizes
+    hasty = make("auto", members=("quiet",), patience=3, gain_forget=0.8)
+    sizes = _drive(hasty, 40, single_rows=1)
+    assert hasty.plain_steps > 0 and sizes.count(3) < 32, sizes
 
 
 def test_auto_re_decides_when_drafts_start_to_pay(monkeypatch):
@@ -464,7 +496,7 @@ def test_auto_plain_stretch_leaves_members_alone_then_catches_them_up():
     catch up with the context when next asked, and at the end of the request (suffix_decoding's
     history keeps every token)."""
     model = MarkovModel(vocab=8, seed=3)
-    d = make("auto")
+    d = make("auto", members=PORTFOLIO)
     prompt = [1, 2, 3]
     ctx = list(prompt)
     d.begin(ctx)

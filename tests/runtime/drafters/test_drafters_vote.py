@@ -39,3 +39,26 @@ def test_vote_drafts_where_rows_are_cheap_and_not_where_they_are_dear():
     assert slow.drafted <= 6, slow  # the first steps, before its row costs are measured
     uncut = replay_turn(make_drafter("suffix_vote", sized=False), t, dear, fill=False)
     assert uncut.drafted > 100 and uncut.cost > 1.5 * slow.cost
+
+
+def test_vote_cells_tell_matches_inside_this_request_from_the_history():
+    """A level's cell holds the longest agreeing match inside this request beside the longest
+    anywhere: copies from the live request are accepted far more often than copies from earlier
+    requests at the same match length (docs/methods.md, 2026-12-05 issue 34)."""
+    vote = make_drafter("suffix_vote", sized=False)
+    vote.begin([40, 41, 42, 5, 6, 7, 8, 43])  # an earlier request: "5 6" went on "7 8"
+    vote.end()
+    budget = DraftBudget(max_nodes=2, max_depth=2)
+    # only the history holds "... 5 6": no in-request match (-1) at either level
+    ctx = [30, 31, 5, 6]
+    vote.begin(ctx)
+    assert vote.propose(ctx, budget).tokens == [7, 8]
+    cells = vote._pending[-1][2]
+    assert [c[1] for c in cells] == [-1, -1] and cells[0][0] < cells[1][0]  # matches of 2, then 3
+    vote.end()
+    # this request also said "5 6 7 9": its occurrence agrees on 7, then outvotes the history on 9
+    ctx = [5, 6, 7, 9, 31, 5, 6]
+    vote.begin(ctx)
+    assert vote.propose(ctx, budget).tokens == [7, 9]
+    cells = vote._pending[-1][2]
+    assert [c[1] for c in cells] == [c[0] for c in cells]  # the longest agreeing match is this request's
