@@ -102,3 +102,45 @@ def add_llama_hparams(w, *, vocab: int, h: int, layers: int, heads: int, kv: int
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(h // heads)
     w.add_vocab_size(vocab)
+
+
+def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
+    """Two Llama layers (hidden 64, 2 heads of 32 over 1 KV head) in Q4_1 blocks, an fp32 norm and
+    embedding, a byte-level BPE of the lowercase letters and a few merges, and a chat template
+    (``chat=False``: none, as a base model's GGUF)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    h, ff, heads, kv, layers = 64, 128, 2, 1, 2
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *letters, "Ġ", "he", "ll", "hell", "hello", "Ġw", "Ġwo", "Ġwor"]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġwo r"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_llama_hparams(w, vocab=len(tokens), h=h, layers=layers, heads=heads, kv=kv, ff=ff, context=512)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    if chat:
+        w.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+        )
+    for name, shape in llama_gguf_shapes(len(tokens), h, layers, heads, kv, ff).items():
+        x = (rng.standard_normal(shape) * (1.0 if len(shape) == 1 else 0.08)).astype(np.float32)
+        if len(shape) == 1 or name == "token_embd.weight":
+            w.add_tensor(name, x)
+        else:
+            q = quantize(x, gguf.GGMLQuantizationType.Q4_1)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

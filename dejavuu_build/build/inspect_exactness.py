@@ -17,10 +17,9 @@ from ..errors import CacheError
 
 def exactness_report(target: str, variant: str | None, threads: int) -> tuple[list[str], dict]:
     """(lines to print, JSON record) for a cache name or entry folder and one of its variants."""
-    import onnx
-
     from ..cache import locate, read_checked_manifest
     from ..export.exactness import format_report, probe
+    from ..export.fp16_store import load_unpacked
     from ..runtime.session import derive_contract, make_session
     from .gates import gate_batched
     from .references import Reference
@@ -42,7 +41,7 @@ def exactness_report(target: str, variant: str | None, threads: int) -> tuple[li
     rec = manifest.variants[v]
     contract = S.variant_contract(S.read_contract(folder), rec)
     _, layout = S.split_variant(v)
-    proto = onnx.load(str(folder / rec.file))
+    proto = load_unpacked(folder / rec.file)
     rep = probe(proto, layout=layout, heads=contract.num_heads, head_dim=contract.head_dim, threads=threads)
     lines = format_report(rep, f"{target} {v}")
     guard = S.row_guard_info({p.key: p.value for p in proto.metadata_props})

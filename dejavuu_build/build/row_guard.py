@@ -23,10 +23,10 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
     a step's row count never changes how the kernel reduces a head. The static flavour's
     GroupQueryAttention is not probed: its floors (rows and keys) are part of the graph (static_kv),
     and the batched gate checks the whole graph."""
-    import onnx
 
     from ..export.exactness import probe
     from ..export.exporter import save_model
+    from ..export.fp16_store import load_unpacked
     from ..export.passes.key_floor import KEY_FLOOR, floor_keys, needs_key_floor
     from ..export.passes.row_guard import guard_rows
 
@@ -36,7 +36,7 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
         return
     path = folder / variant_file(v)
     with step(f"row invariance of {v}, per op, on this CPU"):
-        proto = onnx.load(str(path))
+        proto = load_unpacked(path)
         floored = layout == S.KV_CONCAT and needs_key_floor(contract.head_dim)
         if floored:  # before the probe: it measures each attention with its floor
             floor_keys(proto, contract.head_dim)

@@ -26,9 +26,8 @@ def write_serve_batch(
     is recorded (passed false) and named in the summary, and the server never batches on it.
     Rewritten byte for byte from the same graph (quant-only), it keeps its gate on the same
     machine and onnxruntime."""
-    import onnx
-
     from ..export.exporter import save_model
+    from ..export.fp16_store import load_unpacked
     from ..runtime.decoder import Decoder
     from .gates import gate_serve_batch
 
@@ -59,7 +58,7 @@ def write_serve_batch(
         try:
             batch_pass = LAYOUTS[layout].batch_pass
             assert batch_pass is not None, f"the {layout} layout has no batched serving pass"
-            proto = batch_pass(onnx.load(str(folder / rec.file)), rec.file)
+            proto = batch_pass(load_unpacked(folder / rec.file), rec.file)
         except ContractError as e:  # a graph the pass does not apply to: the build goes on without it
             manifest.batched = {"skipped": f"the batch pass does not apply to {target}: {e}"}
             logger.info("  no batched serving graph: %s", manifest.batched["skipped"])

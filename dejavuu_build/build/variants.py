@@ -67,16 +67,15 @@ def add_layouts(folder: Path, manifest: Manifest, variants: list[str], max_posit
 def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: int, layout: str) -> bool:
     """``<precision>-<layout>``: an in-place KV flavour of an already written variant file. False
     when the graph has no such flavour (said once; the build goes on without it)."""
-    import onnx
-
     from ..export.exporter import save_model
+    from ..export.fp16_store import load_unpacked
 
     name = S.variant_name(precision, layout)
     lay = LAYOUTS[layout]
     assert lay.graph_pass is not None, f"the {layout} layout is the export itself"
     with step(lay.step.format(p=precision, c=capacity)):
         try:
-            proto = lay.graph_pass(onnx.load(str(folder / variant_file(precision))), capacity)
+            proto = lay.graph_pass(load_unpacked(folder / variant_file(precision)), capacity)
         except ExportError as e:
             if not lay.optional:
                 raise

@@ -79,12 +79,13 @@ def export_decoder(
         wrapper, (first, pos, bias, *past), out_path, in_names, out_names, dynamic, f"decoder (recipe {recipe.name})"
     )
     tied = finalize_graph(proto)
-    save_model(proto, out_path)
     ops = collections.Counter(nd.op_type for nd in proto.graph.node)
-    logger.info("  exported %d nodes (%s)", len(proto.graph.node), ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
+    nodes = len(proto.graph.node)  # before save_model adds fp16_store's Cast nodes
+    save_model(proto, out_path)
+    logger.info("  exported %d nodes (%s)", nodes, ", ".join(f"{k}×{v}" for k, v in ops.most_common(6)))
     return ExportInfo(
         seconds=seconds,
-        nodes=len(proto.graph.node),
+        nodes=nodes,
         opset=OPSET,
         op_counts=dict(ops.most_common()),
         tied_embeddings=tied,
@@ -142,9 +143,14 @@ def tensor_bytes(proto) -> int:
 
 def save_model(proto, path: Path) -> None:
     """Save one file, or a file plus ``<name>.data`` when over the 2 GB protobuf limit. A stale
-    ``<name>.data`` of an earlier save is removed, so the folder holds exactly what is loaded."""
+    ``<name>.data`` of an earlier save is removed, so the folder holds exactly what is loaded.
+    fp16-exact fp32 weights are stored as fp16 (fp16_store.pack, in ``proto`` too): read a saved
+    graph back with fp16_store.load_unpacked to rewrite it."""
     import onnx
 
+    from .fp16_store import pack
+
+    pack(proto)
     path = Path(path)
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)

@@ -294,8 +294,8 @@ def export_vision(vlm_model, out_path: Path, *, position_ids: str = "transformer
     if len(out) == 3:
         out[0].ClearField("dim_value")
         out[0].dim_param = "num_real_images"
+    info = _summary(proto, seconds)  # before save_model adds fp16_store's Cast nodes
     save_model(proto, Path(out_path))
-    info = _summary(proto, seconds)
     logger.info("  vision encoder: %d nodes in %.1fs", info["nodes"], seconds)
     info.update(
         {
@@ -344,8 +344,8 @@ def export_embeddings(vlm_model, out_path: Path) -> dict[str, Any]:
             for i, x in enumerate(nd.input):
                 if x == old:
                     nd.input[i] = EMBED_WEIGHT
-    save_model(proto, Path(out_path))
     info = _summary(proto, seconds)
+    save_model(proto, Path(out_path))
     info.update(
         {
             "inputs": {EMBED_INPUT: ["batch", "N"]},

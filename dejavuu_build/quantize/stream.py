@@ -7,6 +7,8 @@ every field of the model and of its graph is kept except the initializers, whose
 name, dims, type) are recorded; each is read from the file (``pread``, not through the map, so its
 pages do not stay resident) only when asked for and freed with its array.
 Initializers whose data lies in a ``.data`` file (models over 2 GB) are read from it the same way.
+A weight the file stores as fp16 behind a Cast (export.fp16_store.pack) is read as the fp32 one it
+stands for, its Cast dropped: the graph is the one that was packed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..export.fp16_store import packed_source
 
 _GRAPH = 7  # ModelProto.graph
 _INITIALIZER = 5  # GraphProto.initializer
@@ -91,7 +95,15 @@ class StreamedModel:
                     graph.append(bytes(buf[gfirst:gnxt]))
         self.model = onnx.ModelProto.FromString(b"".join(top))
         self.model.graph.CopyFrom(onnx.GraphProto.FromString(b"".join(graph)))
-        self.names = list(self._inits)  # file order, to write them back in it
+        self._fp16: dict[str, str] = {}  # fp32 name -> the fp16 initializer it is stored as
+        nodes = self.model.graph.node
+        for k in reversed(range(len(nodes))):
+            src = packed_source(nodes[k])
+            if src is not None and src in self._inits and self._inits[src].data_type == onnx.TensorProto.FLOAT16:
+                self._fp16[nodes[k].output[0]] = src
+                del nodes[k]
+        stored = {v: k for k, v in self._fp16.items()}
+        self.names = [stored.get(n, n) for n in self._inits]  # file order, to write them back in it
 
     @staticmethod
     def _header(buf, start: int, end: int) -> _Init:
@@ -112,16 +124,21 @@ class StreamedModel:
         return _Init(name, tuple(dims), dtype, start, end)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._inits
+        return name in self._fp16 or (name in self._inits and name not in self._fp16.values())
 
     def dims(self, name: str) -> tuple[int, ...]:
-        return self._inits[name].dims
+        return self._inits[self._fp16.get(name, name)].dims
 
     def proto(self, name: str):
-        """The TensorProto, its data loaded (from the ``.data`` file where it lies there)."""
+        """The TensorProto, its data loaded (from the ``.data`` file where it lies there); fp32 where
+        the file stores it as fp16 (export.fp16_store)."""
         import onnx
+        from onnx import numpy_helper
         from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
+        if name in self._fp16:
+            half = numpy_helper.to_array(self.proto(self._fp16[name]))
+            return numpy_helper.from_array(half.astype(np.float32), name)
         t = self._inits[name]
         tp = onnx.TensorProto.FromString(os.pread(self._fd, t.end - t.start, t.start))
         if uses_external_data(tp):

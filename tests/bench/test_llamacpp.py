@@ -17,52 +17,10 @@ from dejavuu_build.bench import llamacpp as L
 
 pytest.importorskip("llama_cpp_py_sync")
 
-LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 PROMPTS = [
     {"question_id": 1, "category": "qa", "turns": ["hello world hello world hello world hello"]},
     {"question_id": 81, "category": "writing", "turns": ["abc abc abc abc abc", "hello hello"]},
 ]
-
-
-def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
-    """Two Llama layers (hidden 64, 2 heads of 32 over 1 KV head) in Q4_1 blocks, an fp32 norm and
-    embedding, a byte-level BPE of the lowercase letters and a few merges, and a chat template
-    (``chat=False``: none, as a base model's GGUF)."""
-    import gguf
-    from gguf.quants import quantize
-    from tiny import add_llama_hparams, llama_gguf_shapes
-
-    rng = np.random.default_rng(7)
-    h, ff, heads, kv, layers = 64, 128, 2, 1, 2
-    tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *LETTERS, "Ġ", "he", "ll", "hell", "hello", "Ġw", "Ġwo", "Ġwor"]
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġwo r"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    add_llama_hparams(w, vocab=len(tokens), h=h, layers=layers, heads=heads, kv=kv, ff=ff, context=512)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    if chat:
-        w.add_chat_template(
-            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>{% endif %}"
-        )
-    for name, shape in llama_gguf_shapes(len(tokens), h, layers, heads, kv, ff).items():
-        x = (rng.standard_normal(shape) * (1.0 if len(shape) == 1 else 0.08)).astype(np.float32)
-        if len(shape) == 1 or name == "token_embd.weight":
-            w.add_tensor(name, x)
-        else:
-            q = quantize(x, gguf.GGMLQuantizationType.Q4_1)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def bench_llamacpp(model: Path, tmp_path: Path, max_new_tokens: int):
@@ -85,6 +43,8 @@ def bench_llamacpp(model: Path, tmp_path: Path, max_new_tokens: int):
 
 @pytest.fixture(scope="module")
 def gguf_build(cache_dir, tmp_path_factory):
+    from tiny import tiny_llama_gguf
+
     from dejavuu_build.build.config import TreeDecoderConfig
     from dejavuu_build.build.pipeline import build_tree_decoder
 
@@ -189,6 +149,8 @@ def test_bench_compare_llamacpp_end_to_end(gguf_build, tmp_path):
 def test_a_base_model_without_chat_template_is_benched_on_plain_text(cache_dir, tmp_path):
     """Spec-Bench rows are chat turns; a base model's GGUF has no chat template (Gemma-3-270M's):
     the run sends each conversation as plain text, to every method and peer alike, and says so."""
+    from tiny import tiny_llama_gguf
+
     from dejavuu_build.build.config import TreeDecoderConfig
     from dejavuu_build.build.pipeline import build_tree_decoder
     from dejavuu_build.runtime import load

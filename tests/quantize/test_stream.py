@@ -61,3 +61,52 @@ def test_streamed_model_is_the_loaded_model(tmp_path, external):
         assert a.dtype == arrays[t.name].dtype and not onnx.external_data_helper.uses_external_data(s.proto(t.name))
     assert "W" in s and "nope" not in s
     s.close()
+
+
+def test_a_packed_file_streams_as_the_graph_before_packing(tmp_path):
+    """A weight stored as fp16 behind a Cast (export.fp16_store.pack) reads as the fp32 one, its Cast
+    gone, in the file's order: the quantizer sees the graph that was packed."""
+    from dejavuu_build.export import fp16_store
+
+    m = _model(np.random.default_rng(0))
+    w = numpy_helper.to_array(m.graph.initializer[0]).astype(np.float16).astype(np.float32)
+    m.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "W"))
+    before = onnx.ModelProto()
+    before.CopyFrom(m)
+    assert fp16_store.pack(m, min_elements=16) == w.nbytes // 2
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    s = StreamedModel(tmp_path / "m.onnx")
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(before)
+    del skeleton.graph.initializer[:]
+    assert s.model.SerializeToString() == skeleton.SerializeToString()
+    assert s.names == [t.name for t in before.graph.initializer]
+    assert "W" in s and "W.fp16" not in s and s.dims("W") == (64, 48)
+    assert [s.proto(t.name).SerializeToString() for t in before.graph.initializer] == [
+        t.SerializeToString() for t in before.graph.initializer
+    ]
+    s.close()
+
+
+def test_quantizing_a_packed_fp32_export_gives_the_same_file(tiny_llama, tmp_path):
+    """An fp32 export whose weights are fp16 numbers (an fp16 checkpoint's) is saved packed: the
+    quantizer reads it through the stream and writes the same bytes as from the unpacked file."""
+    from dejavuu_build import precisions as P
+    from dejavuu_build import schema as S
+    from dejavuu_build.export.exporter import save_model
+    from dejavuu_build.export.passes.row_guard import strip_row_guard
+    from dejavuu_build.quantize import quantize_model
+
+    m = strip_row_guard(onnx.load(str(tiny_llama / S.variant_file(S.FP32))))
+    for t in m.graph.initializer:
+        if t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
+            a = numpy_helper.to_array(t).astype(np.float16).astype(np.float32)
+            a[np.abs(a) < 2.0**-14] = 0.0  # no fp16 subnormals: every matrix is fp16-exact
+            t.CopyFrom(numpy_helper.from_array(a, t.name))
+    onnx.save(m, str(tmp_path / "plain.onnx"))
+    save_model(m, tmp_path / "packed.onnx")
+    assert (tmp_path / "packed.onnx").stat().st_size < 0.7 * (tmp_path / "plain.onnx").stat().st_size
+    plan = P.plan(S.INT4)
+    quantize_model(tmp_path / "plain.onnx", tmp_path / "a.onnx", plan, tied=True)
+    quantize_model(tmp_path / "packed.onnx", tmp_path / "b.onnx", plan, tied=True)
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()

@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from dejavuu_build.export.exactness import probe
+from dejavuu_build.export.fp16_store import load_unpacked
 from dejavuu_build.quantize import nbits
 from dejavuu_build.quantize.nbits import PLANS, QuantPlan, choose_table_block, nbits_rows, quantize_model, rows_verdict
 from dejavuu_build.schema import EMBED_NODE, INT4, INT8, LM_HEAD_NODE
@@ -137,8 +138,8 @@ def tied_q8(tmp_path_factory):
 
 
 def _table(path) -> tuple[np.ndarray, int]:
-    """The quantized table de-quantized, and its block."""
-    m = onnx.load(str(path))
+    """The quantized table de-quantized, and its block (a carried table's scales are saved as fp16)."""
+    m = load_unpacked(path)
     inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
     gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
     block = next(helper.get_attribute_value(a) for a in gbq.attribute if a.name == "block_size")
@@ -177,7 +178,7 @@ def test_the_quantized_lm_head_keeps_rows_exact_on_this_machine(tied_q8, tmp_pat
         np.testing.assert_array_equal(got, table)
     else:  # the file's blocks lost to a larger block that keeps rows exact, and the record says why
         assert block > 32 and ("file_block_slowdown" in choice or choice["measured"]["32"]["verdict"] != "invariant")
-    rows = probe(onnx.load(str(tmp_path / "q.onnx")))
+    rows = probe(load_unpacked(tmp_path / "q.onnx"))
     head = next(p for p in rows.probes if p.op == "MatMulNBits")
     assert head.signature.startswith(f"MatMulNBits bits=8 block={block} acc=4 K={K} N={V}")
     assert head.verdict == choice["verdict"] != "variant", (head.to_json(), choice)
