@@ -8,12 +8,13 @@ import numpy as np
 
 from .. import precisions as P
 from .. import schema as S
-from ..layouts import PREFERRED_LAYOUTS
+from ..layouts import LAYOUTS, PREFERRED_LAYOUTS
 from ..schema import Manifest, VariantRecord
 
 # A faster variant displaces the preferred (smallest) one only when it is faster in EVERY
 # interleaved round by more than this, or by three times the rounds' own spread if that is larger.
 MIN_SPEEDUP = 0.10
+IN_PLACE_ORDER = tuple(k for k in PREFERRED_LAYOUTS if LAYOUTS[k].in_place)  # the rule's words
 
 
 def faster_every_round(mine: list[float], theirs: list[float], margin: float = MIN_SPEEDUP) -> bool:
@@ -71,7 +72,8 @@ def candidates(manifest: Manifest) -> tuple[dict[str, VariantRecord], list[str],
 
 
 def preference(manifest: Manifest, cands: dict[str, VariantRecord]):
-    """The candidates' order before timing: smallest precision, then rowwise, static, concat."""
+    """The candidates' order before timing: smallest precision, then the layouts' preference
+    (layouts.PREFERRED_LAYOUTS: static, rowwise, concat)."""
 
     def pref(n: str):
         precision, layout = S.split_variant(n)
@@ -91,8 +93,8 @@ def settled(per_round: dict[str, list[float]], first: str) -> bool:
 
 def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     """The default variant and why, among the candidates (candidates: passing, keeping the
-    answers, quantized before fp32). The smallest precision, rowwise then static layout first --
-    what a user keeps. A larger one replaces it only where interleaved timing shows it faster in
+    answers, quantized before fp32). The smallest precision, in the layouts' preference
+    (layouts.PREFERRED_LAYOUTS) -- what a user keeps. A larger one replaces it only where interleaved timing shows it faster in
     every round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the
     choice. Untimed (--no-timing): the smallest passing file."""
     if not any(r.passed for r in manifest.variants.values()):
@@ -103,7 +105,7 @@ def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     first = min(passing, key=pref)
     why: dict = {
         "rule": f"passing variants that keep the model's answers ({default_floors_line()} against fp32), quantized "
-        "before the fp32 reference, smallest precision and in-place layout (rowwise, then static) "
+        f"before the fp32 reference, smallest precision and in-place layout ({', then '.join(IN_PLACE_ORDER)}) "
         f"preferred; a larger one only if faster in every interleaved round by more than max({MIN_SPEEDUP:.0%}, 3x noise)",
         "preferred": first,
         "passing": keep,

@@ -400,7 +400,7 @@ def _batch_pass(proto: Any, source: str) -> Any:
 
 LAYOUT = Layout(
     S.KV_ROWWISE,
-    rank=0,
+    rank=1,
     in_place=True,
     driver=RowwiseDriver,
     step="rowwise KV flavour of {p} (one-row attention in place, capacity {c})",

@@ -232,7 +232,7 @@ def _batch_pass(proto: Any, source: str) -> Any:
 
 LAYOUT = Layout(
     S.KV_STATIC,
-    rank=1,
+    rank=0,
     in_place=True,
     driver=StaticDriver,
     step="static KV flavour of {p} (GroupQueryAttention, capacity {c})",

@@ -71,18 +71,21 @@ def test_untimed_builds_pick_the_smallest_passing_file():
     assert name == "int4" and why["timing"].startswith("not timed")
 
 
-def test_rowwise_is_preferred_at_equal_precision_and_only_timing_displaces_it():
+def test_static_is_preferred_at_equal_precision_and_only_timing_displaces_it():
+    """static first (a lone token one row since its attention floor, exact trees, the cheapest
+    verify rows: layouts.PREFERRED_LAYOUTS), rowwise only where clearly faster."""
     m = Manifest(
         variants={
             "int4": _rec([10] * 3, 97),
-            "int4-static": _rec([9.5] * 3, 99, layout="static"),
-            "int4-rowwise": _rec([9.8] * 3, 99, layout="rowwise"),
+            "int4-static": _rec([9.8] * 3, 99, layout="static"),
+            "int4-rowwise": _rec([9.5] * 3, 99, layout="rowwise"),
         }
     )
     name, why = choose_default(m)
-    assert name == "int4-rowwise" and why["preferred"] == "int4-rowwise" and why["clearly_faster"] == []
-    m.variants["int4-static"].timing_rounds_ms = [7.0] * 3  # > 10% faster in every round
-    assert pick_default(m) == "int4-static"
+    assert name == "int4-static" and why["preferred"] == "int4-static" and why["clearly_faster"] == []
+    assert "(static, then rowwise)" in why["rule"]
+    m.variants["int4-rowwise"].timing_rounds_ms = [7.0] * 3  # > 10% faster in every round
+    assert pick_default(m) == "int4-rowwise"
 
 
 def _quality(rec, top1, kl):

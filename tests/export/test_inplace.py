@@ -74,6 +74,14 @@ def test_static_graph_shape(tiny_llama):
     assert meta["dejavuu.kv_layout"] == "static" and meta["dejavuu.kv_capacity"] == "96"
     past = next(i for i in g.graph.input if i.name == "past_key_values.0.key")
     assert past.type.tensor_type.shape.dim[2].dim_value == 96
+    # the attention floor (two query rows at least) folded into the slot index: one Pad of
+    # slot_rows, the positions' and the bias's, and no per-layer Pad or Slice
+    floor = [n for n in g.graph.node if "/kv_static/row_floor/" in n.name]
+    assert sorted(n.op_type for n in floor if n.op_type in ("Pad", "Slice")) == ["Pad"] * 4, floor
+    pad = next(n for n in floor if n.name.endswith("/slot_rows"))
+    assert pad.input[0] == S.SLOT_ROWS and all(
+        n.input[1] == pad.output[0] for n in g.graph.node if n.op_type == "Gather" and "to_slots" in n.name
+    )
 
 
 def test_static_variant_recorded_in_manifest_and_contract(tiny_llama):

@@ -172,11 +172,13 @@ def test_static_gqa_floor_keeps_the_buffer_and_the_function():
 
 def test_static_buffer_past_the_step_is_untouched_beyond_the_floor():
     """In place (one buffer bound as past and present, as the runtime binds it): a step over past
-    70 (above the floor) writes its rows only; a step at past 3 writes the floor's extra rows up to
-    position KEY_FLOOR - 1 at most (beyond the context: ignored, then overwritten), never beyond."""
+    70 (above the floor) writes its rows only; a step at past 3 writes the floor's extra rows (copies
+    of its first row's K) up to position KEY_FLOOR - 1 at most (beyond the context: ignored, then
+    overwritten), never beyond."""
     import onnxruntime as ort
 
     st = _Steps(to_static_kv(_concat_layer(), 128, fuse=False))
+    assert S.SLOT_ROWS in st.names  # sparse: the floor is folded into the slot index
     for P, rows, last in ((3, 2, KEY_FLOOR), (70, 3, 73)):
         b = st.s.io_binding()
         bufs = {}
@@ -201,7 +203,8 @@ def test_static_buffer_past_the_step_is_untouched_beyond_the_floor():
         key = bufs["key"].numpy()
         np.testing.assert_array_equal(key[0, 0, P : P + rows], st.k[0, P : P + rows])
         assert (key[0, 0, :P] == 7.0).all() and (key[0, 0, last:] == 7.0).all()
-        assert last == P + rows or not key[0, 0, P + rows : last].any()  # the floor's rows: zero keys
+        # the floor's rows read the step's first row (a sparse graph pads slot_rows with row 0)
+        assert (key[0, 0, P + rows : last] == st.k[0, P]).all()
 
 
 def test_strip_row_guard_removes_the_floor_with_the_guard():

@@ -21,7 +21,7 @@ from dejavuu_build.runtime.drafters.trees import accepted_length
 
 NEEDS_DATASTORE = {"rest", "sam_decoding", "asam", "asam_verify"}
 # Methods whose tree mode must branch when the context offers two continuations.
-BRANCHING = set(METHODS) - {"baseline", "token_recycling", "auto"}
+BRANCHING = set(METHODS) - {"baseline", "token_recycling", "auto", "suffix_vote"}  # suffix_vote: chains only
 
 BUDGETS = [
     DraftBudget(max_nodes=1, max_depth=1),
@@ -122,6 +122,15 @@ def test_tree_mode_branches_over_two_continuations(name):
     assert roots == {4, 5}, (name, tree)
     chain = d.propose(TWO_WAY, DraftBudget(max_nodes=3, max_depth=3))
     assert chain.is_chain() and chain.tokens[0] in (4, 5)
+
+
+def test_suffix_vote_drafts_its_chain_for_a_tree_budget():
+    """Its uncut trie lost to its cut chain (docs/methods.md): a tree budget gets the chain."""
+    d = make("suffix_vote", sized=False)
+    d.begin(TWO_WAY)
+    tree = d.propose(TWO_WAY, DraftBudget(max_nodes=8, max_depth=3, width=2, tree=True))
+    chain = d.propose(TWO_WAY, DraftBudget(max_nodes=8, max_depth=3))
+    assert tree.is_chain() and len(tree) and tree.tokens == chain.tokens
 
 
 def test_pld_chain_copies_the_latest_match():
