@@ -36,7 +36,7 @@ assert set(LAYOUTS) == set(S.KV_LAYOUTS), "every layout of the schema is registe
 
 # Layout preference at equal precision: static first -- a lone token one row (its attention floor),
 # exact trees, the cheapest verify rows and prefill of the three (SmolLM2 int4, Xeon AVX-512 + AMX,
-# 2 threads, past 256: 1/8 rows 1.03-1.05x / 0.87x rowwise's, time to first token 0.85x; rowwise
+# 2 threads, past 256: 1/2/4/8 rows 1.01/0.94/0.89/0.88x rowwise's, time to first token 0.85x; rowwise
 # verifies chains only, concat also copies its cache); timing can still displace it (build.default).
 PREFERRED_LAYOUTS = tuple(sorted(LAYOUTS, key=lambda k: LAYOUTS[k].rank))
 # The layouts with a batched serving graph (serve.batch opens it), in the preference's order.

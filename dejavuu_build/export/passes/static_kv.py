@@ -34,9 +34,10 @@ in topological order (parents before children), which the runtime guarantees.
 A lone token is one graph row: GroupQueryAttention's one-row kernel gives other bits than its
 multi-row one, so the graph gives every GQA at least ``schema.GQA_MIN_ROWS`` query rows itself (a
 second slot after a lone one, reading its row again through ``slot_rows``, its output never read:
-``_Floor``), and only the attention pays for it. Measured on
-SmolLM2-135M (Intel Xeon, AVX-512 + AMX, 2 threads, past 256): a one-token step 0.92x the rowwise
-flavour's and 0.77x the step with the old runtime pad row (every op two rows); 8 rows 0.79x rowwise.
+``_Floor``), and only the attention pays for it. Measured on SmolLM2-135M int4 (Intel Xeon,
+AVX-512 + AMX, 2 threads, past 256, quiet, 7 interleaved rounds): a one-token step 1.01x the
+rowwise flavour's, 2/4/8 rows 0.94/0.89/0.88x; before the floor a lone token ran every op on two
+rows (the runtime's pad row: 1.17-1.20x rowwise's one-token step, loaded runs).
 """
 
 from __future__ import annotations
