@@ -154,7 +154,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         slot_gathers += [x for x in to_slots if x is not None]
         ins = [None if x is None else x.outputs[0] for x in to_slots]
         positions = position_ids if rotary else None
-        # zero query rows after the step's own: GQA runs S.GQA_MIN_ROWS rows at least (and KEY_FLOOR keys)
+        # extra query rows after the step's own: GQA runs S.GQA_MIN_ROWS rows at least (and KEY_FLOOR keys)
         ins = [None if x is None else floor.rows(x, f"{base}/{floor.prefix}{w}", att) for x, w in zip(ins, "qkv")]
         positions = None if positions is None else floor.rows(positions, f"/{floor.prefix}positions", att)
         att_bias = floor.bias(att_bias, att)
@@ -241,16 +241,16 @@ FLOOR_PREFIXES = (KEY_FLOOR_PREFIX, ROW_FLOOR_PREFIX)
 
 
 class _Floor:
-    """GroupQueryAttention over at least schema.GQA_MIN_ROWS query rows and, with ``keys``, KEY_FLOOR keys
-    (export.passes.key_floor): while a step has fewer rows, or its past + rows is short of the key
-    floor, ``extra`` query rows follow the step's own (zeros; in a sparse graph the first slot's
-    row again: fold_into_slots), so the kernel runs its multi-row path
-    and its total (past + rows + extra) reaches the key floor, while its write position (total -
-    rows - extra) is still the past. The extra rows attend causally after every real row, whose
-    scores therefore see nothing of them but the key count; their K/V land beyond the context
-    (ignored, then overwritten; the runtime keeps one position of room: layouts.static) and their
-    output is cut off. Costs attention rows only: a lone token's step, and steps while the context
-    is under the key floor."""
+    """GroupQueryAttention over at least schema.GQA_MIN_ROWS query rows and, with ``keys``,
+    KEY_FLOOR keys (export.passes.key_floor): while a step has fewer rows, or its past + rows is
+    short of the key floor, ``extra`` query rows follow the step's own (zeros; in a sparse graph
+    the first slot's row again: fold_into_slots), so the kernel runs its multi-row path and its
+    total (past + rows + extra) reaches the key floor, while its write position (total - rows -
+    extra) is still the past. The extra rows attend causally after every real row, whose scores
+    therefore see nothing of them but the key count; their K/V land beyond the context (ignored,
+    then overwritten; the runtime keeps one position of room: layouts.static) and their output is
+    cut off. Costs attention rows only: a lone token's step, and steps while the context is under
+    the key floor."""
 
     def __init__(self, g, bias, total64, anchor, *, keys: bool):
         import onnx_ir as ir
