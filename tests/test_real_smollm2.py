@@ -74,7 +74,7 @@ def test_build_passes_every_gate(smollm2):
         assert m.variants[v].bytes < 115e6, "int4 build must stay under 115 MB"
         q = m.variants[v].gates["quality"]
         assert q["top1"] >= 0.97 and q["mean_kl"] <= 0.01, (v, q)
-    for v in ("fp32", "int4", "int4-rowwise"):
+    for v in ("fp32", "int4", "int4-static", "int4-rowwise"):  # static: its attention floors its rows
         assert m.variants[v].length_invariant, (v, m.variants[v].row_guard)  # a lone token is one row
     assert m.default_variant in ("int4-rowwise", "int4-static", "int4")
     # fp32 cannot be the default where an int4 keeps the answers: not timed, and the manifest says why
@@ -112,7 +112,7 @@ def test_quant_only_rewrites_the_same_bytes_without_torch(smollm2):
     assert after.build_config["variants"] == [] and after.default_variant == before.default_variant
 
 
-# Every drafter on the default flavour (rowwise: chains) and on the static one (trees too); the
+# Every drafter on the default flavour (static: chains and trees) and on the rowwise one (chains); the
 # concat flavour (what other runtimes open) with one drafter of each kind. Every drafter on every
 # layout is also checked on tiny random models (tests/runtime/drafters).
 CASES = (
