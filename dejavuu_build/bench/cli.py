@@ -193,19 +193,19 @@ def bench(
         raise BenchError(f"unknown --compare {', '.join(bad)}; choose from: {', '.join(PEERS)}")
     for k in compare_t:
         KINDS[k].require()  # a missing package: one line and exit 2, before anything slow
+    common = dict(  # what a replay's recording and a timed run share
+        model=model,
+        methods=_csv(methods),
+        categories=_csv(categories),
+        per_category=per_category,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        width=width,
+        variant=variant,
+        data=data,
+    )
     if replay_file:
-        what = BenchConfig(
-            model=model,
-            methods=_csv(methods),
-            categories=_csv(categories),
-            per_category=per_category,
-            max_new_tokens=max_new_tokens,
-            threads=threads,
-            width=width,
-            variant=variant,
-            data=data,
-        )
-        _replay(replay_file, what, out, row_costs, step_ms)
+        _replay(replay_file, BenchConfig(**common), out, row_costs, step_ms)
         return
     if row_costs or step_ms is not None:
         raise BenchError("--row-costs and --step-ms go with --replay")
@@ -213,19 +213,11 @@ def bench(
         raise BenchError("a context sweep cannot be resumed: run it again with another --out")
     folder, resuming = _out_dir(model, out, resume, "-sweep" if contexts_t else "")
     cfg = BenchConfig(
-        model=model,
-        methods=_csv(methods),
-        categories=_csv(categories),
-        per_category=per_category,
-        max_new_tokens=max_new_tokens,
-        threads=threads,
+        **common,
         tree=tree,
-        width=width,
-        variant=variant,
         temperature=temperature,
         seed=seed,
         datastore=datastore,
-        data=data,
         compare=compare_t,
         contexts=contexts_t,
         repeats=repeats,

@@ -102,8 +102,8 @@ class StreamedModel:
             if src is not None and src in self._inits and self._inits[src].data_type == onnx.TensorProto.FLOAT16:
                 self._fp16[nodes[k].output[0]] = src
                 del nodes[k]
-        stored = {v: k for k, v in self._fp16.items()}
-        self.names = [stored.get(n, n) for n in self._inits]  # file order, to write them back in it
+        self._stored = {v: k for k, v in self._fp16.items()}  # the fp16 initializer -> its fp32 name
+        self.names = [self._stored.get(n, n) for n in self._inits]  # file order, to write them back in it
 
     @staticmethod
     def _header(buf, start: int, end: int) -> _Init:
@@ -124,7 +124,7 @@ class StreamedModel:
         return _Init(name, tuple(dims), dtype, start, end)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._fp16 or (name in self._inits and name not in self._fp16.values())
+        return name in self._fp16 or (name in self._inits and name not in self._stored)
 
     def dims(self, name: str) -> tuple[int, ...]:
         return self._inits[self._fp16.get(name, name)].dims

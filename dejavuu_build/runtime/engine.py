@@ -62,7 +62,9 @@ class Engine:
             budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
         tokens = [int(t) for t in prompt_ids]
         cap = self.dec.capacity
-        if cap and len(tokens) + max_new_tokens + 1 > cap:  # +1: the pad row of a one-token step
+        if (
+            cap and len(tokens) + max_new_tokens + 1 > cap
+        ):  # +1: a one-token step's second attention row (static floor or pad row)
             raise GenerationError(
                 f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
                 f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "

@@ -14,8 +14,8 @@ from .sizing import RowCosts
 from .trees import accepted_length
 
 # suffix_vote alone: every other member added to it lowered the offline replay (docs/methods.md,
-# 2026-12-06); pass members= for a portfolio, e.g. ("pld", "suffix_decoding", "token_recycling",
-# "lookahead"), the default before, for trees (suffix_vote's tree is its uncut trie)
+# 2026-12-05); pass members= for a portfolio, e.g. ("pld", "suffix_decoding", "token_recycling",
+# "lookahead"), the default before, for trees (suffix_vote drafts chains whatever the budget)
 DEFAULT_MEMBERS: tuple[str, ...] = ("suffix_vote",)
 # members draft as deep as the budget allows: auto cuts each draft where its measured acceptance stops paying
 DEFAULT_MEMBER_PARAMS: dict[str, dict] = {"suffix_decoding": {"spec_factor": None, "max_candidates": 8}}
