@@ -144,3 +144,18 @@ def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def optimized_nodes(path: Path, tmp: Path) -> dict[str, int]:
+    """The nodes onnxruntime runs: its ORT_ENABLE_ALL graph, written out and counted."""
+    from collections import Counter
+
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(tmp / "optimized.onnx")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return dict(Counter(n.op_type for n in onnx.load(str(tmp / "optimized.onnx"), load_external_data=False).graph.node))

@@ -134,6 +134,12 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     "context: what one drafted token costs, the bound on any speculative method's speedup.",
 )
 @click.option(
+    "--anatomy",
+    is_flag=True,
+    help="Context sweep: also profile a decode step at the first context by op type (nodes per step and "
+    "kernel time, one thread), ours and, with --compare genai, genai's graph: anatomy.csv/json/png.",
+)
+@click.option(
     "--replay",
     "replay_file",
     default=None,
@@ -181,6 +187,7 @@ def bench(
     contexts,
     repeats,
     verify_rows,
+    anatomy,
     replay_file,
     row_costs,
     step_ms,
@@ -222,6 +229,7 @@ def bench(
         contexts=contexts_t,
         repeats=repeats,
         verify_rows=_ints(verify_rows, "--verify-rows", "2,4,8"),
+        anatomy=anatomy,
         genai_ngram=NGRAM_OFF if no_genai_ngram else (genai_ngram or NGRAM_SWEEP),
     )
     if contexts_t:

@@ -76,6 +76,7 @@ class BenchConfig:
     contexts: tuple[int, ...] = ()  # a context sweep instead of Spec-Bench categories (bench.sweep)
     repeats: int = 1  # sweep: runs per context (medians are reported)
     verify_rows: tuple[int, ...] = ()  # sweep: also time verify steps of these graph row counts (bench.sweep)
+    anatomy: bool = False  # sweep: profile a decode step by op type, ours vs genai's graph (bench.anatomy)
     # with --compare genai, genai's n-gram speculative decoding too: "sweep" (pick its options on
     # prompts outside the measured set, bench.ngram), a fixed "N,K", or "off"
     genai_ngram: str = NGRAM_SWEEP
@@ -129,6 +130,8 @@ class BenchConfig:
             raise BenchError("--verify-rows takes row counts of 2 or more (1 row is plain decoding, always timed)")
         if self.verify_rows and not self.contexts:
             raise BenchError("--verify-rows is part of the context sweep: add --contexts 256,1024,...")
+        if self.anatomy and not self.contexts:
+            raise BenchError("--anatomy is part of the context sweep: add --contexts 256 (it profiles the first)")
         bad = [m for m in self.methods if base_method(m) not in METHODS and m != RAW_BASELINE]
         if bad:
             raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from: {', '.join(METHODS)}, {RAW_BASELINE}")

@@ -460,7 +460,7 @@ class GenaiReplay:
     steps, as genai keeps one. What genai's step costs beyond :meth:`step` is its host overhead.
     """
 
-    def __init__(self, folder: Path, threads: int):
+    def __init__(self, folder: Path, threads: int, profile: str | None = None):
         import onnxruntime as ort
 
         cfg = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
@@ -472,6 +472,9 @@ class GenaiReplay:
         so.intra_op_num_threads = int(threads)
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        if profile:  # onnxruntime's profiler (bench.anatomy)
+            so.enable_profiling = True
+            so.profile_file_prefix = str(profile)
         self.ort = ort
         self.sess = ort.InferenceSession(
             str(Path(folder) / self.dec["filename"]), so, providers=["CPUExecutionProvider"]

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 from ..log import logger, progress
 from ..runtime.drafters import Draft, DraftBudget, Drafter
 from ..runtime.settings import DecodeSettings
+from .anatomy import Anatomy
 from .config import BenchConfig, BenchError, read_prompts, resolve_data
 from .runner import WARMUP_TOKENS
 
@@ -90,6 +91,7 @@ class SweepRow:
 class SweepReport:
     rows: list[SweepRow]
     files: dict
+    anatomy: Anatomy | None = None  # --anatomy: the step's op profile (bench.anatomy)
 
     def row(self, context: int, system: str, rows: int | None = None) -> SweepRow | None:
         return next(
@@ -117,7 +119,8 @@ class SweepReport:
                 f"{r.prefill_ms:>10.1f} {f(r.match_pct, '.0f') + ('%' if r.match_pct is not None else ''):>6}"
             )
         notes = sorted({r.note for r in self.rows if r.note})
-        return "\n".join(lines + [f"note: {n}" for n in notes])
+        extra = ["", self.anatomy.table()] if self.anatomy is not None else []
+        return "\n".join(lines + [f"note: {n}" for n in notes] + extra)
 
 
 def _med(xs: Sequence[float]) -> float:
@@ -353,9 +356,21 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
                 fh.flush()
                 records += recs
+        anatomy = None
+        if cfg.anatomy:
+            from .anatomy import run_anatomy
+
+            logger.info("step anatomy at context %d: profiling ours%s", contexts[0], " and genai" if genai else "")
+            anatomy = run_anatomy(
+                model,
+                prompts[contexts[0]],
+                out,
+                genai.folder if genai is not None else None,
+                {"model_folder": str(model.folder), "model_variant": model.variant},
+            )
     finally:
         model.eos_ids = eos
-    report = SweepReport(summarize(records), {})
+    report = SweepReport(summarize(records), {}, anatomy)
     meta = {
         "config": cfg.to_json(),
         "model_folder": str(model.folder),
@@ -371,6 +386,8 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         "peers": {genai.name: genai.describe()} if genai is not None else {},
     }
     write_sweep(report, out, meta)
+    if anatomy is not None:
+        report.files.update({f"anatomy_{k}": v for k, v in anatomy.files.items()})
     return report
 
 

@@ -44,10 +44,15 @@ _KV_PATTERNS = [  # (input regex, output pattern) for ours and common third-part
 ]
 
 
-def make_session(path: str | os.PathLike, threads: int | None = None):
+def make_session(path: str | os.PathLike, threads: int | None = None, profile: str | None = None):
+    """The session every runtime reader opens. ``profile``: onnxruntime's profiler on, its JSON
+    named from this prefix (bench.anatomy reads per-node kernel times from it)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
     if threads:
         so.intra_op_num_threads = int(threads)
         so.inter_op_num_threads = 1

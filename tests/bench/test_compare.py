@@ -344,10 +344,25 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
 
     sweep = run_sweep(
         BenchConfig(
-            model=str(tiny_llama), max_new_tokens=10, threads=1, compare=("genai",), contexts=(16, 48), data=str(data)
+            model=str(tiny_llama),
+            max_new_tokens=10,
+            threads=1,
+            compare=("genai",),
+            contexts=(16, 48),
+            data=str(data),
+            anatomy=True,
         ),
         tmp_path / "sweep",
     )
+    # --anatomy: genai's step runs every node of its optimised graph; the ratio is ours over it
+    from tiny import optimized_nodes
+
+    a = sweep.anatomy
+    theirs = {r.op: r.nodes_per_step for r in a.rows if r.system == "genai" and r.op != "total"}
+    assert theirs == dict(optimized_nodes(folder / "model.onnx", tmp_path))
+    nodes, ms = a.ratio()
+    assert nodes == pytest.approx(a.total("baseline").nodes_per_step / a.total("genai").nodes_per_step) and ms > 0
+    assert "ours / genai per step" in sweep.table()
     for c in (16, 48):
         ours, g = sweep.row(c, "baseline"), sweep.row(c, "genai")
         assert ours.prompt_tokens == g.prompt_tokens == c
