@@ -76,7 +76,11 @@ def _auto_help() -> str:
 @click.option(
     "--threads", default=S.DEFAULT_THREADS, show_default=True, type=int, help="ORT threads for validation timings."
 )
-@click.option("--no-timing", is_flag=True, help="Skip the forward timings (default variant then = smallest passing).")
+@click.option(
+    "--no-timing",
+    is_flag=True,
+    help="Skip the forward timings (default variant then = the preferred passing one).",
+)
 @click.option(
     "--kv-layouts",
     default=",".join(S.KV_LAYOUTS),

@@ -96,7 +96,8 @@ def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     answers, quantized before fp32). The smallest precision, in the layouts' preference
     (layouts.PREFERRED_LAYOUTS) -- what a user keeps. A larger one replaces it only where interleaved timing shows it faster in
     every round by more than max(MIN_SPEEDUP, 3 x the measured noise), so load cannot flip the
-    choice. Untimed (--no-timing): the smallest passing file."""
+    choice. Untimed (--no-timing): that preferred candidate, the same starting point, with nothing
+    to displace it."""
     if not any(r.passed for r in manifest.variants.values()):
         return None, {"rule": "no variant passed its gates"}
     passing, keep, not_candidates = candidates(manifest)
@@ -115,9 +116,10 @@ def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
     }
     rounds = {n: r.timing_rounds_ms for n, r in passing.items()}
     if not all(rounds.values()) or len({len(x) for x in rounds.values()}) != 1:
-        smallest = min(passing, key=lambda n: (passing[n].bytes or 0, n))
-        why.update(preferred=smallest, timing="not timed: the smallest passing file")
-        return smallest, why
+        # the timed rule's starting point, so an untimed build (every test's) gets the default a
+        # timed one keeps unless something is clearly faster -- not the smallest file (rowwise)
+        why.update(timing="not timed: the preferred candidate (smallest precision, then the layouts' preference)")
+        return first, why
     noise = max((max(x) - min(x)) / float(np.median(x)) for x in rounds.values())
     margin = max(MIN_SPEEDUP, 3 * noise)
     faster = [n for n in passing if n != first and faster_every_round(rounds[n], rounds[first], margin)]

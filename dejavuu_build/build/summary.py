@@ -94,7 +94,7 @@ def log_summary(manifest: Manifest) -> None:
                 f"(noise {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
             )
         else:
-            how = "the smallest passing file (not timed)"
+            how = "the preferred passing variant: smallest precision, then the layouts' preference (not timed)"
         logger.info(" default %s: %s", manifest.default_variant, how)
         if why.get("timed"):
             skip = why.get("not_candidates") or {}

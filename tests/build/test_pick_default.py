@@ -63,12 +63,32 @@ def test_quality_floors_come_first():
     )
 
 
-def test_untimed_builds_pick_the_smallest_passing_file():
+def test_untimed_builds_pick_the_preferred_candidate_as_timed_ones_start_from():
     m = Manifest(
         variants={"int4": _rec(None, 97), "int4-static": _rec(None, 99, layout="static"), "int8": _rec(None, 150)}
     )
     name, why = choose_default(m)
-    assert name == "int4" and why["timing"].startswith("not timed")
+    assert name == "int4-static" == why["preferred"] and why["timing"].startswith("not timed")
+
+
+def test_untimed_static_is_the_default_even_where_the_rowwise_file_is_smaller():
+    """The untimed default is the timed rule's starting point (smallest precision, then
+    layouts.PREFERRED_LAYOUTS), not the smallest file: what --no-timing test builds exercise is the
+    default a user gets. (Until 2026-12-06: the smallest file, int4-rowwise here, which a timed build never starts from.)"""
+    m = Manifest(
+        variants={
+            "int4": _rec(None, 97),
+            "int4-static": _rec(None, 99, layout="static"),
+            "int4-rowwise": _rec(None, 96, layout="rowwise"),
+            "int8": _rec(None, 150),
+            "int8-rowwise": _rec(None, 149, layout="rowwise"),
+        }
+    )
+    name, why = choose_default(m)
+    assert name == "int4-static" == why["preferred"]
+    assert why["timing"] == "not timed: the preferred candidate (smallest precision, then the layouts' preference)"
+    m.variants["int4-static"].passed = False  # then rowwise, the next layout of the same precision
+    assert pick_default(m) == "int4-rowwise"
 
 
 def test_static_is_preferred_at_equal_precision_and_only_timing_displaces_it():
@@ -133,7 +153,8 @@ def test_only_what_can_be_the_default_is_a_candidate_and_timed():
         "fp32": "the fp32 reference: a quantized variant keeps the answers",
     }
     name, reason = choose_default(m)
-    assert name == "int4" and reason["candidates"] == ["int4", "int4-rowwise"]  # untimed: the smallest file
+    # untimed: the preferred candidate (int4's layouts: rowwise before concat)
+    assert name == "int4-rowwise" and reason["candidates"] == ["int4", "int4-rowwise"]
     assert reason["not_candidates"]["fp32"].startswith("the fp32 reference")
     # no quantized variant keeps the answers: fp32 is the candidate (and the default)
     m.variants["int4"].gates["quality"]["top1"] = m.variants["int4-rowwise"].gates["quality"]["top1"] = 0.5

@@ -67,12 +67,12 @@ def test_a_machine_without_exact_batches_decodes_plainly(tiny_llama, caplog):
 
 
 def test_the_build_measured_it_and_the_first_load_measures_nothing(tiny_llama, cache_dir, monkeypatch):
-    """The build stores each passing variant's calibration in the manifest and in the runtime's
+    """The build stores the default variant's calibration in the manifest and in the runtime's
     cache under the file's sha256: loading it then measures nothing (calibrate would raise)."""
     from dejavuu_build import schema as S
 
     man = S.read_manifest(tiny_llama)
-    rec = man.variants["int4-rowwise"]
+    rec = man.variants[man.default_variant]  # what the build calibrates: the default (int4-static)
     key = C.calibration_key(rec.sha256, 2)
     assert rec.calibration["key"] == key and rec.calibration["chain_exact"] is True
     stored = json.loads((cache_dir / ".runtime" / f"calibration-{key}.json").read_text())
@@ -84,8 +84,8 @@ def test_the_build_measured_it_and_the_first_load_measures_nothing(tiny_llama, c
         raise AssertionError("measured again")
 
     monkeypatch.setattr(C, "calibrate", boom)
-    m = load(tiny_llama, variant="int4-rowwise")
-    assert m.calibration.chain_exact is True
+    m = load(tiny_llama)
+    assert m.variant == man.default_variant and m.calibration.chain_exact is True
 
 
 def test_a_recorded_exactness_claim_is_rechecked(tiny_llama, tmp_path, caplog):

@@ -40,8 +40,8 @@ def test_default_variant_and_names(tiny_llama):
     m = load(tiny_llama)
     man = S.read_manifest(tiny_llama)
     assert m.variant == man.default_variant and man.variants[m.variant].passed
-    passing = {v: r.bytes for v, r in man.variants.items() if r.passed}
-    assert man.default_variant == min(passing, key=passing.get)  # untimed build: the smallest passing
+    # untimed build: the preferred candidate (smallest precision, then layouts.PREFERRED_LAYOUTS), as timed ones start
+    assert man.default_variant == man.default_reason["preferred"] == "int4-static"
     assert load(tiny_llama.name).folder == tiny_llama  # by cache name
     assert load(tiny_llama / S.variant_file("int8")).variant == "int8"  # by .onnx path
 

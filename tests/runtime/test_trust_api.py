@@ -20,10 +20,15 @@ from dejavuu_build.runtime.sampling import Sampler
 PROMPTS = ["abcabcabc abc", "the cat sat on the mat. the cat", "1 2 3 1 2 3 1 2", "hello hello hello"]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama):
-    """The in-place rowwise layout, a real build's default: its decoder reuses buffers between steps."""
-    return load(tiny_llama, variant="int4-rowwise")
+@pytest.fixture(scope="module", params=["default", "int4-rowwise"])
+def model(tiny_llama, request):
+    """The in-place layouts, whose decoders reuse buffers between steps: the default (int4-static,
+    what a build picks, timed or not) and the rowwise twin (pinned)."""
+    if request.param == "default":
+        m = load(tiny_llama)
+        assert m.variant == "int4-static"
+        return m
+    return load(tiny_llama, variant=request.param)
 
 
 # ---------------------------------------------------------------- point 2: threads and streams

@@ -15,7 +15,7 @@ from dejavuu_build.runtime import load  # noqa: E402
 from dejavuu_build.serve.bench import start_server  # noqa: E402
 from dejavuu_build.serve.ray_app import REPLICA_HEADER  # noqa: E402
 
-NAME, VARIANT = "tiny-llama", "int4-rowwise"  # the default: the build writes its batched graph
+NAME, VARIANT = "tiny-llama", "int4-static"  # the default: the build writes its batched graph
 
 
 @pytest.mark.ray

@@ -26,9 +26,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model(tiny_llama):
-    """The default (int4-rowwise): what `serve` decodes, batched on its rowwise batched graph."""
+    """The default (int4-static, untimed as timed): what `serve` decodes, batched on its static
+    batched graph (layouts.static.StaticBatch)."""
     m = load(tiny_llama)
-    assert m.variant == S.read_manifest(tiny_llama).default_variant == "int4-rowwise"
+    assert m.variant == S.read_manifest(tiny_llama).default_variant == "int4-static"
     return m
 
 
@@ -162,33 +163,33 @@ def test_a_server_without_variant_serves_the_default_batched(tiny_llama):
     """`serve` without --variant decodes the manifest's default (what `generate` runs) and batches
     it on the batched graph the build wrote from that same variant: one model, one answer
     (tests/serve/test_one_answer.py compares the texts through a real server). Another variant
-    (the static twin) has no batched graph of its own and is served one request per forward."""
+    (the rowwise twin) has no batched graph of its own and is served one request per forward."""
     from dejavuu_build.serve.cli import ServeConfig, build_app
 
     m = S.read_manifest(tiny_llama)
-    assert m.batched["variant"] == m.default_variant == "int4-rowwise"
+    assert m.batched["variant"] == m.default_variant == "int4-static"
     app, sched = build_app(ServeConfig(name=str(tiny_llama)))
     try:
         assert sched.model.variant == m.default_variant
-        assert sched.batched and sched.model.contract.kv_layout == "rowwise", sched.why_sequential
+        assert sched.batched and sched.model.contract.kv_layout == "static", sched.why_sequential
     finally:
         sched.close()
-    app, sched = build_app(ServeConfig(name=str(tiny_llama), variant="int4-static"))
+    app, sched = build_app(ServeConfig(name=str(tiny_llama), variant="int4-rowwise"))
     try:
-        assert not sched.batched and "--variant int4-rowwise" in sched.why_sequential
+        assert not sched.batched and "--variant int4-static" in sched.why_sequential
     finally:
         sched.close()
 
 
 def test_the_build_writes_and_gates_the_batched_graph(tiny_llama):
-    """The batched graph is part of the entry: one file, for the default variant (rowwise: its
-    rowwise batched flavour), listed with its sha256, gated (requests side by side bit-identical to
+    """The batched graph is part of the entry: one file, for the default variant (static: its
+    static batched flavour), listed with its sha256, gated (requests side by side bit-identical to
     each alone, past 64 and 256 positions) on the machine that built it."""
     m = S.read_manifest(tiny_llama)
     b = m.batched
     v = m.default_variant
     assert b["file"] == S.batched_file(v) and (tiny_llama / b["file"]).is_file()
-    assert b["layout"] == "rowwise"
+    assert b["layout"] == "static"
     assert m.files[b["file"]] == {"sha256": b["sha256"], "bytes": b["bytes"]}
     assert b["source_sha256"] == m.variants[v].sha256
     assert b["passed"] and b["graph_version"] == S.BATCHED_GRAPH_VERSION

@@ -19,7 +19,7 @@ from dejavuu_build.runtime import load  # noqa: E402
 from dejavuu_build.serve.bench import start_server  # noqa: E402
 
 NAME = "tiny-llama"
-VARIANT = "int4-rowwise"  # the default: its batched graph is the one the build writes
+VARIANT = "int4-static"  # the default: its batched graph is the one the build writes
 PROMPTS = [
     "abcabcabcabc abcabc",
     "the cat sat on the mat. the cat sat on the",

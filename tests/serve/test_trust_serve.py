@@ -25,7 +25,7 @@ from dejavuu_build.serve.bench import free_port, start_server
 from dejavuu_build.serve.scheduler import Request, Result, Scheduler
 
 NAME = "tiny-llama"
-VARIANT = "int4-rowwise"  # the default: its batched graph is the one the build writes
+VARIANT = "int4-static"  # the default: its batched graph is the one the build writes
 LONG = "the cat sat on the mat and then the dog sat on the log; " * 4  # > 64 positions
 
 
@@ -102,26 +102,28 @@ def test_serving_writes_nothing_to_the_cache(model, cache_dir):
     assert files() == before
 
 
-def _clip_positions(m, rows=64):
+def _clip_positions(m, rows=64, positions=S.GQA_POSITIONS):
     """The adversarial edit of an onnx model: positions past ``rows`` clipped to ``rows - 1``, so
-    RoPE is wrong there (a start-up check at ~40 positions cannot see it)."""
+    RoPE is wrong there (a start-up check at ~40 positions cannot see it). ``positions``: the
+    graph's position input (the static batched graph's padded positions; position_ids in the
+    rowwise one)."""
     from onnx import helper, numpy_helper
 
     g = m.graph
     hit = 0
     for n in g.node:
         for j, x in enumerate(n.input):
-            if x == S.POSITION_IDS:
+            if x == positions:
                 n.input[j] = "position_ids/clipped"
                 hit += 1
-    assert hit, "no position_ids input read"
+    assert hit, f"no {positions} input read"
     g.initializer.extend(
         [
             numpy_helper.from_array(np.array(0, np.int64), "clip.lo"),
             numpy_helper.from_array(np.array(rows - 1, np.int64), "clip.hi"),
         ]
     )
-    g.node.insert(0, helper.make_node("Clip", [S.POSITION_IDS, "clip.lo", "clip.hi"], ["position_ids/clipped"]))
+    g.node.insert(0, helper.make_node("Clip", [positions, "clip.lo", "clip.hi"], ["position_ids/clipped"]))
     return m
 
 
@@ -132,13 +134,11 @@ def test_a_batched_graph_wrong_past_64_fails_its_gate_and_is_not_served(tiny_lla
     from conftest import clone_entry
 
     from dejavuu_build.build.pipeline import quant_only
-    from dejavuu_build.export.passes import serve_batch_rowwise
+    from dejavuu_build.export.passes import serve_batch  # the static default's batched pass
 
     clone_entry(tiny_llama, "tiny-llama-badbatch")
-    real = serve_batch_rowwise.to_serve_batch_rowwise
-    monkeypatch.setattr(
-        serve_batch_rowwise, "to_serve_batch_rowwise", lambda m, source="": _clip_positions(real(m, source))
-    )
+    real = serve_batch.to_serve_batch
+    monkeypatch.setattr(serve_batch, "to_serve_batch", lambda m, source="": _clip_positions(real(m, source)))
     with caplog.at_level(logging.INFO, logger="dejavuu"):
         b = quant_only("tiny-llama-badbatch", variants=("int4",), timing=False).manifest.batched
     assert b["variant"] == VARIANT and b["passed"] is False and b["gate"]["mismatches"] > 0, b
