@@ -368,6 +368,7 @@ class BatchDriver(Generic[Owner]):
         self.owners: list[Owner | None] = [None] * max_batch
         self._bindings: dict[tuple[int, int], Any] = {}  # onnxruntime IOBindings per slot range
         self.last_run_s = 0.0
+        self.split_forwards = 0  # steps whose entries did not fit one padded forward (layouts.static)
 
     def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """One forward over slots ``lo .. lo+len(rows)``; ``None`` marks an idle slot. Returns per

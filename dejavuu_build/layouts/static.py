@@ -132,7 +132,8 @@ class StaticDriver(PaddedDriver):
 class StaticBatch(BatchDriver[Owner]):
     """A static variant's batched graph (export.passes.serve_batch): one KV buffer row per active
     request, all rows in one array ``[2 * layers, max_batch, kv_heads, capacity, head_dim]``. A step
-    feeds each request's rows right-padded to the longest (``query_seqlens``), the rows
+    feeds each request's rows right-padded to the longest (``query_seqlens``; one with less KV room
+    than that runs in a further, narrower forward), the rows
     StaticDriver would feed it alone -- a one-token step is one row in two attention slots, as the
     single graph's floor runs it, a tree's tokens sit at their period-aligned attention slots (pad
     slots read the root row and exist in attention only) -- so each row's logits are bit-identical
@@ -146,7 +147,6 @@ class StaticBatch(BatchDriver[Owner]):
         self.buf = np.zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), dtype=kv_dtype(c))
 
     def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        B = len(rows)
         fed: list[Rows | None] = []
         for r in rows:
             if r is not None and len(r.tokens) == 1 and r.slots is None:
@@ -158,15 +158,49 @@ class StaticBatch(BatchDriver[Owner]):
             0 if r is None else len(r.parents) if r.slots is not None and r.parents is not None else len(r.tokens)
             for r in fed
         ]
-        W = max([S.GQA_MIN_ROWS] + widths)  # attention slots per entry (a tree's aligned layout)
-        lens = [self.lengths[lo + b] for b in range(B)]
+        lens = [self.lengths[lo + b] for b in range(len(fed))]
         for b, r in enumerate(fed):
-            if r is not None and lens[b] + W > self.capacity:
+            if r is not None and lens[b] + max(S.GQA_MIN_ROWS, widths[b]) > self.capacity:
                 raise GenerationError(
                     f"the KV cache holds {self.capacity} positions and this step needs "
-                    f"{lens[b] + W}: use a shorter prompt or fewer new tokens"
+                    f"{lens[b] + max(S.GQA_MIN_ROWS, widths[b])}: use a shorter prompt or fewer new tokens"
                 )
-        width = max(1, max(lens[b] + widths[b] for b in range(B)))
+        # Every entry is padded to the step's widest (W attention slots) and a padded entry writes W
+        # K/V slots past its context, so a request with less room than W (near the cache's end, beside
+        # one verifying a long chain or a tree) runs in a further forward of narrower entries instead
+        # of failing its batch-mates or being cut; its rows, and so its tokens, are those of any width.
+        idle = np.empty((0, self.c.vocab_size), np.float32)
+        no_hidden = None if self.c.hidden_output is None else np.empty((0, self.c.hidden_size), np.float32)
+        out: list[tuple[np.ndarray, np.ndarray | None]] = [(idle, no_hidden)] * len(fed)
+        pending = [b for b, r in enumerate(fed) if r is not None]
+        calls, run_s = 0, 0.0
+        while pending:  # ends: the widest pending entry always fits its own width (checked above)
+            W = max([S.GQA_MIN_ROWS] + [widths[b] for b in pending])
+            now = [b for b in pending if lens[b] + W <= self.capacity]
+            part = [fed[b] if b in now else None for b in range(len(fed))]
+            for b, res in zip(now, self._forward(lo, part, widths, lens, W, [rows[b] for b in now])):
+                out[b] = res
+            run_s += self.last_run_s
+            pending = [b for b in pending if b not in now]
+            calls += 1
+        self.last_run_s = run_s
+        self.split_forwards += calls > 1
+        return out
+
+    def _forward(
+        self,
+        lo: int,
+        fed: Sequence[Rows | None],
+        widths: Sequence[int],
+        lens: Sequence[int],
+        W: int,
+        asked: Sequence[Rows | None],
+    ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """One onnxruntime call over the entries of ``fed`` that are not None, each padded to ``W``
+        attention slots (the caller checked they fit); returns their outputs in order. ``asked``:
+        the rows the caller gave for those entries (a lone token's pad row is dropped from them)."""
+        B = len(fed)
+        width = max(1, max(lens[b] + widths[b] for b in range(B) if fed[b] is not None))
         counts = [len(r.tokens) if r is not None else 0 for r in fed]
         T = sum(counts)
         ids = np.zeros((1, T), np.int64)
@@ -182,7 +216,8 @@ class StaticBatch(BatchDriver[Owner]):
             P = lens[b]
             pos[b] = P
             if r is None:
-                seqlens[b] = max(P - 1, 0)
+                # idle: query_seqlens 0 writes nothing, and one cached position (not P) keeps
+                # onnxruntime from asking room for W slots past P, which a full entry may not have
                 continue
             n, o, w = counts[b], int(offsets[b]), widths[b]
             parents = r.parents if r.parents is not None else list(range(-1, n - 1))
@@ -211,8 +246,9 @@ class StaticBatch(BatchDriver[Owner]):
             bind.bind_cpu_input(name, arr)
         logits, hidden = self.bind_outputs(bind, (1, T))
         self.run_bound(bind)
+        live = [b for b in range(B) if fed[b] is not None]
         out = []
-        for b, r in enumerate(rows):
+        for b, r in zip(live, asked):
             o, n = int(offsets[b]), (0 if r is None else len(r.tokens))  # a single token's pad row is dropped
             out.append((logits[0, o : o + n], hidden[0, o : o + n] if hidden is not None else None))
         return out

@@ -16,7 +16,7 @@ from ..errors import GenerationError
 from ..layouts.rowwise import GrowingKV
 from .decoder import Decoder
 from .drafters.base import DraftBudget, Drafter
-from .job import GenerationStats, Job, ResidualFn, StopFn, Successors
+from .job import STEP_ROOM, GenerationStats, Job, ResidualFn, StopFn, Successors
 from .sampling import Sampler, residual
 
 
@@ -62,9 +62,7 @@ class Engine:
             budget = DraftBudget(budget.max_nodes, budget.max_depth, 1, False)
         tokens = [int(t) for t in prompt_ids]
         cap = self.dec.capacity
-        if (
-            cap and len(tokens) + max_new_tokens + 1 > cap
-        ):  # +1: a one-token step's second attention row (static floor or pad row)
+        if cap and len(tokens) + max_new_tokens + STEP_ROOM > cap:
             raise GenerationError(
                 f"prompt ({len(tokens)} tokens) + max_new_tokens ({max_new_tokens}) does not fit "
                 f"this decoder's KV cache of {cap} positions: shorten the prompt, lower "

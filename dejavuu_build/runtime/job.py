@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import schema as S
 from ..errors import GenerationError
 from ..layouts import Rows
 from .drafters.base import Draft, DraftBudget, Drafter, Feedback
@@ -101,6 +102,12 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
 # 2439 -> 1877 ms (512 -> 64-row chunks), static 1963 -> 1591, concat 1793 -> 1610. The boundaries are
 # the same however a request is driven (generate, the API, the server), so every path prefills alike.
 PREFILL_CHUNK = 64
+
+# KV room a request needs past its prompt and new tokens: a lone token's step runs two attention rows
+# (the static graph's floor, a pad row), the last token's second one past the context. Nothing else:
+# a chain is cut to the tokens left (Job.plan) and a tree to the cache's room (tree_layout), so every
+# path (generate, the API, the server) accepts the same requests.
+STEP_ROOM = S.GQA_MIN_ROWS - 1
 
 
 def tree_layout(

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DejavuuError, GenerationError
 from ..log import logger
+from ..runtime.job import STEP_ROOM
 from ..runtime.settings import DecodeSettings, SettingsError
 from ..runtime.stops import cut
 from .guard import DEFAULT_BODY_TIMEOUT, BodyGuard
@@ -187,8 +188,7 @@ def create_app(
         if x
     ]
     limit = min(limits) if limits else 0
-    # room for one verify step past the last token: a chain of max_nodes, or a tree's period-aligned slots
-    step_rows = 1 + max(defaults.max_nodes or 16, defaults.max_depth, 16 * defaults.width)
+    step_rows = STEP_ROOM  # as Engine.run: generate and the server accept the same requests
     token_chars = longest_token(tok) if tok is not None else 0
 
     @app.exception_handler(APIError)

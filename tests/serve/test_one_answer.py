@@ -15,7 +15,9 @@ openai = pytest.importorskip("openai")
 
 from dejavuu_build import schema as S  # noqa: E402
 from dejavuu_build.cli import main  # noqa: E402
+from dejavuu_build.errors import GenerationError  # noqa: E402
 from dejavuu_build.runtime import load  # noqa: E402
+from dejavuu_build.runtime.job import STEP_ROOM  # noqa: E402
 from dejavuu_build.serve.bench import start_server  # noqa: E402
 
 NAME = "tiny-llama"
@@ -82,6 +84,31 @@ def test_requests_side_by_side_give_generates_answer(tiny_llama, server):
     for text, kw, g in zip(texts, kws, got):
         assert g == model.generate(text, max_new_tokens=40, method="baseline", **kw).text, (text, kw)
     assert _shared_forwards(httpx.get(server + "/metrics").text) > shared  # really side by side
+
+
+def test_the_server_takes_what_generate_takes_at_the_cache_end(tiny_llama, server):
+    """The server's context limit is generate's (runtime.job.STEP_ROOM): a prompt that fills the KV
+    cache to its last usable position decodes to generate's tokens, side by side with a request
+    verifying long chains (whose padded steps it has no room for: layouts.static.StaticBatch runs it
+    in a narrower forward); one token more is refused by both."""
+    model = load(tiny_llama)
+    cap = model.decoder.capacity
+    n = 6
+    near = model.encode("the cat sat on the mat. " * 200)[: cap - n - STEP_ROOM]
+    wide = PROMPTS[3] * 6
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        f_wide = pool.submit(client.completions.create, model=NAME, prompt=wide, max_tokens=120, temperature=0)
+        f_near = pool.submit(client.completions.create, model=NAME, prompt=near, max_tokens=n, temperature=0)
+        got_near, got_wide = f_near.result(), f_wide.result()
+    assert got_near.choices[0].text == model.generate(near, max_new_tokens=n, method="baseline").text
+    assert got_wide.choices[0].text == model.generate(wide, max_new_tokens=120, method="baseline").text
+    over = near + near[-1:]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=over, max_tokens=n, temperature=0)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(GenerationError, match="does not fit"):
+        model.generate(over, max_new_tokens=n, method="baseline")
 
 
 def _shared_forwards(metrics: str) -> float:

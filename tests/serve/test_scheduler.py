@@ -225,3 +225,29 @@ def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog
         assert not r.batched and r.tokens == sched.model.generate(ids, max_new_tokens=20).tokens
     finally:
         sched.close()
+
+
+def test_a_request_at_the_cache_end_decodes_as_alone_beside_a_wide_one(model):
+    """A request with little KV room left shares steps with one verifying long chains: the batched
+    step pads every request to the widest one, which would not fit the first's room. It must decode
+    exactly as alone (its rows run in a forward of their own where needed) and fail nobody."""
+    sched = Scheduler(model, max_batch=4, memory=Memory())
+    try:
+        assert sched.batched, sched.why_sequential
+        cap = sched.batch.capacity
+        n_new = 6
+        near = model.encode("the cat sat on the mat. " * 200)[: cap - n_new - 2]  # room for its own 2-row steps only
+        wide = model.encode(PROMPTS[0] * 4)
+        jobs = [
+            (near, DecodeSettings(max_new_tokens=n_new, method="baseline")),
+            (wide, DecodeSettings(max_new_tokens=160, method="pld", max_depth=16)),
+        ]
+        got = run_all(sched, jobs)
+        for (ids, prm), r in zip(jobs, got):
+            assert isinstance(r, Result), r
+            alone = model.generate(ids, method="baseline", max_new_tokens=prm.max_new_tokens)
+            assert r.tokens == alone.tokens and r.batched
+        assert sched.metrics.shared_forwards > 0
+        assert sched.batch.split_forwards > 0  # the near one's rows ran in a forward of their own at least once
+    finally:
+        sched.close()
