@@ -54,8 +54,12 @@ def test_build_passes_every_gate(smollm2):
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
     assert "Expand" not in ops and m.export["nodes"] < 1200  # no repeat_kv expansion
-    assert sorted(m.variants, key=S.variant_order) == DEFAULT_VARIANTS, sorted(m.variants)
-    for v in DEFAULT_VARIANTS:
+    # int8 is a timed trial (build.trial): kept, gated and a candidate only on a CPU where it is
+    # clearly faster than the exact int4 carry (not the AMX Xeon; on the AMD EPYC measured 0.79-0.93x)
+    kept = sorted(n for n, r in m.default_reason.get("trials", {}).items() if r["kept"])
+    expected = sorted(DEFAULT_VARIANTS + (["int8", *kept] if kept else []), key=S.variant_order)
+    assert sorted(m.variants, key=S.variant_order) == expected, (sorted(m.variants), m.default_reason.get("trials"))
+    for v in expected:
         rec = m.variants[v]
         assert rec.passed, (v, rec.gates)
         batched = rec.gates["batched_vs_incremental"]
@@ -76,16 +80,18 @@ def test_build_passes_every_gate(smollm2):
         assert q["top1"] >= 0.97 and q["mean_kl"] <= 0.01, (v, q)
     for v in ("fp32", "int4", "int4-static", "int4-rowwise"):  # static: its attention floors its rows
         assert m.variants[v].length_invariant, (v, m.variants[v].row_guard)  # a lone token is one row
-    assert m.default_variant in ("int4-rowwise", "int4-static", "int4")
+    assert m.default_variant in ("int4-rowwise", "int4-static", "int4", *kept)
     # fp32 cannot be the default where an int4 keeps the answers: not timed, and the manifest says why
-    assert m.default_reason["timed"] == DEFAULT_VARIANTS[1:] and not m.variants["fp32"].timings_ms
+    assert m.default_reason["timed"] == [v for v in expected if v != "fp32"] and not m.variants["fp32"].timings_ms
     assert m.default_reason["not_candidates"]["fp32"].startswith("the fp32 reference")
     assert m.variants[m.default_variant].calibration["chain_exact"] is True  # measured by the build
     assert m.variants[m.default_variant].gates["quality"]["top1"] >= 0.95
-    entry = sum(f.stat().st_size for f in smollm2.iterdir() if f.is_file())
+    trial_bytes = sum(m.variants[v].bytes or 0 for v in (["int8", *kept] if kept else []))
+    entry = sum(f.stat().st_size for f in smollm2.iterdir() if f.is_file()) - trial_bytes
     # issue 33's target: 1.0 GB. 1.003 GB with the Q8_0 table carried exactly; ~0.945 GB since the
-    # GGUF's fp16 scales and minima are stored as fp16 (export.fp16_store: ~14 MB per int4 file)
-    assert entry <= 1.0e9, f"the default entry is {entry / 1e9:.3f} GB"
+    # GGUF's fp16 scales and minima are stored as fp16 (export.fp16_store: ~14 MB per int4 file);
+    # a kept int8 trial adds its own files where it makes decoding faster
+    assert entry <= 1.0e9, f"the default entry is {entry / 1e9:.3f} GB without a kept trial's files"
     steps = dict(m.steps)
     assert any(k.startswith("export fp32") for k in steps) and any(k.startswith("validate int4") for k in steps)
     c = S.read_contract(smollm2)

@@ -87,11 +87,15 @@ def log_summary(manifest: Manifest) -> None:
     why = manifest.default_reason
     if manifest.default_variant and why:
         if why.get("clearly_faster"):
-            how = f"faster than {why['preferred']} in every one of {why['rounds']} interleaved rounds by > {why['margin']:.0%}"
+            r = (why.get("cost_ratio") or {}).get(manifest.default_variant)
+            how = (
+                f"faster than {why['preferred']} in every one of {why['rounds']} interleaved rounds by > {why['margin']:.0%}"
+                + (f" (cost ratio {r['median']:.2f} +- {r['sd']:.2f})" if r else "")
+            )
         elif "margin" in why:
             how = (
-                f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round "
-                f"(noise {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
+                f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round, clear of "
+                f"its ratio noise (largest ratio sd {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
             )
         else:
             how = "the preferred passing variant: smallest precision, then the layouts' preference (not timed)"

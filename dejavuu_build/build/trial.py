@@ -5,7 +5,7 @@ ones at one row, docs/speed.md) and maybe faster on others. Building, gating and
 everywhere would add ~40% to the build and break the entry's size budget, so the build quantizes
 it, writes its flavour in the layout of int4's preferred candidate, and times the two interleaved
 through the runtime's own Decoder. The trial variant stays (gated like every variant, a candidate
-the picker then times) only where it is faster in every round by the picker's margin; otherwise
+the picker then times) only where it is clearly faster by the picker's rule; otherwise
 its files go and the manifest says what was measured (``default_reason["trials"]``)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import MIN_SPEEDUP, candidates, faster_every_round, preference
+from .default import candidates, clearly_faster, preference
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
@@ -58,7 +58,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
         rec["round_costs_ms"] = {first: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
-        rec["kept"] = faster_every_round(mine, theirs)
+        rec["kept"] = clearly_faster(mine, theirs)
         logger.info(
             "  %s: %.2fx the step cost of %s (median of %d rounds): %s",
             name,
@@ -67,7 +67,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             len(mine),
             "faster in every round: gated and kept as a candidate"
             if rec["kept"]
-            else f"not faster by {MIN_SPEEDUP:.0%} in every round: not kept",
+            else "not clearly faster (the picker's rule, build.default.clearly_faster): not kept",
         )
         if rec["kept"]:
             guard_variant(folder, manifest, precision, g.contract, g.threads)  # its concat base, as _add guards it
