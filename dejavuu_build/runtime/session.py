@@ -28,7 +28,6 @@ from ..schema import (
     TensorSpec,
     row_guard_info,
 )
-from .hugepages import around_session
 
 _ORT_TYPES = {
     "tensor(float)": "float32",
@@ -63,8 +62,8 @@ def make_session(path: str | os.PathLike, threads: int | None = None, profile: s
     # (measured: docs/runtime.md).
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    try:  # its weights on huge pages where the kernel gives them only on request (runtime.hugepages)
-        return around_session(lambda: ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]))
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001
         raise ContractError(
             f"onnxruntime cannot load {path}: {str(e).splitlines()[0][:300]}; the file may be corrupted: rebuild it"
