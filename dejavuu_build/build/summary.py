@@ -113,7 +113,7 @@ def log_summary(manifest: Manifest) -> None:
                 v,
                 t["ratio"],
                 t["against"],
-                "kept as a candidate" if t["kept"] else "not kept (not faster in every round)",
+                "kept as a candidate" if t["kept"] else "not kept (not clearly faster)",
             )
     if manifest.steps:
         total = sum(sec for _, sec in manifest.steps)

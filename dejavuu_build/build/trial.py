@@ -65,7 +65,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             rec["ratio"],
             first,
             len(mine),
-            "faster in every round: gated and kept as a candidate"
+            "clearly faster: gated and kept as a candidate"
             if rec["kept"]
             else "not clearly faster (the picker's rule, build.default.clearly_faster): not kept",
         )
