@@ -70,22 +70,23 @@ def _rows(system: str, ops: dict[str, tuple[int, float]]) -> list[OpRow]:
     return rows
 
 
-def profile_ours(model, prompt: Sequence[int], steps: int, tmp: Path) -> dict[str, tuple[int, float]]:
+def profile_ours(model, prompt: Sequence[int], steps: int, tmp: Path) -> tuple[dict[str, tuple[int, float]], list[int]]:
     """Plain decoding of ``steps`` tokens after ``prompt`` on ``model``'s own variant file, one
-    thread, profiled; the decode runs only."""
+    thread, profiled (the decode runs only); returns the profile and the tokens decoded."""
     from ..runtime.decoder import Decoder
     from ..runtime.session import make_session
     from ..runtime.settings import DecodeSettings
 
-    path = variant_path(model)
-    sess = make_session(path, THREADS, profile=str(tmp / "ours"))
+    if model.path is None:
+        raise ValueError("the model was not opened from a file: nothing to profile")
+    sess = make_session(model.path, THREADS, profile=str(tmp / "ours"))
     mine = model.decoder
     model.decoder = Decoder(sess, model.contract, mine.embed)
     try:
         res = model.generate(list(prompt), DecodeSettings(max_new_tokens=steps + 1))
     finally:
         model.decoder = mine
-    return read_profile(sess.end_profiling(), res.stats.steps)
+    return read_profile(sess.end_profiling(), res.stats.steps), res.tokens[:steps]
 
 
 def profile_genai(
@@ -99,14 +100,6 @@ def profile_genai(
     for t in tokens:
         replay.step(t)
     return read_profile(replay.sess.end_profiling(), len(tokens))
-
-
-def variant_path(model) -> Path:
-    from ..cache import member
-
-    if model.manifest is not None:
-        return member(model.folder, model.manifest.variants[model.variant].file)
-    return Path(model.folder) / f"{model.variant}.onnx"
 
 
 @dataclass
@@ -156,10 +149,9 @@ def run_anatomy(model, prompt: Sequence[int], out: Path, genai_folder: Path | No
     steps = STEPS
     with tempfile.TemporaryDirectory(prefix="anatomy-") as d:
         tmp = Path(d)
-        ours = profile_ours(model, prompt, steps, tmp)
+        ours, tokens = profile_ours(model, prompt, steps, tmp)
         rows = _rows("baseline", ours)
-        if genai_folder is not None:
-            tokens = model.generate(list(prompt), _plain(steps)).tokens[:steps]
+        if genai_folder is not None:  # the same tokens, decoded by genai's graph
             try:
                 rows += _rows("genai", profile_genai(genai_folder, prompt, tokens, tmp))
             except Exception as e:  # noqa: BLE001 - the comparison is optional, our profile is not
@@ -188,12 +180,6 @@ def run_anatomy(model, prompt: Sequence[int], out: Path, genai_folder: Path | No
         del paths["png"]
     report.files = paths
     return report
-
-
-def _plain(steps: int):
-    from ..runtime.settings import DecodeSettings
-
-    return DecodeSettings(max_new_tokens=steps)
 
 
 def plot_anatomy(report: Anatomy, path: Path) -> None:

@@ -178,8 +178,9 @@ class StaticBatch(BatchDriver[Owner]):
             W = max([S.GQA_MIN_ROWS] + [widths[b] for b in pending])
             now = [b for b in pending if lens[b] + W <= self.capacity]
             part = [fed[b] if b in now else None for b in range(len(fed))]
-            for b, res in zip(now, self._forward(lo, part, widths, lens, W, [rows[b] for b in now])):
-                out[b] = res
+            for b, res in enumerate(self._forward(lo, part, widths, lens, W)):
+                if b in now:
+                    out[b] = res
             run_s += self.last_run_s
             pending = [b for b in pending if b not in now]
             calls += 1
@@ -194,11 +195,10 @@ class StaticBatch(BatchDriver[Owner]):
         widths: Sequence[int],
         lens: Sequence[int],
         W: int,
-        asked: Sequence[Rows | None],
     ) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """One onnxruntime call over the entries of ``fed`` that are not None, each padded to ``W``
-        attention slots (the caller checked they fit); returns their outputs in order. ``asked``:
-        the rows the caller gave for those entries (a lone token's pad row is dropped from them)."""
+        attention slots (the caller checked they fit); per entry its tokens' outputs (none for an
+        idle one; a lone token's pad slot exists in attention only)."""
         B = len(fed)
         width = max(1, max(lens[b] + widths[b] for b in range(B) if fed[b] is not None))
         counts = [len(r.tokens) if r is not None else 0 for r in fed]
@@ -246,12 +246,10 @@ class StaticBatch(BatchDriver[Owner]):
             bind.bind_cpu_input(name, arr)
         logits, hidden = self.bind_outputs(bind, (1, T))
         self.run_bound(bind)
-        live = [b for b in range(B) if fed[b] is not None]
-        out = []
-        for b, r in zip(live, asked):
-            o, n = int(offsets[b]), (0 if r is None else len(r.tokens))  # a single token's pad row is dropped
-            out.append((logits[0, o : o + n], hidden[0, o : o + n] if hidden is not None else None))
-        return out
+        return [
+            (logits[0, o : o + n], hidden[0, o : o + n] if hidden is not None else None)
+            for o, n in zip(offsets.tolist(), counts)
+        ]
 
 
 def _graph_pass(proto: Any, capacity: int) -> Any:

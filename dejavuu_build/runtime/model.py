@@ -217,6 +217,7 @@ class Model:
     eos_ids: list[int] = field(default_factory=list)
     manifest: S.Manifest | None = None
     vision: VisionParts | None = None  # VLM builds' vision encoder and image splicing
+    path: Path | None = None  # the .onnx file its decoder opened
     _warned_tree: bool = False
     _calibration: Calibration | None = None  # measured on first use
     _warned_exact: bool = False
@@ -726,7 +727,17 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
     if tok is not None and tok.eos_token and not eos:
         t = tok.token_id(tok.eos_token)
         eos = [t] if t is not None else []
-    return Model(folder, variant, Decoder(sess, contract, embed), contract, tok, eos, manifest, vision=vision)
+    return Model(
+        folder,
+        variant,
+        Decoder(sess, contract, embed),
+        contract,
+        tok,
+        eos,
+        manifest,
+        vision=vision,
+        path=Path(onnx_path),
+    )
 
 
 def is_ours(folder: Path, name_or_path) -> bool:

@@ -188,7 +188,6 @@ def create_app(
         if x
     ]
     limit = min(limits) if limits else 0
-    step_rows = STEP_ROOM  # as Engine.run: generate and the server accept the same requests
     token_chars = longest_token(tok) if tok is not None else 0
 
     @app.exception_handler(APIError)
@@ -275,12 +274,12 @@ def create_app(
     def settings(body: _Body, max_tokens: int | None, n_prompt: int) -> DecodeSettings:
         mt = max_tokens or DEFAULT_MAX_TOKENS
         if max_tokens is None and limit:
-            mt = max(1, min(mt, limit - n_prompt - step_rows))
-        if limit and n_prompt + mt + step_rows > limit:
+            mt = max(1, min(mt, limit - n_prompt - STEP_ROOM))
+        if limit and n_prompt + mt + STEP_ROOM > limit:  # as Engine.run: generate takes the same requests
             raise APIError(
                 400,
                 f"the prompt ({n_prompt} tokens) plus max_tokens ({mt}) exceeds this model's context "
-                f"of {limit - step_rows} tokens: shorten the prompt or lower max_tokens",
+                f"of {limit - STEP_ROOM} tokens: shorten the prompt or lower max_tokens",
                 param="max_tokens" if max_tokens else "messages",
                 code="context_length_exceeded",
             )

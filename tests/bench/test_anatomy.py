@@ -52,7 +52,6 @@ def test_anatomy_needs_the_context_sweep():
 def test_anatomy_profiles_every_node_of_our_step(tiny_llama, tmp_path):
     """Ours alone: the profiled step runs exactly the nodes of onnxruntime's optimised graph, op by
     op; kernel times are positive and shares add to 1; the table and files say so."""
-    from dejavuu_build.bench.anatomy import variant_path
     from dejavuu_build.bench.sweep import run_sweep
     from dejavuu_build.runtime import load
 
@@ -67,7 +66,7 @@ def test_anatomy_profiles_every_node_of_our_step(tiny_llama, tmp_path):
     a = sweep.anatomy
     assert a is not None and a.context == 16  # the first context
     ours = {r.op: r for r in a.rows if r.system == "baseline"}
-    path = variant_path(load(str(tiny_llama)))
+    path = load(str(tiny_llama)).path
     want = optimized_nodes(path, tmp_path)
     assert {op: r.nodes_per_step for op, r in ours.items() if op != TOTAL} == dict(want)
     assert ours[TOTAL].nodes_per_step == sum(want.values())
