@@ -54,10 +54,11 @@ def test_build_passes_every_gate(smollm2):
     ops = m.export["op_counts"]
     assert ops["Attention"] == 30 and ops["RotaryEmbedding"] >= 30 and ops["RMSNormalization"] >= 61
     assert "Expand" not in ops and m.export["nodes"] < 1200  # no repeat_kv expansion
-    # int8 is a timed trial (build.trial): kept, gated and a candidate only on a CPU where it is
-    # clearly faster than the exact int4 carry (not the AMX Xeon; on the AMD EPYC measured 0.79-0.93x)
+    # int8 is a timed trial (build.trial): its flavour kept, gated and a candidate only on a CPU
+    # where it is clearly faster than the exact int4 carry (not the AMX Xeon; on the AMD EPYC with
+    # AVX-512 VNNI 0.92x, Spec-Bench 1.15x faster); its concat base never stays
     kept = sorted(n for n, r in m.default_reason.get("trials", {}).items() if r["kept"])
-    expected = sorted(DEFAULT_VARIANTS + (["int8", *kept] if kept else []), key=S.variant_order)
+    expected = sorted(DEFAULT_VARIANTS + kept, key=S.variant_order)
     assert sorted(m.variants, key=S.variant_order) == expected, (sorted(m.variants), m.default_reason.get("trials"))
     for v in expected:
         rec = m.variants[v]
@@ -86,11 +87,14 @@ def test_build_passes_every_gate(smollm2):
     assert m.default_reason["not_candidates"]["fp32"].startswith("the fp32 reference")
     assert m.variants[m.default_variant].calibration["chain_exact"] is True  # measured by the build
     assert m.variants[m.default_variant].gates["quality"]["top1"] >= 0.95
-    trial_bytes = sum(m.variants[v].bytes or 0 for v in (["int8", *kept] if kept else []))
+    trial_bytes = sum(m.variants[v].bytes or 0 for v in kept) + (
+        m.batched.get("bytes", 0) if m.batched.get("variant") in kept else 0
+    )
     entry = sum(f.stat().st_size for f in smollm2.iterdir() if f.is_file()) - trial_bytes
     # issue 33's target: 1.0 GB. 1.003 GB with the Q8_0 table carried exactly; ~0.945 GB since the
     # GGUF's fp16 scales and minima are stored as fp16 (export.fp16_store: ~14 MB per int4 file);
-    # a kept int8 trial adds its own files where it makes decoding faster
+    # a kept int8 trial adds its own files (its flavour, and its batched graph where it is the
+    # default) where it makes decoding faster
     assert entry <= 1.0e9, f"the default entry is {entry / 1e9:.3f} GB without a kept trial's files"
     steps = dict(m.steps)
     assert any(k.startswith("export fp32") for k in steps) and any(k.startswith("validate int4") for k in steps)

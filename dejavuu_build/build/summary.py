@@ -88,17 +88,18 @@ def log_summary(manifest: Manifest) -> None:
     if manifest.default_variant and why:
         if why.get("clearly_faster"):
             r = (why.get("cost_ratio") or {}).get(manifest.default_variant)
-            how = (
-                f"faster than {why['preferred']} in every one of {why['rounds']} interleaved rounds by > {why['margin']:.0%}"
-                + (f" (cost ratio {r['median']:.2f} +- {r['sd']:.2f})" if r else "")
+            how = f"clearly faster than {why['preferred']} over {why['rounds']} interleaved rounds" + (
+                f" (cost ratio {r['median']:.2f} +- {r.get('error', r['sd']):.2f})" if r else ""
             )
         elif "margin" in why:
             how = (
-                f"the smallest passing variant; nothing faster by > {why['margin']:.0%} in every round, clear of "
-                f"its ratio noise (largest ratio sd {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
+                f"the preferred passing variant; nothing faster by > {why['margin']:.0%} clear of its ratio noise "
+                f"(largest ratio sd {why['noise']:.1%}, {why['rounds']} interleaved rounds)"
             )
         else:
             how = "the preferred passing variant: smallest precision, then the layouts' preference (not timed)"
+        if "margin" in why and why.get("timing"):  # kept from an earlier timing of this entry
+            how += f"; {why['timing']}"
         logger.info(" default %s: %s", manifest.default_variant, how)
         if why.get("timed"):
             skip = why.get("not_candidates") or {}

@@ -5,8 +5,10 @@ ones at one row, docs/speed.md) and maybe faster on others. Building, gating and
 everywhere would add ~40% to the build and break the entry's size budget, so the build quantizes
 it, writes its flavour in the layout of int4's preferred candidate, and times the two interleaved
 through the runtime's own Decoder. The trial variant stays (gated like every variant, a candidate
-the picker then times) only where it is clearly faster by the picker's rule; otherwise
-its files go and the manifest says what was measured (``default_reason["trials"]``)."""
+the picker then times) only where it is clearly faster by the picker's rule; otherwise its files
+go and the manifest says what was measured (``default_reason["trials"]``). Its concat base (the
+file the flavour was derived from) goes either way: it is no faster than the flavour and 150 MB
+on SmolLM2, and quant-only derives it again from the fp32 export when asked."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import candidates, clearly_faster, preference
+from .default import candidates, clearly_faster, median_error, preference, ratio_noise
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
 from .variants import Quantized, layout_variant, quantize
 
-TRIAL_ROUNDS = 3  # interleaved rounds (each times 1 and 8 rows at pasts 256 and 1024)
+TRIAL_ROUNDS = 5  # interleaved rounds (each times 1 and 8 rows at pasts 256 and 1024)
 
 
 def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]:
@@ -58,34 +60,42 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
         rec["round_costs_ms"] = {first: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
+        med, sd = ratio_noise(mine, theirs)
+        rec["cost_ratio"] = {
+            "median": round(med, 4),
+            "sd": round(sd, 4),
+            "error": round(median_error(sd, len(mine)), 4),
+        }
         rec["kept"] = clearly_faster(mine, theirs)
         logger.info(
-            "  %s: %.2fx the step cost of %s (median of %d rounds): %s",
+            "  %s: %.3fx +- %.3f the step cost of %s (median ratio of %d interleaved rounds): %s",
             name,
-            rec["ratio"],
+            med,
+            rec["cost_ratio"]["error"],
             first,
             len(mine),
             "clearly faster: gated and kept as a candidate"
             if rec["kept"]
             else "not clearly faster (the picker's rule, build.default.clearly_faster): not kept",
         )
+        if name != precision:  # the concat base: the flavour is what was timed (and stays if kept)
+            _drop(g, done, precision, quantized=rec["kept"])
         if rec["kept"]:
-            guard_variant(folder, manifest, precision, g.contract, g.threads)  # its concat base, as _add guards it
-            for v in (precision, name):
-                validate(g, v, fresh=True)
-            quality(g, [precision, name])
+            validate(g, name, fresh=True)
+            quality(g, [name])
         else:
-            _drop(g, done, precision, name)
+            _drop(g, done, name)
     return trials
 
 
-def _drop(g: Gating, done: Quantized, *variants: str) -> None:
-    """Remove trial variants' files and records (nothing of them stays in the entry)."""
+def _drop(g: Gating, done: Quantized, *variants: str, quantized: bool = False) -> None:
+    """Remove trial variants' files and records (nothing of them stays in the entry);
+    ``quantized``: the precision stays in Manifest.quantize (a kept flavour of it stays)."""
     for v in variants:
         g.sessions.pop(v, None)
         g.manifest.variants.pop(v, None)
         for f in (g.folder / variant_file(v), g.folder / (variant_file(v) + ".data")):
             f.unlink(missing_ok=True)
-        if v in done.variants:
+        if v in done.variants and not quantized:
             done.variants.remove(v)
     g.manifest.quantize = {"seconds": round(done.seconds, 1), "variants": list(done.variants)}

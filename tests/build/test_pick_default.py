@@ -1,9 +1,10 @@
 """The default variant: quality first, the smallest passing precision, and timing only where a
-difference stands well above the noise of its own interleaved ratios, so load cannot flip it."""
+difference stands clear of a tie and of the noise of its own interleaved ratios, so load cannot
+flip it."""
 
 import pytest
 
-from dejavuu_build.build.default import MIN_SPEEDUP, choose_default, faster_every_round, pick_default
+from dejavuu_build.build.default import MIN_SPEEDUP, choose_default, clearly_faster, pick_default
 from dejavuu_build.schema import Manifest, VariantRecord
 
 
@@ -14,12 +15,13 @@ def _rec(rounds, mb, passed=True, layout="concat"):
 
 
 def test_the_smallest_passing_variant_wins_a_difference_within_the_margin():
-    # int8-static is 5% faster in every round: under MIN_SPEEDUP, so the smaller int4 stays default
+    # int8-static is 2% faster in every round, without noise: a tie (MIN_SPEEDUP), so the smaller
+    # int4 stays default
     m = Manifest(
         variants={
             "int4": _rec([10.0] * 5, 97),
             "int4-static": _rec([9.6] * 5, 99, layout="static"),
-            "int8-static": _rec([9.1] * 5, 152, layout="static"),
+            "int8-static": _rec([9.4] * 5, 152, layout="static"),
         }
     )
     name, why = choose_default(m)
@@ -55,9 +57,9 @@ def test_a_loaded_round_that_slows_both_does_not_keep_the_faster_one_out():
 
 
 def test_a_ratio_that_swings_from_round_to_round_keeps_the_preferred():
-    # faster by more than 10% in every round, but the ratio itself swings (0.60-0.88): its median
-    # (0.85) is not 3 robust standard deviations clear of 0.90, so the smaller variant stays
-    swing = [0.85, 0.70, 0.88, 0.60, 0.87]
+    # faster in the median (0.92), but the ratio swings around 1 (0.80-1.10): its median is not two
+    # standard errors clear of the tie band, so the smaller variant stays
+    swing = [0.85, 1.10, 0.80, 1.05, 0.92]
     noisy = Manifest(
         variants={
             "int4-static": _rec([10.0] * 5, 99, layout="static"),
@@ -66,8 +68,20 @@ def test_a_ratio_that_swings_from_round_to_round_keeps_the_preferred():
     )
     name, why = choose_default(noisy)
     assert name == "int4-static" and why["clearly_faster"] == []
-    assert why["noise"] == pytest.approx(1.4826 * 0.03, abs=1e-3)  # 1.4826 x MAD of the ratios
-    assert faster_every_round(noisy.variants["int8-static"].timing_rounds_ms, [10.0] * 5)  # yet every round faster
+    assert why["noise"] == pytest.approx(1.4826 * 0.12, abs=1e-3)  # 1.4826 x MAD of the ratios
+    med = why["cost_ratio"]["int8-static"]["median"]
+    assert med == pytest.approx(0.92) and med < 1 - MIN_SPEEDUP
+
+
+def test_a_steady_eight_percent_is_kept_where_the_old_every_round_ten_percent_rule_kept_nothing():
+    # measured on a shared AMD EPYC (AVX-512 VNNI), 2026-12-06: int8-static's per-round costs against
+    # int4-static's (ms), one interleaved timing; the same variants decoded Spec-Bench 1.15x faster
+    int4_static = [16.55, 17.28, 16.505, 16.526, 16.6]
+    int8_static = [14.999, 17.087, 15.23, 15.174, 15.237]
+    assert clearly_faster(int8_static, int4_static)
+    assert not all(a < 0.9 * b for a, b in zip(int8_static, int4_static))  # the old rule's first test
+    assert not clearly_faster(int8_static[:2], int4_static[:2])  # too few rounds to judge
+    assert not clearly_faster([16.4] * 5, int4_static)  # a tie
 
 
 def test_quality_floors_come_first():
@@ -119,13 +133,13 @@ def test_static_is_preferred_at_equal_precision_and_only_timing_displaces_it():
         variants={
             "int4": _rec([10] * 3, 97),
             "int4-static": _rec([9.8] * 3, 99, layout="static"),
-            "int4-rowwise": _rec([9.5] * 3, 99, layout="rowwise"),
+            "int4-rowwise": _rec([9.6] * 3, 99, layout="rowwise"),  # 2%: a tie
         }
     )
     name, why = choose_default(m)
     assert name == "int4-static" and why["preferred"] == "int4-static" and why["clearly_faster"] == []
     assert "(static, then rowwise)" in why["rule"]
-    m.variants["int4-rowwise"].timing_rounds_ms = [7.0] * 3  # > 10% faster in every round
+    m.variants["int4-rowwise"].timing_rounds_ms = [7.0] * 3  # 30% faster, steadily
     assert pick_default(m) == "int4-rowwise"
 
 
@@ -184,9 +198,9 @@ def test_only_what_can_be_the_default_is_a_candidate_and_timed():
 
 
 def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
-    """Rounds stop as soon as every other candidate was, in some round, not MIN_SPEEDUP faster
-    than the preferred one (it can then never be 'faster in every round'); a candidate that
-    still could keeps the rounds going, up to the cap."""
+    """Rounds stop as soon as every other candidate's median ratio to the preferred one is a tie
+    or slower (no candidate on its way to being clearly faster); a candidate faster in the median
+    keeps the rounds going, up to the cap."""
     from dejavuu_build.build import timing
     from dejavuu_build.build.default import settled
     from dejavuu_build.runtime import decoder
@@ -201,7 +215,7 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
         def release(self):
             pass
 
-    cost = {"a": 10.0, "b": 9.5, "c": 6.0}  # b within MIN_SPEEDUP of a; c clearly faster
+    cost = {"a": 10.0, "b": 9.8, "c": 6.0}  # b within MIN_SPEEDUP of a (a tie); c clearly faster
     monkeypatch.setattr(decoder, "Decoder", FakeDecoder)
     monkeypatch.setattr(
         timing, "_timing_cases", lambda dec, c, rng: [(k, 2, [1, 2], None, KV()) for k in timing.TIMING_KEYS]
@@ -226,7 +240,7 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     assert rounds(["a", "b"], min_rounds=2) == {"a": 2, "b": 2}
     assert rounds(["a", "b", "c"]) == {"a": 5, "b": 5, "c": 5}  # c may still win: every round is run
     assert rounds(["a"]) == {"a": 1}
-    assert 1 - 9.5 / 10 < MIN_SPEEDUP < 1 - 6.0 / 10
+    assert 1 - 9.8 / 10 < MIN_SPEEDUP < 1 - 6.0 / 10
 
 
 def test_below_floors_listed_even_when_no_variant_keeps_the_answers():
@@ -241,3 +255,30 @@ def test_below_floors_listed_even_when_no_variant_keeps_the_answers():
     name, why = choose_default(m)
     assert name == "int4-rowwise"
     assert why["below_default_floors"] == ["int4-rowwise", "int8-rowwise"]
+
+
+def test_an_untimed_requantize_keeps_the_default_an_earlier_timing_chose():
+    """quant-only --no-timing measures nothing that could overturn a timed choice: the default the
+    entry's last timing picked stays (with its figures) while it is still a candidate; a default
+    that was never timed, or no longer passes, gives way to the preferred candidate."""
+    timed_why = {"rounds": 5, "margin": MIN_SPEEDUP, "clearly_faster": ["int8-static"], "noise": 0.01}
+
+    def manifest(prev, why, int8_passes=True):
+        return Manifest(
+            variants={
+                "int4": _rec([], 97),
+                "int4-static": _rec([], 99, layout="static"),  # re-quantized: no timings
+                "int8-static": _rec([9.0] * 5, 152, passed=int8_passes, layout="static"),  # carried
+            },
+            default_variant=prev,
+            default_reason=why,
+        )
+
+    name, why = choose_default(manifest("int8-static", timed_why))
+    assert name == "int8-static" and why["timing"].startswith("not timed: int8-static")
+    assert why["clearly_faster"] == ["int8-static"] and why["rounds"] == 5  # its figures kept
+    assert why["preferred"] == "int4-static"
+    untimed_why = {"timing": "not timed: the preferred candidate"}
+    assert choose_default(manifest("int8-static", untimed_why))[0] == "int4-static"
+    assert choose_default(manifest("int8-static", timed_why, int8_passes=False))[0] == "int4-static"
+    assert choose_default(manifest(None, {}))[0] == "int4-static"  # a fresh build

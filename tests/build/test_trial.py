@@ -1,6 +1,7 @@
 """The auto build's speed trial of the next tier (build.trial): int8 is quantized, written in the
 preferred candidate's layout, timed against it, and kept (gated, a default candidate) only where it
-is faster in every round; else nothing of it stays and the manifest says what was measured."""
+is clearly faster by the picker's rule; else nothing of it stays and the manifest says what was
+measured. Its concat base never stays: the timed flavour is what the entry keeps."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from dejavuu_build.build.pipeline import build_tree_decoder
 
 
 def _fake_timing(ratio: float):
-    """time_interleaved whose trial variant costs ``ratio`` times the candidate's in every round."""
+    """time_interleaved whose trial variant costs about ``ratio`` times the candidate's (+-1%)."""
 
-    def timed(sessions, **kw):
+    def timed(sessions, rounds, **kw):
         first, name = list(sessions)
+        base = [10.0, 10.5, 10.2, 9.9, 10.1][:rounds]
+        wobble = [1.0, 1.01, 0.99, 1.0, 1.005][:rounds]
         return {
-            first: {"timings_ms": {}, "round_costs_ms": [10.0, 10.5, 10.2]},
-            name: {"timings_ms": {}, "round_costs_ms": [10.0 * ratio, 10.5 * ratio, 10.2 * ratio]},
+            first: {"timings_ms": {}, "round_costs_ms": base},
+            name: {"timings_ms": {}, "round_costs_ms": [b * ratio * w for b, w in zip(base, wobble)]},
         }
 
     return timed
@@ -54,10 +57,22 @@ def test_a_faster_trial_is_gated_and_becomes_a_candidate(cache_dir, monkeypatch)
     m = r.manifest
     (name, rec), *rest = m.default_reason["trials"].items()
     assert not rest and rec["kept"] is True
-    for v in ("int8", name):  # its concat base and the trial flavour, gated like every variant
-        assert m.variants[v].passed and "quality" in m.variants[v].gates, v
-        assert (r.folder / m.variants[v].file).is_file() and m.variants[v].file in m.files
-    assert m.variants["int8"].row_guard  # its rows measured (and guarded where needed) on this machine
-    assert m.variants["int8"].length_invariant == m.variants["int4"].length_invariant  # guarded as _add guards int4
+    assert name != "int8" and "int8" not in m.variants  # the flavour stays, its concat base does not
+    assert not (r.folder / S.variant_file("int8")).exists()
+    assert m.variants[name].passed and "quality" in m.variants[name].gates  # gated like every variant
+    assert (r.folder / m.variants[name].file).is_file() and m.variants[name].file in m.files
+    assert m.variants[name].row_guard  # its rows measured (and guarded where needed) on this machine
     assert name in m.default_reason["candidates"]
+    assert rec["cost_ratio"]["median"] == pytest.approx(0.7, abs=0.01) and rec["cost_ratio"]["error"] < 0.01
     assert m.quantize["variants"] == ["int4", "int8"]
+
+
+@pytest.mark.slow
+def test_a_trial_within_the_tie_band_is_not_kept(cache_dir, monkeypatch):
+    """2% faster with no noise at all is a tie (MIN_SPEEDUP): the smaller int4 stays."""
+    from dejavuu_build.build.default import MIN_SPEEDUP
+
+    r = _build(cache_dir, "trial-tie", monkeypatch, ratio=0.98)
+    rec = next(iter(r.manifest.default_reason["trials"].values()))
+    assert 0.98 > 1 - MIN_SPEEDUP and rec["kept"] is False
+    assert not any(S.split_variant(v)[0] == "int8" for v in r.manifest.variants)
