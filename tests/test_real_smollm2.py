@@ -170,3 +170,26 @@ def test_pld_speeds_up_summarization(loaded, spec_prompts):
     base = model.generate(msgs, max_new_tokens=64)
     r = model.generate(msgs, method="pld", max_new_tokens=64)
     assert r.tokens == base.tokens and r.stats.steps < base.stats.steps
+
+
+@pytest.fixture(scope="module")
+def default_model(smollm2):
+    """The variant the build picked on this machine (an int8 trial flavour where it was clearly faster)."""
+    return load(smollm2)
+
+
+@pytest.mark.parametrize("method", ("pld", "suffix_decoding", "asam", "auto"))
+def test_the_default_this_machine_picked_is_lossless(default_model, spec_prompts, method):
+    """Whatever the picker chose here (int8-static on an AVX-512 VNNI AMD EPYC, an int4 flavour
+    elsewhere), every kind of drafter reproduces its plain decoding, chains and (where its layout
+    verifies them) trees, greedy and sampled."""
+    model = default_model
+    trees = S.split_variant(model.variant)[1] != S.KV_ROWWISE
+    assert (model.tree_period is not None) == trees
+    for text in spec_prompts[:2]:
+        msgs = [{"role": "user", "content": text}]
+        for temp in (0.0, 0.7):
+            base = model.generate(msgs, max_new_tokens=32, temperature=temp, seed=5).tokens
+            for tree in (False, True) if trees else (False,):
+                r = model.generate(msgs, method=method, tree=tree, max_new_tokens=32, temperature=temp, seed=5)
+                assert r.tokens == base and r.tree == tree, (method, tree, temp, text[:40])

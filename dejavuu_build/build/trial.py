@@ -12,6 +12,8 @@ on SmolLM2, and quant-only derives it again from the fp32 export when asked."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .. import precisions as P
@@ -47,7 +49,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             _drop(g, done, precision, name)
             continue
         guard_variant(folder, manifest, name, g.contract, g.threads)
-        rec = {"against": first, "kept": False}
+        rec: dict[str, Any] = {"against": first, "kept": False}
         trials[name] = rec
         with step(f"trial of {name} against {first} (kept only if faster), interleaved"):
             own = (

@@ -99,7 +99,14 @@ def open_batch(model: Model, max_batch: int) -> BatchDriver[Any]:
             )
             + ")"
         )
-    files = [f for f in (rec["file"], rec["file"] + ".data") if f in m.files]
+    src = m.variants.get(rec["variant"])
+    if src is None or (rec.get("source_sha256") and rec["source_sha256"] != src.sha256):
+        raise BatchUnavailable(
+            f"{name}'s batched graph was made from another {rec['variant']} file than the one it holds: "
+            f"{rebuild_hint(m, name)} to batch requests"
+        )
+    # its weights are read from the variant's own file (export.shared_weights): both are checked
+    files = [f for f in (rec["file"], rec["file"] + ".data", src.file) if f in m.files]
     now = verify_entry(model.folder, files)
     if now.batched.get("sha256") != rec.get("sha256"):
         raise BatchUnavailable(f"{name} was rebuilt since {model.variant} was loaded: restart to batch requests")

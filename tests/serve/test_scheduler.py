@@ -2,9 +2,11 @@
 give exactly the tokens each gives alone (every method, chain and tree, greedy and seeded
 sampling); cancellation frees the slot; the drafter memory is bounded and namespaced."""
 
+import json
 import logging
 import threading
 
+import onnx
 import pytest
 
 from dejavuu_build import schema as S
@@ -198,6 +200,30 @@ def test_the_build_writes_and_gates_the_batched_graph(tiny_llama):
     assert max(p + sum(st) for p, st in zip(g["pasts"], g["steps"])) > 256  # steps cross 64 and 256 positions
     assert [f.name for f in tiny_llama.iterdir() if ".batched." in f.name] == [b["file"]]
     assert any(n.startswith(f"batched serving graph of {v}") for n, _ in m.steps)
+    # its weights are the variant's, read from the variant's own file (export.shared_weights)
+    assert b["shared_bytes"] > 0.9 * m.variants[v].bytes and b["bytes"] < 0.1 * m.variants[v].bytes
+    g = onnx.load(str(tiny_llama / b["file"]), load_external_data=False)
+    locations = {e.value for t in g.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {m.variants[v].file}
+
+
+def test_a_batched_graph_made_from_other_bytes_is_not_served(tiny_llama, caplog):
+    """The batched graph reads its weights inside the variant's file: a record whose source is not
+    the file the entry holds is refused (one line, decoding one request per forward), never run."""
+    from conftest import clone_entry
+
+    from dejavuu_build.serve.cli import ServeConfig, build_app
+
+    folder = clone_entry(tiny_llama, "tiny-llama-other-source")
+    d = json.loads((folder / S.MANIFEST_FILE).read_text())
+    d["batched"]["source_sha256"] = "0" * 64
+    S.write_json(folder / S.MANIFEST_FILE, d)
+    with caplog.at_level(logging.WARNING, logger="dejavuu"):
+        app, sched = build_app(ServeConfig(name="tiny-llama-other-source"))
+    try:
+        assert not sched.batched and "made from another" in sched.why_sequential
+    finally:
+        sched.close()
 
 
 def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog):
