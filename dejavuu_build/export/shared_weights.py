@@ -8,7 +8,7 @@ graph, so the batched graph points its shared tensors at their bytes inside the 
 (or at the source's own ``.data`` where the source is itself external). onnxruntime and onnx read
 them as any external data, relative to the graph's folder. No library offers "offsets of tensors
 inside a serialized ModelProto" (protobuf's Python API gives none), so ``tensor_spans`` walks
-the wire format for the three fields it needs. The source's sha256 (recorded beside the batched
+the wire format (export.wire, as quantize.stream does). The source's sha256 (recorded beside the batched
 graph's: Manifest.batched.source_sha256) pins the bytes the references read.
 """
 
@@ -18,42 +18,18 @@ import mmap
 from contextlib import ExitStack
 from pathlib import Path
 
-# protobuf field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer, TensorProto.name,
-# .raw_data, .data_location
-_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_NAME, _TENSOR_RAW, _TENSOR_LOCATION = 7, 5, 8, 9, 14
+from .wire import (
+    GRAPH_INITIALIZER,
+    LEN,
+    MODEL_GRAPH,
+    TENSOR_DATA_LOCATION,
+    TENSOR_NAME,
+    TENSOR_RAW_DATA,
+    fields,
+    varint,
+)
+
 MIN_SHARED = 1024  # smaller tensors stay inline (onnx's own external-data threshold)
-
-
-def _varint(buf, i: int) -> tuple[int, int]:
-    out = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        out |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return out, i
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, wire type, start, end) of each field of the message in buf[start:end]."""
-    i = start
-    while i < end:
-        key, i = _varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, j = _varint(buf, i)
-        elif wire == 1:
-            j = i + 8
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            j = i + n
-        elif wire == 5:
-            j = i + 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire} at byte {i}")
-        yield number, wire, i, j
-        i = j
 
 
 def tensor_spans(path: Path) -> dict[str, tuple[str, int, int]]:
@@ -64,20 +40,20 @@ def tensor_spans(path: Path) -> dict[str, tuple[str, int, int]]:
     spans: dict[str, tuple[str, int, int]] = {}
     external = False
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for number, wire, a, b in _fields(buf, 0, len(buf)):
-            if number != _MODEL_GRAPH or wire != 2:
+        for number, wire, _, a, b in fields(buf, 0, len(buf)):
+            if number != MODEL_GRAPH or wire != LEN:
                 continue
-            for n2, w2, c, d in _fields(buf, a, b):
-                if n2 != _GRAPH_INITIALIZER or w2 != 2:
+            for n2, w2, _, c, d in fields(buf, a, b):
+                if n2 != GRAPH_INITIALIZER or w2 != LEN:
                     continue
                 name, raw = None, None
-                for n3, w3, e, g in _fields(buf, c, d):
-                    if n3 == _TENSOR_NAME and w3 == 2:
+                for n3, w3, _, e, g in fields(buf, c, d):
+                    if n3 == TENSOR_NAME and w3 == LEN:
                         name = bytes(buf[e:g]).decode()
-                    elif n3 == _TENSOR_RAW and w3 == 2:
+                    elif n3 == TENSOR_RAW_DATA and w3 == LEN:
                         raw = (e, g - e)
-                    elif n3 == _TENSOR_LOCATION and w3 == 0:
-                        external = external or _varint(buf, e)[0] == 1  # TensorProto.EXTERNAL
+                    elif n3 == TENSOR_DATA_LOCATION and w3 == 0:
+                        external = external or varint(buf, e)[0] == 1  # TensorProto.EXTERNAL
                 if name is not None and raw is not None:
                     spans[name] = (path.name, *raw)
     if external:  # a source past 2 GB keeps its weights in its own .data: read where they are

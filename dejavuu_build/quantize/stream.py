@@ -20,43 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from ..export.fp16_store import packed_source
-
-_GRAPH = 7  # ModelProto.graph
-_INITIALIZER = 5  # GraphProto.initializer
-_DIMS, _DATA_TYPE, _NAME = 1, 2, 8  # TensorProto fields read from the header
-
-
-def _varint(buf, at: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = buf[at]
-        at += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, at
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, wire type, field start, payload start, field end) over buf[start:end]."""
-    at = start
-    while at < end:
-        first = at
-        key, at = _varint(buf, at)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            _, nxt = _varint(buf, at)
-        elif wire == 1:
-            nxt = at + 8
-        elif wire == 5:
-            nxt = at + 4
-        elif wire == 2:
-            n, at = _varint(buf, at)
-            nxt = at + n
-        else:
-            raise ValueError(f"protobuf wire type {wire} (groups) in an ONNX file")
-        yield field, wire, first, at, nxt
-        at = nxt
+from ..export.wire import (
+    GRAPH_INITIALIZER,
+    LEN,
+    MODEL_GRAPH,
+    TENSOR_DATA_TYPE,
+    TENSOR_DIMS,
+    TENSOR_NAME,
+    fields,
+    varint,
+)
 
 
 @dataclass(frozen=True)
@@ -83,12 +56,12 @@ class StreamedModel:
         buf = self._map
         top, graph = [], []
         self._inits: dict[str, _Init] = {}
-        for field, wire, first, at, nxt in _fields(buf, 0, len(buf)):
-            if field != _GRAPH or wire != 2:
+        for field, wire, first, at, nxt in fields(buf, 0, len(buf)):
+            if field != MODEL_GRAPH or wire != LEN:
                 top.append(bytes(buf[first:nxt]))
                 continue
-            for gf, gw, gfirst, gat, gnxt in _fields(buf, at, nxt):
-                if gf == _INITIALIZER and gw == 2:
+            for gf, gw, gfirst, gat, gnxt in fields(buf, at, nxt):
+                if gf == GRAPH_INITIALIZER and gw == LEN:
                     t = self._header(buf, gat, gnxt)
                     self._inits[t.name] = t
                 else:
@@ -109,17 +82,17 @@ class StreamedModel:
     def _header(buf, start: int, end: int) -> _Init:
         dims: list[int] = []
         name, dtype = "", 0
-        for field, wire, _, at, nxt in _fields(buf, start, end):
-            if field == _DIMS:
-                if wire == 2:  # packed
+        for field, wire, _, at, nxt in fields(buf, start, end):
+            if field == TENSOR_DIMS:
+                if wire == LEN:  # packed
                     while at < nxt:
-                        d, at = _varint(buf, at)
+                        d, at = varint(buf, at)
                         dims.append(d)
                 else:
-                    dims.append(_varint(buf, at)[0])
-            elif field == _DATA_TYPE:
-                dtype = _varint(buf, at)[0]
-            elif field == _NAME:
+                    dims.append(varint(buf, at)[0])
+            elif field == TENSOR_DATA_TYPE:
+                dtype = varint(buf, at)[0]
+            elif field == TENSOR_NAME:
                 name = bytes(buf[at:nxt]).decode()
         return _Init(name, tuple(dims), dtype, start, end)
 

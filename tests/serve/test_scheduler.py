@@ -201,7 +201,8 @@ def test_the_build_writes_and_gates_the_batched_graph(tiny_llama):
     assert [f.name for f in tiny_llama.iterdir() if ".batched." in f.name] == [b["file"]]
     assert any(n.startswith(f"batched serving graph of {v}") for n, _ in m.steps)
     # its weights are the variant's, read from the variant's own file (export.shared_weights)
-    assert b["shared_bytes"] > 0.9 * m.variants[v].bytes and b["bytes"] < 0.1 * m.variants[v].bytes
+    # (a tiny model: tensors under 1 KB stay inline; SmolLM2-135M: 151.9 MB shared, 0.2 MB left)
+    assert b["shared_bytes"] > 0.75 * m.variants[v].bytes and b["bytes"] < 0.5 * m.variants[v].bytes
     g = onnx.load(str(tiny_llama / b["file"]), load_external_data=False)
     locations = {e.value for t in g.graph.initializer for e in t.external_data if e.key == "location"}
     assert locations == {m.variants[v].file}
