@@ -120,6 +120,7 @@ def test_quant_only_rewrites_the_same_bytes_without_torch(smollm2):
     assert any(n.startswith("quantize int4") for n in steps) and not any(n.startswith("validate") for n in steps)
     assert after.variants["fp32"].gates == before.variants["fp32"].gates
     assert after.build_config["variants"] == [] and after.default_variant == before.default_variant
+    assert after.default_reason.get("trials") == before.default_reason.get("trials")  # what the build measured
 
 
 # Every drafter on the default flavour (static: chains and trees) and on the rowwise one (chains); the

@@ -207,6 +207,7 @@ def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> N
     what a runtime opens unasked. ``trials``: the speed trials of later tiers (build.trial), said
     in the default's reason."""
     manifest = g.manifest
+    earlier_trials = manifest.default_reason.get("trials")  # quant-only: the build's
     timed = time_candidates(manifest, g.sessions) if timing else {}
     for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
         if not rec.passed:
@@ -218,6 +219,8 @@ def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> N
         manifest.default_reason["timed"] = sorted(timed, key=S.variant_order)
     if trials:
         manifest.default_reason["trials"] = trials
+    elif earlier_trials:  # what the build measured, kept through a quant-only that ran none
+        manifest.default_reason.setdefault("trials", earlier_trials)
     write_serve_batch(g.folder, manifest, g.sessions, g.threads, g.machine, g.embed)
     calibrate_default(g.folder, manifest, g.sessions, g.threads, g.embed)
 

@@ -66,6 +66,14 @@ def test_a_faster_trial_is_gated_and_becomes_a_candidate(cache_dir, monkeypatch)
     assert rec["cost_ratio"]["median"] == pytest.approx(0.7, abs=0.01) and rec["cost_ratio"]["error"] < 0.01
     assert m.quantize["variants"] == ["int4", "int8"]
 
+    # an untimed quant-only keeps the kept flavour, the default the build's timing chose, and its record
+    from dejavuu_build.build.pipeline import quant_only
+
+    after = quant_only("trial-fast", variants=("int4",), timing=False).manifest
+    assert name in after.variants and after.variants[name].sha256 == m.variants[name].sha256
+    assert after.default_variant == m.default_variant
+    assert after.default_reason["trials"] == m.default_reason["trials"]
+
 
 @pytest.mark.slow
 def test_a_trial_within_the_tie_band_is_not_kept(cache_dir, monkeypatch):
