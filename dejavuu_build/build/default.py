@@ -28,9 +28,8 @@ TIMED_REASON = (
     "median_cost_ms",
     "cost_ratio",
     "clearly_faster",
-    "trials",
     "timed",
-)
+)  # (the trial record is carried by pipeline._settle, timed or not)
 IN_PLACE_ORDER = tuple(k for k in PREFERRED_LAYOUTS if LAYOUTS[k].in_place)  # the rule's words
 
 
@@ -49,6 +48,12 @@ def median_error(sd: float, rounds: int) -> float:
     """The standard error of a median of ``rounds`` ratios with robust sd ``sd`` (sqrt(pi/2) x
     sd / sqrt(n)): how far the measured median may sit from the true ratio."""
     return math.sqrt(math.pi / 2) * sd / math.sqrt(max(rounds, 1))
+
+
+def ratio_record(mine: list[float], theirs: list[float]) -> dict[str, float]:
+    """The manifest's record of a cost ratio: median, robust sd and the median's standard error."""
+    med, sd = ratio_noise(mine, theirs)
+    return {"median": round(med, 4), "sd": round(sd, 4), "error": round(median_error(sd, len(mine)), 4)}
 
 
 def clearly_faster(mine: list[float], theirs: list[float]) -> bool:
@@ -177,19 +182,16 @@ def choose_default(manifest: Manifest) -> tuple[str | None, dict]:
         why.update(timing="not timed: the preferred candidate (smallest precision, then the layouts' preference)")
         return first, why
     others = [n for n in passing if n != first]
-    ratios = {n: ratio_noise(rounds[n], rounds[first]) for n in others}
+    ratios = {n: ratio_record(rounds[n], rounds[first]) for n in sorted(others)}
     faster = [n for n in others if clearly_faster(rounds[n], rounds[first])]
     pick = min(faster, key=lambda n: (float(np.median(rounds[n])), pref(n))) if faster else first
     why.update(
-        noise=round(max((sd for _, sd in ratios.values()), default=0.0), 4),  # the largest ratio sd
+        noise=max((r["sd"] for r in ratios.values()), default=0.0),  # the largest ratio sd
         margin=MIN_SPEEDUP,
         sigmas=NOISE_SIGMAS,
         rounds=len(rounds[first]),
         median_cost_ms={n: round(float(np.median(x)), 3) for n, x in rounds.items()},
-        cost_ratio={
-            n: {"median": round(m, 4), "sd": round(sd, 4), "error": round(median_error(sd, len(rounds[n])), 4)}
-            for n, (m, sd) in sorted(ratios.items())
-        },
+        cost_ratio=ratios,
         clearly_faster=sorted(faster),
     )
     return pick, why

@@ -22,7 +22,7 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import candidates, clearly_faster, median_error, preference, ratio_noise
+from .default import candidates, clearly_faster, preference, ratio_record
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
@@ -62,17 +62,12 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
         rec["round_costs_ms"] = {first: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
-        med, sd = ratio_noise(mine, theirs)
-        rec["cost_ratio"] = {
-            "median": round(med, 4),
-            "sd": round(sd, 4),
-            "error": round(median_error(sd, len(mine)), 4),
-        }
+        rec["cost_ratio"] = ratio_record(mine, theirs)
         rec["kept"] = clearly_faster(mine, theirs)
         logger.info(
             "  %s: %.3fx +- %.3f the step cost of %s (median ratio of %d interleaved rounds): %s",
             name,
-            med,
+            rec["cost_ratio"]["median"],
             rec["cost_ratio"]["error"],
             first,
             len(mine),
