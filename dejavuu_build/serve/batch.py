@@ -108,7 +108,9 @@ def open_batch(model: Model, max_batch: int) -> BatchDriver[Any]:
     # its weights are read from the variant's own file (export.shared_weights): both are checked
     files = [f for f in (rec["file"], rec["file"] + ".data", src.file) if f in m.files]
     now = verify_entry(model.folder, files)
-    if now.batched.get("sha256") != rec.get("sha256"):
+    # the batched file holds no weights (export.shared_weights): a rebuild that changed only the
+    # variant's bytes shows in the source's sha256, not in the batched graph's own
+    if any(now.batched.get(k) != rec.get(k) for k in ("sha256", "source_sha256")):
         raise BatchUnavailable(f"{name} was rebuilt since {model.variant} was loaded: restart to batch requests")
     threads = model.decoder.s.get_session_options().intra_op_num_threads
     out = batch_decoder(model.decoder, model.folder / rec["file"], max_batch, threads)

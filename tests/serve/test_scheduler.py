@@ -227,6 +227,23 @@ def test_a_batched_graph_made_from_other_bytes_is_not_served(tiny_llama, caplog)
         sched.close()
 
 
+def test_a_rebuild_of_only_the_variant_bytes_after_load_is_not_batched_on(tiny_llama):
+    """The batched file holds no weights, so a rebuild that changed only its variant's bytes keeps
+    the batched file's own sha256: the server tells it by the recorded source sha256 instead, and
+    does not batch on weights other than those its model decodes with."""
+    from conftest import clone_entry
+
+    from dejavuu_build.serve.batch import BatchUnavailable, open_batch
+
+    folder = clone_entry(tiny_llama, "tiny-llama-rebuilt-variant")
+    model = load(folder)
+    d = json.loads((folder / S.MANIFEST_FILE).read_text())
+    d["batched"]["source_sha256"] = "f" * 64  # what a rebuild with other variant bytes records
+    S.write_json(folder / S.MANIFEST_FILE, d)
+    with pytest.raises(BatchUnavailable, match="rebuilt since"):
+        open_batch(model, 2)
+
+
 def test_an_entry_built_before_the_batched_graph_still_serves(tiny_llama, caplog):
     """An entry whose manifest has no batched graph (built before the build wrote it) serves its
     default one request per forward, with one line saying to rebuild it."""
