@@ -151,18 +151,21 @@ def test_every_peer_has_the_peer_methods():
     """docs/extending.md's "add a peer": a module with require() and load_peers(ctx), one KINDS
     line; every peer class it returns answers the Peer protocol under the kind's method names."""
     import importlib
+    import inspect
 
     from dejavuu_build.bench import config, genai, llamacpp, ngram
     from dejavuu_build.bench.peer import KINDS, PEER_METHODS, PLAIN_OF
 
-    assert set(config.PEERS) == set(KINDS) == {"genai", "llamacpp"}
+    assert set(config.PEERS) == set(KINDS) == {"genai", "genai-int8", "llamacpp"}
     classes = {
         cls.name: cls for cls in (genai.GenaiPeer, ngram.GenaiNgram, llamacpp.LlamaCppPeer, llamacpp.LlamaCppLookup)
     }
+    classes["genai-int8"] = genai.GenaiPeer  # the same class on genai's int8 build, named by load_peers
     assert set(PEER_METHODS) == set(classes)
     for kind in KINDS.values():
         mod = importlib.import_module(kind.module, "dejavuu_build.bench")
         assert callable(mod.require) and callable(mod.load_peers), kind.name
+        assert set(dict(kind.params)) <= set(inspect.signature(mod.load_peers).parameters) - {"ctx"}, kind.name
         assert all(PLAIN_OF[m] == kind.methods[0] for m in kind.methods[1:])
     for name, cls in classes.items():
         for method in ("generate", "quality", "describe"):

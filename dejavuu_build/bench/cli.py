@@ -103,11 +103,13 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
 @click.option(
     "--compare",
     default=None,
-    metavar="genai,llamacpp",
+    metavar="genai,genai-int8,llamacpp",
     help="Also time other systems on the same prompt ids: genai = onnxruntime-genai's int4 CPU build of "
     'the same source (built once into <cache>/.peers; pip install -e ".[compare]"), plain and its '
-    "n-gram speculative decoding ('× genai', '× genai-ngram'); llamacpp = the source GGUF in llama.cpp, "
-    "plain and prompt lookup ('× llamacpp', '× llamacpp-lookup'; pip install -e \".[llamacpp]\").",
+    "n-gram speculative decoding ('× genai', '× genai-ngram'); genai-int8 = its int8 build, plain "
+    "('× genai-int8': genai where it keeps the model's answers as our default does); llamacpp = the "
+    "source GGUF in llama.cpp, plain and prompt lookup ('× llamacpp', '× llamacpp-lookup'; "
+    'pip install -e ".[llamacpp]").',
 )
 @click.option(
     "--genai-ngram",

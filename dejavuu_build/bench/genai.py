@@ -1,4 +1,5 @@
-"""The onnxruntime-genai peer: its own int4 CPU build of our build's source, and its plain generator.
+"""The onnxruntime-genai peer: its own int4 CPU build of our build's source, and its plain generator
+(``genai-int8``: the same at 8 bits, genai at the precision that keeps the model's answers).
 
 What a user would otherwise run on this CPU is onnxruntime-genai's plain decoding of the same
 model, so that is what the bench compares with (``--compare genai``):
@@ -8,7 +9,12 @@ model, so that is what the bench compares with (``--compare genai``):
   builder (``python -m onnxruntime_genai.models.builder -p int4 -e cpu``), through
   :mod:`.genai_shim` in a subprocess (see there for the two fixes builder 0.18 needs under
   transformers 4.57).
-* **Built once.** Into ``<cache>/.peers/genai<version>-int4-cpu-<source id>/``: built in a
+* **At two precisions.** ``genai`` is what genai's builder gives a user by default (``-p int4``:
+  round-to-nearest 4-bit blocks re-rounded from the GGUF's, top-1 0.736 against our fp32 export on
+  SmolLM2); ``genai-int8`` (``-p int8``) keeps the model as our default does (top-1 0.970, ours
+  0.975), so speed can be read at equal quality. Each is its own peer kind (``peer.KINDS``), built
+  and scored on its own; only the int4 build also times genai's n-gram decoding.
+* **Built once.** Into ``<cache>/.peers/genai<version>-<precision>-cpu-<source id>/``: built in a
   staging folder, then renamed into place, under a lock; ``peer.json`` in it records the builder
   version, the command, the source and every file's sha256, checked on each reuse.
 * **The same token ids.** Prompts are tokenized by our tokenizer and chat template; genai gets
@@ -151,10 +157,11 @@ def source_identity(src: dict) -> str:
     )
 
 
-def peer_name(src: dict, version: str) -> str:
-    """``genai<version>-int4-cpu-<16 hex of the source identity>``: one folder per source × builder version."""
+def peer_name(src: dict, version: str, precision: str = INT4) -> str:
+    """``genai<version>-<precision>-cpu-<16 hex of the source identity>``: one folder per source ×
+    builder version × precision."""
     ident = hashlib.sha256(source_identity(src).encode()).hexdigest()[:16]
-    return f"genai{version}-int4-cpu-{ident}"
+    return f"genai{version}-{precision}-cpu-{ident}"
 
 
 def _file_records(folder: Path) -> dict[str, dict]:
@@ -178,15 +185,16 @@ def check_peer(folder: Path) -> dict:
     return rec
 
 
-def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
-    """Our build's source, built once by genai's model builder into ``<cache>/.peers/``; the folder."""
+def ensure_genai_model(manifest, cache: Path | None = None, precision: str = INT4) -> Path:
+    """Our build's source, built once by genai's model builder at ``precision`` (one of ours,
+    precisions.PRECISIONS, under the builder's name for it) into ``<cache>/.peers/``; the folder."""
     from ..cache import build_lock, cache_root
 
     og = require_genai()
     version = og.__version__
     src = build_source(manifest)
     root = (cache or cache_root()) / PEERS_DIR
-    name = peer_name(src, version)
+    name = peer_name(src, version, precision)
     final = root / name
     if (final / PEER_FILE).is_file():
         check_peer(final)
@@ -202,8 +210,8 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
         staging = root / f".staging-{name}-{os.getpid()}"
         staging.mkdir()
         try:
-            with step(f"build the genai peer ({src.get('id')}, onnxruntime-genai {version}, int4 cpu)") as t:
-                record = _run_builder(src, staging, version)
+            with step(f"build the genai peer ({src.get('id')}, onnxruntime-genai {version}, {precision} cpu)") as t:
+                record = _run_builder(src, staging, version, precision)
             record["build_s"] = round(t.seconds, 1)
             record["files"] = _file_records(staging)
             (staging / PEER_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -215,11 +223,10 @@ def ensure_genai_model(manifest, cache: Path | None = None) -> Path:
     return final
 
 
-def _run_builder(src: dict, out: Path, version: str) -> dict:
+def _run_builder(src: dict, out: Path, version: str, precision: str = INT4) -> dict:
     hf, work, report, log = out / ".hf", out / ".builder-cache", out / ".shim.json", out / ".builder.log"
-    # the precision our default is, under genai's builder's name for it (the precisions table)
-    precision = PRECISIONS[INT4].genai or INT4
-    builder_args = ["-o", str(out), "-p", precision, "-e", "cpu", "-c", str(work)]
+    # our precision under genai's builder's name for it (the precisions table)
+    builder_args = ["-o", str(out), "-p", PRECISIONS[precision].genai or precision, "-e", "cpu", "-c", str(work)]
     cmd = [
         sys.executable,
         "-m",
@@ -257,7 +264,7 @@ def _run_builder(src: dict, out: Path, version: str) -> dict:
         "builder": "onnxruntime_genai.models.builder",
         "onnxruntime_genai": version,
         "transformers": tf_version,
-        "precision": INT4,
+        "precision": precision,
         "execution_provider": "cpu",
         "command": [
             "python",
@@ -282,11 +289,12 @@ def _run_builder(src: dict, out: Path, version: str) -> dict:
 class GenaiPeer:
     """genai's plain greedy generator on its own build, fed our token ids."""
 
-    name = GENAI
+    name = GENAI  # an int8 build's peer is named genai-int8 (load_peers)
 
-    def __init__(self, folder: Path, threads: int, eos_ids: Sequence[int] = ()):
+    def __init__(self, folder: Path, threads: int, eos_ids: Sequence[int] = (), name: str = GENAI):
         og = require_genai()
         self.og = og
+        self.name = name  # its method name in the records: genai, genai-int8
         self.folder = Path(folder)
         self.threads = int(threads)
         self.eos_ids = [int(e) for e in eos_ids]
@@ -333,10 +341,11 @@ class GenaiPeer:
 
         if getattr(self, "_quality", None) is None:
             q = peer_quality(
-                GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length, GENAI
+                GenaiReplay(self.folder, self.threads), model_folder, self.threads, self.context_length, self.name
             )
             logger.info(
-                "genai's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
+                "%s's build on the quality gate: top-1 %.3f vs fp32, mean KL %.4f (%d positions)",
+                self.name,
                 q["top1"],
                 q["mean_kl"],
                 q["positions"],
@@ -416,15 +425,22 @@ def kv_capacity(model_cfg: dict, total: int) -> int:
     return min(cap, limit) if limit else cap
 
 
-def load_genai_peer(manifest, threads: int, eos_ids: Sequence[int] = (), cache: Path | None = None):
-    """(genai's peer, None), built once from our build's source and checked by one short
-    generation, or (None, one line saying why it cannot run here): the bench goes on without it."""
+def load_genai_peer(
+    manifest,
+    threads: int,
+    eos_ids: Sequence[int] = (),
+    cache: Path | None = None,
+    precision: str = INT4,
+    name: str = GENAI,
+):
+    """(genai's peer, None), built once from our build's source at ``precision`` and checked by one
+    short generation, or (None, one line saying why it cannot run here): the bench goes on without it."""
     try:
-        peer = GenaiPeer(ensure_genai_model(manifest, cache), threads, eos_ids)
+        peer = GenaiPeer(ensure_genai_model(manifest, cache, precision), threads, eos_ids, name)
         peer.preflight()
     except Exception as e:  # noqa: BLE001 - its builder, config or generator: whatever stops it is one line
         why = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {_one_line(e)}"
-        line = f"genai peer skipped, it cannot run this model here: {why[:400]}"
+        line = f"{name} peer skipped, it cannot run this model here: {why[:400]}"
         logger.warning(line)
         return None, line
     return peer, None
@@ -435,15 +451,16 @@ def require() -> None:
     require_genai()
 
 
-def load_peers(ctx) -> list:
-    """genai plain, warmed up, then (unless ``--no-genai-ngram``) its n-gram speculative decoding
-    with options fixed, resumed or swept now (:mod:`.ngram`); [] with one warning line if genai
-    cannot run this model here."""
+def load_peers(ctx, precision: str = INT4) -> list:
+    """genai plain, warmed up, then (unless ``--no-genai-ngram``, or at another precision than
+    int4: ``genai-int8`` is plain only) its n-gram speculative decoding with options fixed, resumed
+    or swept now (:mod:`.ngram`); [] with one warning line if genai cannot run this model here."""
     model, cfg = ctx.model, ctx.cfg
-    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)
+    name = GENAI if precision == INT4 else f"{GENAI}-{precision}"
+    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision, name=name)
     if peer is None:
         return []
-    if not cfg.ngram:
+    if not cfg.ngram or precision != INT4:
         return [peer]
     from .ngram import ngram_peer
 

@@ -62,6 +62,7 @@ class PeerKind:
     methods: tuple[str, ...]
     module: str  # relative to this package, imported only when the peer is asked for (an extra)
     label: str  # what the table, chart and docs call it
+    params: tuple[tuple[str, str], ...] = ()  # keyword arguments of the module's load_peers
 
     def _mod(self) -> Any:
         return importlib.import_module(self.module, __package__)
@@ -72,13 +73,15 @@ class PeerKind:
 
     def load(self, ctx: Any) -> list[Peer]:
         """Its peers for this run (``ctx``: a ``runner.PeerContext``), plain first; [] if it cannot run."""
-        return cast(list, self._mod().load_peers(ctx))
+        return cast(list, self._mod().load_peers(ctx, **dict(self.params)))
 
 
 KINDS: dict[str, PeerKind] = {
     k.name: k
     for k in (
         PeerKind("genai", ("genai", "genai-ngram"), ".genai", "onnxruntime-genai"),
+        # genai at 8 bits, where it keeps the model's answers as our default does (bench.genai)
+        PeerKind("genai-int8", ("genai-int8",), ".genai", "onnxruntime-genai int8", (("precision", "int8"),)),
         PeerKind("llamacpp", ("llamacpp", "llamacpp-lookup"), ".llamacpp", "llama.cpp"),
     )
 }

@@ -221,7 +221,7 @@ def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
         assert "onnxruntime-genai" in lines[0] and ".[compare]" in lines[0]
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(_cli(), ["bench", "--model", "m", "--compare", "vllm"])
-    assert r.exit_code == 2 and "unknown --compare vllm; choose from: genai, llamacpp" in r.output
+    assert r.exit_code == 2 and "unknown --compare vllm; choose from: genai, genai-int8, llamacpp" in r.output
     with pytest.raises(BenchError, match="--compare"):
         BenchConfig(model="m", methods=("baseline", "genai"))
 
@@ -376,6 +376,58 @@ def test_genai_peer_built_once_timed_and_swept(tiny_llama, cache_dir, tmp_path, 
     assert all(r["replay_tokens"] == 10 and r["replay_argmax_agree"] >= 9 for r in replays)
     for k in ("csv", "json", "png"):
         assert (tmp_path / "sweep" / SWEEP_FILES[k]).is_file()
+
+
+def test_genai_int8_peer_is_its_own_8_bit_build_timed_beside_int4(tiny_llama, cache_dir, tmp_path):
+    """--compare genai-int8: genai's builder at -p int8 (its own folder and record, every MatMulNBits
+    8-bit), plain decoding only, timed on the same ids beside the int4 peer, scored on our quality gate."""
+    pytest.importorskip("onnxruntime_genai")
+    import onnx
+
+    from dejavuu_build.bench import genai as G
+    from dejavuu_build.bench import run_bench
+    from dejavuu_build.schema import read_manifest
+
+    manifest = read_manifest(tiny_llama)
+    f4, f8 = G.ensure_genai_model(manifest), G.ensure_genai_model(manifest, precision="int8")
+    assert f4 != f8 and "-int8-cpu-" in f8.name and "-int4-cpu-" in f4.name
+    rec = G.check_peer(f8)
+    assert rec["precision"] == "int8" and rec["command"][rec["command"].index("-p") + 1] == "int8"
+    bits = {
+        next(a.i for a in n.attribute if a.name == "bits")
+        for n in onnx.load(str(f8 / "model.onnx"), load_external_data=False).graph.node
+        if n.op_type == "MatMulNBits"
+    }
+    assert bits == {8}
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = BenchConfig(
+        model=str(tiny_llama),
+        methods=("baseline",),
+        categories=("qa",),
+        per_category=1,
+        max_new_tokens=10,
+        threads=1,
+        data=str(data),
+        compare=("genai", "genai-int8"),
+        genai_ngram="off",
+    )
+    assert cfg.peer_methods == ("genai", "genai-int8")
+    report = run_bench(cfg, tmp_path / "run")
+    recs = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    p4 = [r for r in recs if r["method"] == "genai"]
+    p8 = [r for r in recs if r["method"] == "genai-int8"]
+    assert len(p8) == len(p4) == 1 and p8[0]["prompt_tokens"] == p4[0]["prompt_tokens"]  # the same ids
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["peers"]["genai-int8"]["precision"] == "int8" and res["peers"]["genai"]["precision"] == "int4"
+    assert res["peers"]["genai-int8"]["folder"] == str(f8)
+    q8 = res["peers"]["genai-int8"]["quality"]
+    assert 0.0 <= q8["top1"] <= 1.0 and q8["positions"] == res["peers"]["genai"]["quality"]["positions"]
+    assert report.row("overall", "baseline").x_peer["genai-int8"] > 0
+    assert report.row("overall", "genai-int8").x_peer["genai-int8"] == pytest.approx(1.0)
+    assert report.row("overall", "genai-int8").top1_vs_fp32 == q8["top1"]
+    assert "× genai-int8" in report.table()
+    assert "x_genai_int8" in next(csv.DictReader((tmp_path / "run" / "results.csv").open()))
 
 
 def test_sweep_verify_rows_probe_runs_exactly_r_rows(tiny_llama, tmp_path):
