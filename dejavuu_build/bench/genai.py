@@ -55,6 +55,10 @@ from .config import BenchError
 from .peer import KINDS, PeerResult, peer_quality
 
 GENAI = KINDS["genai"].methods[0]  # its plain decoding (its n-gram decoding: .ngram.GenaiNgram)
+# each precision's plain peer, by the records' method name its kind gives it
+PLAIN_BY_PRECISION = {
+    dict(k.params).get("precision", INT4): k.methods[0] for k in KINDS.values() if k.module == ".genai"
+}
 # the speculative stats kept per generation (get_speculative_stats has ~60 keys)
 SPEC_STATS = (
     "rounds",
@@ -456,7 +460,7 @@ def load_peers(ctx, precision: str = INT4) -> list:
     int4: ``genai-int8`` is plain only) its n-gram speculative decoding with options fixed, resumed
     or swept now (:mod:`.ngram`); [] with one warning line if genai cannot run this model here."""
     model, cfg = ctx.model, ctx.cfg
-    name = GENAI if precision == INT4 else f"{GENAI}-{precision}"
+    name = PLAIN_BY_PRECISION[precision]
     peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision, name=name)
     if peer is None:
         return []
