@@ -267,15 +267,9 @@ def replay_turn(
         draft = draft.within(b)
         draft.validate(b)
         own = len(draft)
-        if (
-            not own
-            and succ is not None
-            and policy is not None
-            and b.max_depth > 0
-            and tokens[-1] in succ
-            and policy.pays(filled, fill_ok)
-        ):
-            draft = Draft([succ[tokens[-1]]], [-1])
+        guess = succ.guess(tokens) if not own and succ is not None and b.max_depth > 0 else None
+        if guess is not None and policy is not None and policy.pays(filled, fill_ok):
+            draft = Draft([guess], [-1])
             filled += 1
         pos = len(new)
         truth = answer[pos:]
@@ -287,7 +281,9 @@ def replay_turn(
         if policy is not None:
             policy.observe(rows, step_cost * step_s)
         if succ is not None:  # the rows whose output is known: the root and the accepted nodes
-            succ.learn(([tokens[-1]] + [draft.tokens[i] for i in path])[: len(committed)], np.asarray(committed))
+            rows_in = ([tokens[-1]] + [draft.tokens[i] for i in path])[: len(committed)]
+            before: list[int | None] = [tokens[-2] if len(tokens) > 1 else None, *rows_in[:-1]]
+            succ.learn(rows_in, np.asarray(committed), before)
             fill_ok += int(own == 0 and acc > 0)
         r.steps += 1
         r.drafted += len(draft)

@@ -296,6 +296,25 @@ def test_paid_fills_are_not_the_drafters_cost(by_layout):
     assert all(fb.verify_seconds > 0 for fb in d.fbs[1:] if fb.drafted)
 
 
+def test_fill_guess_takes_the_token_pair_before_the_token():
+    """The guess after a context: the successor last seen after its last two tokens, else after its
+    last one; a verified row teaches both, under the token before it in its own path."""
+    from dejavuu_build.runtime.job import Successors
+
+    s = Successors()
+    s.seed([1, 2, 3, 9, 2, 4])  # after 2: 3, then 4; after (1, 2): 3; after (9, 2): 4
+    assert s.guess([7, 1, 2]) == 3 and s.guess([7, 9, 2]) == 4  # the pair decides
+    assert s.guess([7, 5, 2]) == 4  # an unseen pair: the token's last successor
+    assert s.guess([8]) is None and s.guess([]) is None
+    # a tree step: root 2 (after 1), nodes 5 (under the root) and 6 (under 5), and 7 (under the root)
+    tokens, parents = [2, 5, 6, 7], [-1, 0, 1, 0]
+    s.learn(tokens, [8, 11, 12, 13], [1] + [tokens[q] for q in parents[1:]])
+    assert s.guess([1, 2]) == 8 and s.guess([2, 5]) == 11 and s.guess([5, 6]) == 12 and s.guess([2, 7]) == 13
+    assert s.guess([9, 2]) == 4 and s.guess([0, 2]) == 8  # (9, 2) kept; the token alone: its latest
+    s.learn([5], [14], [None])  # no token before: the token's guess only
+    assert s.guess([0, 5]) == 14 and s.guess([2, 5]) == 11
+
+
 def test_filled_guesses_are_accepted(tiny):
     """Greedy on a prompt the tiny model loops on: its own argmax after a token is a good guess."""
     base = tiny.generate(PROMPTS[2], max_new_tokens=40)
