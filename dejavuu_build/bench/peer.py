@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence, cast
 
+from ..schema import INT8
+
 
 @dataclass
 class PeerResult:
@@ -81,7 +83,7 @@ KINDS: dict[str, PeerKind] = {
     for k in (
         PeerKind("genai", ("genai", "genai-ngram"), ".genai", "onnxruntime-genai"),
         # genai at 8 bits, where it keeps the model's answers as our default does (bench.genai)
-        PeerKind("genai-int8", ("genai-int8",), ".genai", "onnxruntime-genai int8", (("precision", "int8"),)),
+        PeerKind("genai-int8", ("genai-int8",), ".genai", "onnxruntime-genai int8", (("precision", INT8),)),
         PeerKind("llamacpp", ("llamacpp", "llamacpp-lookup"), ".llamacpp", "llama.cpp"),
     )
 }
