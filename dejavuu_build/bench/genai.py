@@ -435,10 +435,11 @@ def load_genai_peer(
     eos_ids: Sequence[int] = (),
     cache: Path | None = None,
     precision: str = INT4,
-    name: str = GENAI,
 ):
-    """(genai's peer, None), built once from our build's source at ``precision`` and checked by one
-    short generation, or (None, one line saying why it cannot run here): the bench goes on without it."""
+    """(genai's peer at ``precision``, named by its kind: PLAIN_BY_PRECISION, None), built once from
+    our build's source and checked by one short generation, or (None, one line saying why it cannot
+    run here): the bench goes on without it."""
+    name = PLAIN_BY_PRECISION[precision]
     try:
         peer = GenaiPeer(ensure_genai_model(manifest, cache, precision), threads, eos_ids, name)
         peer.preflight()
@@ -460,8 +461,7 @@ def load_peers(ctx, precision: str = INT4) -> list:
     int4: ``genai-int8`` is plain only) its n-gram speculative decoding with options fixed, resumed
     or swept now (:mod:`.ngram`); [] with one warning line if genai cannot run this model here."""
     model, cfg = ctx.model, ctx.cfg
-    name = PLAIN_BY_PRECISION[precision]
-    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision, name=name)
+    peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision)
     if peer is None:
         return []
     if not cfg.ngram or precision != INT4:
