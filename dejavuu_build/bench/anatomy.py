@@ -1,8 +1,9 @@
-"""`bench --contexts N --anatomy`: where a one-token decode step goes, by op type, against genai's graph.
+"""`bench --contexts N --anatomy`: where a one-token decode step goes, by op type, against genai's graphs.
 
 Each system's decode steps run under onnxruntime's profiler at the sweep's first context: ours is
 plain decoding through the same Model the sweep times (its default variant, its layout's driver),
-genai's is its own graph replayed under plain onnxruntime at genai's shapes (bench.genai.GenaiReplay).
+each genai build's (``--compare genai``, ``genai-int8``) is its own graph replayed under plain
+onnxruntime at genai's shapes (bench.genai.GenaiReplay).
 From the profile, per op type: the nodes a step runs (kernel events per run: what onnxruntime
 executes after its own optimisation, so it is the "nodes per step" both runtimes pay) and their
 kernel time per step. Why one thread: kernel time is then CPU time, which a shared machine disturbs
@@ -29,7 +30,7 @@ TOTAL = "total"
 
 @dataclass
 class OpRow:
-    system: str  # baseline (ours) | genai
+    system: str  # baseline (ours) | a genai peer: genai, genai-int8
     op: str  # op type, or "total"
     nodes_per_step: int
     kernel_ms_per_step: float
@@ -90,12 +91,12 @@ def profile_ours(model, prompt: Sequence[int], steps: int, tmp: Path) -> tuple[d
 
 
 def profile_genai(
-    folder: Path, prompt: Sequence[int], tokens: Sequence[int], tmp: Path
+    folder: Path, prompt: Sequence[int], tokens: Sequence[int], tmp: Path, name: str = "genai"
 ) -> dict[str, tuple[int, float]]:
     """genai's graph under plain onnxruntime: the prompt, then one decode run per token of ``tokens``."""
     from .genai import GenaiReplay
 
-    replay = GenaiReplay(folder, THREADS, profile=str(tmp / "genai"))
+    replay = GenaiReplay(folder, THREADS, profile=str(tmp / name))
     replay.prefill(prompt, len(prompt) + len(tokens) + 1)
     for t in tokens:
         replay.step(t)
@@ -112,9 +113,9 @@ class Anatomy:
     def total(self, system: str) -> OpRow | None:
         return next((r for r in self.rows if r.system == system and r.op == TOTAL), None)
 
-    def ratio(self) -> tuple[float | None, float | None]:
-        """(nodes, kernel ms) of ours over genai's per step; None without genai."""
-        ours, g = self.total("baseline"), self.total("genai")
+    def ratio(self, peer: str = "genai") -> tuple[float | None, float | None]:
+        """(nodes, kernel ms) of ours over ``peer``'s per step; None without it."""
+        ours, g = self.total("baseline"), self.total(peer)
         if ours is None or g is None or not g.nodes_per_step or not g.kernel_ms_per_step:
             return None, None
         return ours.nodes_per_step / g.nodes_per_step, ours.kernel_ms_per_step / g.kernel_ms_per_step
@@ -136,14 +137,16 @@ class Anatomy:
                     else f"{'-':>16}{'-':>14}{'-':>7}"
                 )
             lines.append(f"{op:<34}{cells}")
-        nodes, ms = self.ratio()
-        if nodes is not None:
-            lines.append(f"ours / genai per step: {nodes:.2f}x nodes, {ms:.2f}x kernel time")
+        for peer in systems[1:]:
+            nodes, ms = self.ratio(peer)
+            if nodes is not None:
+                lines.append(f"ours / {peer} per step: {nodes:.2f}x nodes, {ms:.2f}x kernel time")
         return "\n".join(lines)
 
 
-def run_anatomy(model, prompt: Sequence[int], out: Path, genai_folder: Path | None, meta: dict) -> Anatomy:
-    """Profile ours (and genai's graph) at ``prompt`` into ``out``/anatomy.{csv,json,png}."""
+def run_anatomy(model, prompt: Sequence[int], out: Path, peers: Sequence[tuple[str, Path]], meta: dict) -> Anatomy:
+    """Profile ours (and each ``(name, folder)`` genai build's graph) at ``prompt`` into
+    ``out``/anatomy.{csv,json,png}."""
     from .report import write_rows
 
     steps = STEPS
@@ -151,13 +154,14 @@ def run_anatomy(model, prompt: Sequence[int], out: Path, genai_folder: Path | No
         tmp = Path(d)
         ours, tokens = profile_ours(model, prompt, steps, tmp)
         rows = _rows("baseline", ours)
-        if genai_folder is not None:  # the same tokens, decoded by genai's graph
+        for name, folder in peers:  # the same tokens, decoded by each genai build's graph
             try:
-                rows += _rows("genai", profile_genai(genai_folder, prompt, tokens, tmp))
+                rows += _rows(name, profile_genai(folder, prompt, tokens, tmp, name))
             except Exception as e:  # noqa: BLE001 - the comparison is optional, our profile is not
-                logger.warning("genai's step anatomy n/a: its graph did not run under plain onnxruntime (%s)", e)
+                logger.warning("%s's step anatomy n/a: its graph did not run under plain onnxruntime (%s)", name, e)
     report = Anatomy(len(prompt), steps, rows, {})
     paths = {k: Path(out) / v for k, v in ANATOMY_FILES.items()}
+    ratios = {name: report.ratio(name) for name, _ in peers}
     nodes, ms = report.ratio()
     write_rows(
         paths,
@@ -168,8 +172,9 @@ def run_anatomy(model, prompt: Sequence[int], out: Path, genai_folder: Path | No
             "context": len(prompt),
             "threads": THREADS,
             "steps": steps,
-            "nodes_ratio": nodes,
+            "nodes_ratio": nodes,  # over genai's int4 build (None without it)
             "kernel_ms_ratio": ms,
+            "ratios": {name: {"nodes": r[0], "kernel_ms": r[1]} for name, r in ratios.items()},
             "how": __doc__.split("\n\n")[1].replace("\n", " "),
         },
     )

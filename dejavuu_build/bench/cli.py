@@ -125,7 +125,8 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     default=None,
     metavar="N,N,...",
     help="A context sweep instead of Spec-Bench categories: plain decoding at prompts of exactly these "
-    "token counts, decode tok/s and per-step host overhead (with --compare genai: genai's too).",
+    "token counts, decode tok/s and per-step host overhead (with --compare genai and/or genai-int8: "
+    "genai's too, on each build).",
 )
 @click.option("--repeats", default=1, show_default=True, type=int, help="Context sweep: runs per context (medians).")
 @click.option(
@@ -139,7 +140,8 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
     "--anatomy",
     is_flag=True,
     help="Context sweep: also profile a decode step at the first context by op type (nodes per step and "
-    "kernel time, one thread), ours and, with --compare genai, genai's graph: anatomy.csv/json/png.",
+    "kernel time, one thread), ours and, with --compare genai / genai-int8, each genai build's graph: "
+    "anatomy.csv/json/png.",
 )
 @click.option(
     "--replay",

@@ -42,6 +42,8 @@ def base_method(method: str) -> str:
 
 PEERS: tuple[str, ...] = tuple(KINDS)  # --compare: other systems, timed on the same prompt ids (bench.peer)
 GENAI = "genai"  # the peer whose n-gram options BenchConfig.genai_ngram carries
+# the peers a context sweep can time: genai's builds (plain decoding through its own generator)
+SWEEP_PEERS = tuple(k.name for k in KINDS.values() if k.module == ".genai")
 NGRAM_SWEEP, NGRAM_OFF = "sweep", "off"  # BenchConfig.genai_ngram, besides a fixed "N,K"
 
 
@@ -121,8 +123,11 @@ class BenchConfig:
         if GENAI not in self.compare or self.contexts:
             self.genai_ngram = NGRAM_OFF  # nothing to run it beside; recorded as such
         self.contexts = tuple(int(c) for c in self.contexts)
-        if self.contexts and (other := [c for c in self.compare if c != GENAI]):
-            raise BenchError(f"the context sweep compares with genai only (not {', '.join(other)}): drop --contexts")
+        if self.contexts and (other := [c for c in self.compare if c not in SWEEP_PEERS]):
+            raise BenchError(
+                f"the context sweep compares with {' and '.join(SWEEP_PEERS)} only (not {', '.join(other)}): "
+                "drop --contexts"
+            )
         if any(c < 1 for c in self.contexts) or self.repeats < 1:
             raise BenchError("--contexts and --repeats take positive numbers")
         self.verify_rows = tuple(dict.fromkeys(int(r) for r in self.verify_rows))

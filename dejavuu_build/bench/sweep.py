@@ -3,7 +3,8 @@
 For each context N the prompt is Spec-Bench text (every turn of every prompt, in file order,
 joined by blank lines) tokenized by our tokenizer and cut to exactly N ids, so every system sees
 the same N ids. Each context runs our plain decoding (method ``baseline``) and, with
-``--compare genai``, genai's plain generator, back to back (``--repeats`` rounds over all
+``--compare genai`` (its int4 build) and/or ``genai-int8`` (its 8-bit build, which keeps the
+model's answers as our default does), genai's plain generator on each build, back to back (``--repeats`` rounds over all
 contexts; medians are reported). Both decode exactly ``--max-new-tokens`` tokens (EOS is ignored:
 a fixed number of decode steps at a known context).
 
@@ -33,8 +34,10 @@ from typing import Callable, Iterable, Sequence
 from ..log import logger, progress
 from ..runtime.drafters import Draft, DraftBudget, Drafter
 from ..runtime.settings import DecodeSettings
+from ..schema import INT4
 from .anatomy import Anatomy
-from .config import BenchConfig, BenchError, read_prompts, resolve_data
+from .config import SWEEP_PEERS, BenchConfig, BenchError, read_prompts, resolve_data
+from .peer import column
 from .runner import WARMUP_TOKENS
 
 OURS = "baseline"
@@ -70,7 +73,7 @@ def sweep_prompt(encode: Callable[[str], list[int]], texts: Iterable[str], n: in
 @dataclass
 class SweepRow:
     context: int
-    system: str  # baseline (ours, plain decoding) | genai
+    system: str  # baseline (ours, plain decoding) | verify | a genai peer: genai, genai-int8
     runs: int
     prompt_tokens: int
     tokens: int  # new tokens per run
@@ -79,12 +82,13 @@ class SweepRow:
     forward_ms_per_step: float | None  # inside onnxruntime's run (genai: the plain-ORT replay)
     host_ms_per_step: float | None  # step_ms - forward_ms_per_step (None: not measurable)
     prefill_ms: float
-    x_genai: float | None  # decode tok/s over genai's at this context
-    match_pct: float | None  # genai: % of tokens equal to ours (informational)
+    x_genai: float | None  # decode tok/s over genai's (int4 build) at this context
+    match_pct: float | None  # a genai peer: % of tokens equal to ours (informational)
     note: str = ""
     rows: int = 1  # graph rows per decode step (verify: R; ours plain: 2 on padded decoders)
     x_plain_forward: float | None = None  # verify: forward ms per step over our plain decoding's, same context
     rows_mean: float | None = None  # verify: 1 + drafted tokens per step, as run (the last steps draft less)
+    x_genai_int8: float | None = None  # decode tok/s over genai's 8-bit build's (every SWEEP_PEERS has its x_ field)
 
 
 @dataclass
@@ -100,9 +104,11 @@ class SweepReport:
         )
 
     def table(self) -> str:
+        peers = [p for p in SWEEP_PEERS if any(getattr(r, column(p)) is not None for r in self.rows)] or ["genai"]
         head = (
-            f"{'context':>7} {'system':<9} {'rows':>4} {'n':>2} {'decode tok/s':>12} {'× genai':>8} {'step ms':>8} "
-            f"{'forward ms':>10} {'× plain fwd':>11} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}"
+            f"{'context':>7} {'system':<10} {'rows':>4} {'n':>2} {'decode tok/s':>12} "
+            + "".join(f"{'× ' + p:>13}" for p in peers)
+            + f" {'step ms':>8} {'forward ms':>10} {'× plain fwd':>11} {'host ms/step':>12} {'prefill ms':>10} {'match':>6}"
         )
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -110,9 +116,12 @@ class SweepReport:
             def f(v, fmt):
                 return "-" if v is None else format(v, fmt)
 
+            xs = "".join(
+                f"{f(getattr(r, column(p)), '.2f') + ('x' if getattr(r, column(p)) is not None else ''):>13}"
+                for p in peers
+            )
             lines.append(
-                f"{r.context:>7} {r.system:<9} {r.rows:>4} {r.runs:>2} {r.decode_tok_s:>12.1f} "
-                f"{f(r.x_genai, '.2f') + ('x' if r.x_genai is not None else ''):>8} {r.step_ms:>8.2f} "
+                f"{r.context:>7} {r.system:<10} {r.rows:>4} {r.runs:>2} {r.decode_tok_s:>12.1f}{xs} {r.step_ms:>8.2f} "
                 f"{f(r.forward_ms_per_step, '.2f'):>10} "
                 f"{f(r.x_plain_forward, '.2f') + ('x' if r.x_plain_forward is not None else ''):>11} "
                 f"{f(r.host_ms_per_step, '.3f'):>12} "
@@ -131,11 +140,14 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
     """One row per (context, system, rows) from per-run records, medians over runs."""
     rows: list[SweepRow] = []
     contexts = sorted({r["context"] for r in records})
+    peers = list(dict.fromkeys(r["system"] for r in records if r["system"] not in (OURS, VERIFY)))
     for c in contexts:
-        genai_rate = None
-        kinds = [(OURS, None), ("genai", None)] + [
-            (VERIFY, n) for n in sorted({r["rows"] for r in records if r["context"] == c and r["system"] == VERIFY})
-        ]
+        rates: dict[str, float] = {}
+        kinds = (
+            [(OURS, None)]
+            + [(p, None) for p in peers]
+            + [(VERIFY, n) for n in sorted({r["rows"] for r in records if r["context"] == c and r["system"] == VERIFY})]
+        )
         for system, n_rows in kinds:
             rs = [
                 r
@@ -159,19 +171,20 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
                 host_ms_per_step=_med(host) if host else None,
                 prefill_ms=1e3 * _med([r["prefill_s"] for r in rs]),
                 x_genai=None,
-                match_pct=_med([r["match_pct"] for r in rs]) if system == "genai" else None,
+                match_pct=_med([r["match_pct"] for r in rs]) if system in peers else None,
                 note=next((r["note"] for r in rs if r.get("note")), ""),
                 rows=rs[0].get("rows", 1),
                 rows_mean=_med([1 + r["drafted"] / r["steps"] for r in rs if r["steps"]]) if system == VERIFY else None,
             )
-            if system == "genai":
-                genai_rate = row.decode_tok_s
+            if system in peers:
+                rates[system] = row.decode_tok_s
             rows.append(row)
         here = [row for row in rows if row.context == c]
         plain = next((row for row in here if row.system == OURS), None)
         for row in here:
-            if genai_rate and row.system != VERIFY:
-                row.x_genai = row.decode_tok_s / genai_rate
+            for p, rate in rates.items():
+                if rate and row.system != VERIFY and p in SWEEP_PEERS:
+                    setattr(row, column(p), row.decode_tok_s / rate)
             if row.system == VERIFY and plain is not None and plain.forward_ms_per_step and row.forward_ms_per_step:
                 row.x_plain_forward = row.forward_ms_per_step / plain.forward_ms_per_step
     return rows
@@ -212,7 +225,9 @@ def _ours_record(context: int, rep: int, res, system: str = OURS, rows: int = 1)
     }
 
 
-def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[int], note: str) -> dict:
+def _genai_record(
+    context: int, rep: int, res, est: dict | None, ours: Sequence[int], note: str, system: str = "genai"
+) -> dict:
     est = est or {}
     same = 0
     for a, b in zip(res.tokens, ours):
@@ -221,7 +236,7 @@ def _genai_record(context: int, rep: int, res, est: dict | None, ours: Sequence[
         same += 1
     return {
         "context": context,
-        "system": "genai",
+        "system": system,
         "rows": 1,
         "repeat": rep,
         "prompt_tokens": res.prompt_tokens,
@@ -276,26 +291,30 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     model = load(cfg.model, variant=cfg.variant, threads=cfg.threads)
     if model.tokenizer is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the sweep builds its prompts from text")
-    genai = None
-    if cfg.compare:  # genai only (BenchConfig refuses another peer with --contexts)
-        from .genai import load_genai_peer
+    peers: list = []  # (genai peer, its graph's replay or None), in --compare order
+    if cfg.compare:  # genai's builds only (BenchConfig refuses another peer with --contexts)
+        from .genai import GenaiReplay, load_genai_peer
+        from .peer import KINDS
 
         if model.manifest is None:
             raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
-        genai, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids)  # None: one line said why
-    replay = None
-    if genai is not None:
-        from .genai import GenaiReplay
-
-        try:
-            replay = GenaiReplay(genai.folder, cfg.threads)
-        except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
-            logger.warning("genai host overhead n/a: onnxruntime cannot load its graph alone (%s)", str(e)[:200])
+        for kind in cfg.compare:
+            precision = dict(KINDS[kind].params).get("precision", INT4)
+            peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision)  # None: said why
+            if peer is None:
+                continue
+            replay = None
+            try:
+                replay = GenaiReplay(peer.folder, cfg.threads)
+            except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
+                logger.warning(
+                    "%s host overhead n/a: onnxruntime cannot load its graph alone (%s)", peer.name, str(e)[:200]
+                )
+            peers.append((peer, replay))
     contexts = []
     for c in dict.fromkeys(cfg.contexts):
         limits = [(model.contract.max_positions, "the model's positions")]
-        if genai is not None:
-            limits.append((genai.context_length, "genai's context length"))
+        limits += [(peer.context_length, f"{peer.name}'s context length") for peer, _ in peers]
         room = cfg.max_new_tokens + max(cfg.verify_rows, default=1)
         over = [why for lim, why in limits if lim and c + room > lim]
         if over:
@@ -317,7 +336,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         cfg.repeats,
         cfg.max_new_tokens,
         f", verify steps of {','.join(map(str, cfg.verify_rows))} rows" if cfg.verify_rows else "",
-        " vs genai" if genai is not None else "",
+        f" vs {', '.join(p.name for p, _ in peers)}" if peers else "",
         out,
     )
     records: list[dict] = []
@@ -326,8 +345,8 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     try:
         warm = prompts[contexts[0]][:64]
         model.generate(warm, DecodeSettings(max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens)))
-        if genai is not None:
-            genai.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
+        for peer, _ in peers:
+            peer.generate(warm, min(WARMUP_TOKENS, cfg.max_new_tokens), ignore_eos=True)
         jobs = [(rep, c) for rep in range(cfg.repeats) for c in contexts]
         with (out / SWEEP_FILES["records"]).open("w", encoding="utf-8") as fh:
             for rep, c in progress(jobs, "sweep", total=len(jobs)):
@@ -339,8 +358,8 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                         prompts[c], replace(plain, method=_ProbeDrafter(n - 1), max_nodes=n - 1, max_depth=n - 1)
                     )
                     recs.append(_ours_record(c, rep, probe, VERIFY, n))
-                if genai is not None:
-                    g = genai.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
+                for peer, replay in peers:
+                    g = peer.generate(prompts[c], cfg.max_new_tokens, ignore_eos=True)
                     est, note = None, HOST_NOTE
                     if replay is None:
                         note = "genai host overhead n/a: onnxruntime could not load genai's graph alone"
@@ -348,11 +367,11 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                         try:
                             from .genai import genai_host_estimate
 
-                            est = genai_host_estimate(genai, replay, prompts[c], cfg.max_new_tokens)
+                            est = genai_host_estimate(peer, replay, prompts[c], cfg.max_new_tokens)
                         except Exception as e:  # noqa: BLE001 - the estimate is optional, the timing is not
                             note = f"genai host overhead n/a: its graph did not replay under plain onnxruntime ({e})"
                             logger.warning(note[:300])
-                    recs.append(_genai_record(c, rep, g, est, res.tokens, note[:300]))
+                    recs.append(_genai_record(c, rep, g, est, res.tokens, note[:300], peer.name))
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
                 fh.flush()
                 records += recs
@@ -360,12 +379,16 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         if cfg.anatomy:
             from .anatomy import run_anatomy
 
-            logger.info("step anatomy at context %d: profiling ours%s", contexts[0], " and genai" if genai else "")
+            logger.info(
+                "step anatomy at context %d: profiling ours%s",
+                contexts[0],
+                "".join(f" and {p.name}'s graph" for p, _ in peers),
+            )
             anatomy = run_anatomy(
                 model,
                 prompts[contexts[0]],
                 out,
-                genai.folder if genai is not None else None,
+                [(p.name, p.folder) for p, _ in peers],
                 {"model_folder": str(model.folder), "model_variant": model.variant},
             )
     finally:
@@ -380,10 +403,10 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         "(no special tokens), cut to exactly N ids; EOS ignored",
         "host_overhead": {
             "baseline": "GenerationStats.host_ms_per_step: (decode_s - forward_s) / steps, same generation",
-            "genai": HOST_NOTE if genai is not None else None,
+            **{p.name: HOST_NOTE for p, _ in peers},
         },
         "verify": VERIFY_NOTE if cfg.verify_rows else None,
-        "peers": {genai.name: genai.describe()} if genai is not None else {},
+        "peers": {p.name: p.describe() for p, _ in peers},
     }
     write_sweep(report, out, meta)
     if anatomy is not None:
@@ -424,7 +447,12 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
     )
     verify = [r for r in report.rows if r.system == VERIFY]
     fig, axes = plt.subplots(1, 4 if verify else 3, figsize=(18 if verify else 14, 4))
-    for system, label, color in ((OURS, "ours (baseline)", "C0"), ("genai", "onnxruntime-genai", "C1")):
+    from .peer import KINDS
+
+    lines = [(OURS, "ours (baseline)", "C0")] + [
+        (p, KINDS[p].label if p in KINDS else p, f"C{i}") for i, p in enumerate(SWEEP_PEERS, start=1)
+    ]
+    for system, label, color in lines:
         rows = [r for r in report.rows if r.system == system]
         for ax, (key, _) in zip(axes, panels):
             pts = [(r.context, getattr(r, key)) for r in rows if getattr(r, key) is not None]

@@ -207,6 +207,29 @@ def test_sweep_summary_medians_and_x_genai():
     assert ours.x_genai == pytest.approx(0.5) and g.x_genai == pytest.approx(1.0)
     assert g.host_ms_per_step == pytest.approx(1.0) and g.match_pct == 50.0 and ours.match_pct is None
 
+    # a second genai build in the same sweep: its own row and column, each over its own rate
+    rows8 = summarize(
+        [rec("baseline", 0, 0.2, 0.15, 5.0), rec("genai", 0, 0.1, 0.09, 1.0), rec("genai-int8", 0, 0.16, 0.1, 1.0)]
+    )
+    ours, g, g8 = rows8
+    assert g8.system == "genai-int8" and g8.match_pct == 50.0
+    assert ours.x_genai == pytest.approx(0.5) and ours.x_genai_int8 == pytest.approx(0.8)
+    assert g8.x_genai_int8 == pytest.approx(1.0) and g8.x_genai == pytest.approx(0.625) and g.x_genai_int8 == 1.6
+
+
+def test_the_sweep_compares_with_genai_builds_only_and_each_has_its_column():
+    from dataclasses import fields
+
+    from dejavuu_build.bench.config import SWEEP_PEERS
+    from dejavuu_build.bench.peer import KINDS, column
+    from dejavuu_build.bench.sweep import SweepRow
+
+    assert set(SWEEP_PEERS) == {k.name for k in KINDS.values() if k.module == ".genai"} == {"genai", "genai-int8"}
+    assert {column(p) for p in SWEEP_PEERS} <= {f.name for f in fields(SweepRow)}
+    assert BenchConfig(model="m", compare=("genai-int8",), contexts=(64,)).compare == ("genai-int8",)
+    with pytest.raises(BenchError, match="genai and genai-int8 only .not llamacpp.: drop --contexts"):
+        BenchConfig(model="m", compare=("genai", "llamacpp"), contexts=(64,))
+
 
 # ---------------------------------------------------------------------------------- the missing package
 def test_missing_genai_is_one_line_and_exit_2(monkeypatch, tmp_path):
@@ -428,6 +451,38 @@ def test_genai_int8_peer_is_its_own_8_bit_build_timed_beside_int4(tiny_llama, ca
     assert report.row("overall", "genai-int8").top1_vs_fp32 == q8["top1"]
     assert "× genai-int8" in report.table()
     assert "x_genai_int8" in next(csv.DictReader((tmp_path / "run" / "results.csv").open()))
+
+    # the context sweep times both builds at the same contexts; --anatomy profiles each build's graph
+    from tiny import optimized_nodes
+
+    from dejavuu_build.bench.sweep import run_sweep
+
+    sweep = run_sweep(
+        BenchConfig(
+            model=str(tiny_llama),
+            max_new_tokens=8,
+            threads=1,
+            compare=("genai", "genai-int8"),
+            contexts=(16,),
+            data=str(data),
+            anatomy=True,
+        ),
+        tmp_path / "sweep",
+    )
+    ours, g4, g8 = sweep.row(16, "baseline"), sweep.row(16, "genai"), sweep.row(16, "genai-int8")
+    assert ours.prompt_tokens == g4.prompt_tokens == g8.prompt_tokens == 16 and g8.tokens == 8
+    assert ours.x_genai_int8 == pytest.approx(ours.decode_tok_s / g8.decode_tok_s)
+    assert g8.x_genai_int8 == pytest.approx(1.0) and g8.forward_ms_per_step > 0 and g8.match_pct is not None
+    meta = json.loads((tmp_path / "sweep" / SWEEP_FILES["json"]).read_text())
+    assert meta["peers"]["genai-int8"]["precision"] == "int8" and meta["peers"]["genai"]["precision"] == "int4"
+    assert "x_genai_int8" in next(csv.DictReader((tmp_path / "sweep" / SWEEP_FILES["csv"]).open()))
+    a = sweep.anatomy
+    theirs = {r.op: r.nodes_per_step for r in a.rows if r.system == "genai-int8" and r.op != "total"}
+    assert theirs == dict(optimized_nodes(f8 / "model.onnx", tmp_path)) and theirs["MatMulNBits"] > 0
+    nodes, ms = a.ratio("genai-int8")
+    assert nodes == pytest.approx(a.total("baseline").nodes_per_step / a.total("genai-int8").nodes_per_step)
+    assert ms > 0 and "ours / genai-int8 per step" in sweep.table() and "ours / genai per step" in sweep.table()
+    assert "× genai-int8" in sweep.table()
 
 
 def test_sweep_verify_rows_probe_runs_exactly_r_rows(tiny_llama, tmp_path):
