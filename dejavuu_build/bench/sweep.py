@@ -4,8 +4,8 @@ For each context N the prompt is Spec-Bench text (every turn of every prompt, in
 joined by blank lines) tokenized by our tokenizer and cut to exactly N ids, so every system sees
 the same N ids. Each context runs our plain decoding (method ``baseline``) and, with
 ``--compare genai`` (its int4 build) and/or ``genai-int8`` (its 8-bit build, which keeps the
-model's answers as our default does), genai's plain generator on each build, back to back (``--repeats`` rounds over all
-contexts; medians are reported). Both decode exactly ``--max-new-tokens`` tokens (EOS is ignored:
+model's answers as our default does), genai's plain generator on each build, back to back
+(``--repeats`` rounds over all contexts; medians are reported). Both decode exactly ``--max-new-tokens`` tokens (EOS is ignored:
 a fixed number of decode steps at a known context).
 
 Per-step host overhead is decode time not spent inside onnxruntime's run:
