@@ -328,11 +328,14 @@ SPEED_ONLY = (
 )
 
 
-def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: int | None = None) -> Path:
+def speed_build(
+    model: str | Path, name: str, *, threads: int = 2, max_context: int | None = None, precision: str = "int4"
+) -> Path:
     """Build ``model`` (a random-weight GGUF of :func:`write_llama_gguf`) into the cache as ``name``
     with only what a speed row times: the fp32 export (what the quantizer reads, deleted after it),
-    int4 and its static in-place flavour (the default), row-guarded as a full build would write them,
-    and the default's exactness calibration. A full build also computes torch references and holds
+    ``precision`` (int4, or int8: what a full build picks on CPUs where its step is faster,
+    docs/speed.md) and its static in-place flavour (the default), row-guarded as a full build would
+    write them, and the default's exactness calibration. A full build also computes torch references and holds
     the fp32 graph's and every variant's sessions for its gates: for a ~1B model that peaked at
     18.4 GB (docs/sizes.md, Memory), and on random weights the gates measure nothing (no answers to
     keep: int4 agrees with fp32 on noise-level near-ties, so the build would fall back to fp32 or
@@ -348,15 +351,17 @@ def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: 
     from ..build.sources import resolve
     from ..build.variants import Quantized, add_layouts, quantize
     from ..cache import build_lock, check_replace, commit, entry_dir, staging
-    from ..errors import CacheError
+    from ..errors import CacheError, ExportError
     from ..log import timeline
     from ..runtime.session import make_session
     from ..schema import read_contract
 
+    if precision not in (S.INT4, S.INT8):
+        raise ExportError(f"a speed-only build quantizes to int4 or int8, not {precision!r}")
     cfg = TreeDecoderConfig(
         model=str(model),
         name=name,
-        variants=(S.FP32, S.INT4),
+        variants=(S.FP32, precision),
         kv_layouts=(S.KV_CONCAT, S.KV_STATIC),
         timing=False,
         threads=threads,
@@ -384,16 +389,16 @@ def speed_build(model: str | Path, name: str, *, threads: int = 2, max_context: 
                 )
                 manifest.build_config["speed_only"] = SPEED_ONLY
                 contract = read_contract(tmp)
-                quantize(tmp, manifest, [S.INT4], Quantized())
+                quantize(tmp, manifest, [precision], Quantized())
                 (tmp / S.variant_file(S.FP32)).unlink()  # the quantizer's source; a speed row never opens it
                 (tmp / (S.variant_file(S.FP32) + ".data")).unlink(missing_ok=True)
-                add_layouts(tmp, manifest, [S.INT4], contract.max_positions, fp32=False)
+                add_layouts(tmp, manifest, [precision], contract.max_positions, fp32=False)
                 sessions = {}
                 for v in list(manifest.variants):
                     guard_variant(tmp, manifest, v, contract, threads)
                     rec = manifest.variants[v]
                     rec.gates, rec.passed = {"speed_only": {"passed": True, "why": SPEED_ONLY}}, True
-                manifest.default_variant = S.variant_name(S.INT4, S.KV_STATIC)
+                manifest.default_variant = S.variant_name(precision, S.KV_STATIC)
                 manifest.default_reason = {"rule": SPEED_ONLY}
                 manifest.batched = {"skipped": SPEED_ONLY}
                 rec = manifest.variants[manifest.default_variant]
@@ -416,9 +421,10 @@ def speed_build_main(argv: list[str]) -> int:
     ap.add_argument("--name", required=True, help="the cache name")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--precision", choices=("int4", "int8"), default="int4", help="the quantized variant [int4]")
     a = ap.parse_args(argv)
     setup_logging()
-    print(speed_build(a.model, a.name, threads=a.threads, max_context=a.max_context))
+    print(speed_build(a.model, a.name, threads=a.threads, max_context=a.max_context, precision=a.precision))
     return 0
 
 

@@ -155,7 +155,7 @@ def test_speed_build_writes_only_what_a_speed_row_times(tmp_path, template, cach
     the same name is never replaced by one."""
     from dejavuu_build import schema as S
     from dejavuu_build.bench.synthetic import SPEED_ONLY, speed_build
-    from dejavuu_build.errors import CacheError
+    from dejavuu_build.errors import CacheError, ExportError
     from dejavuu_build.runtime import load
     from dejavuu_build.runtime.model import read_checked_manifest
 
@@ -174,6 +174,15 @@ def test_speed_build_writes_only_what_a_speed_row_times(tmp_path, template, cach
     model = load("synth-speed", threads=1)
     assert model.variant == "int4-static"
     assert len(model.generate("hello", max_new_tokens=4).tokens) >= 1
+    # int8 (what a full build defaults to on CPUs where its step is faster): int8 and its static flavour
+    folder8 = speed_build(gguf_path, "synth-speed8", threads=1, precision="int8")
+    m8 = read_checked_manifest(folder8)
+    assert set(m8.variants) == {"int8", "int8-static"} and m8.default_variant == "int8-static"
+    assert m8.variants["int8-static"].calibration["key"] and m8.variants["int8-static"].row_guard
+    model8 = load("synth-speed8", threads=1)
+    assert model8.variant == "int8-static" and len(model8.generate("hello", max_new_tokens=4).tokens) >= 1
+    with pytest.raises(ExportError, match="int4 or int8"):
+        speed_build(gguf_path, "synth-speed2", threads=1, precision="fp16")
     # a full build of a name is never replaced by a speed-only one
     full = cache_dir / "synth-full"
     full.mkdir()
