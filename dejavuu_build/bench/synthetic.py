@@ -324,7 +324,7 @@ def cost_probe_main(argv: list[str]) -> int:
 
 SPEED_ONLY = (
     "speed-only build of a random-weight model (bench.synthetic.speed_build): no torch references, no "
-    "gates, no quality; its int4 files are what a full build would write, timed, never answered from"
+    "gates, no quality; its quantized files are what a full build would write, timed, never answered from"
 )
 
 
