@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import INT4, INT8
+
 # The tensors written in Q4_1 (a Llama layer's seven projections): what our quantizer carries
 # exactly, block for block, into MatMulNBits (q4 + block-sum offset), as for SmolLM2's file.
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -329,7 +331,7 @@ SPEED_ONLY = (
 
 
 def speed_build(
-    model: str | Path, name: str, *, threads: int = 2, max_context: int | None = None, precision: str = "int4"
+    model: str | Path, name: str, *, threads: int = 2, max_context: int | None = None, precision: str = INT4
 ) -> Path:
     """Build ``model`` (a random-weight GGUF of :func:`write_llama_gguf`) into the cache as ``name``
     with only what a speed row times: the fp32 export (what the quantizer reads, deleted after it),
@@ -356,7 +358,7 @@ def speed_build(
     from ..runtime.session import make_session
     from ..schema import read_contract
 
-    if precision not in (S.INT4, S.INT8):
+    if precision not in (INT4, INT8):
         raise ExportError(f"a speed-only build quantizes to int4 or int8, not {precision!r}")
     cfg = TreeDecoderConfig(
         model=str(model),
@@ -421,7 +423,7 @@ def speed_build_main(argv: list[str]) -> int:
     ap.add_argument("--name", required=True, help="the cache name")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-context", type=int, default=None)
-    ap.add_argument("--precision", choices=("int4", "int8"), default="int4", help="the quantized variant [int4]")
+    ap.add_argument("--precision", choices=(INT4, INT8), default=INT4, help=f"the quantized variant [{INT4}]")
     a = ap.parse_args(argv)
     setup_logging()
     print(speed_build(a.model, a.name, threads=a.threads, max_context=a.max_context, precision=a.precision))
