@@ -59,6 +59,8 @@ GENAI = KINDS["genai"].methods[0]  # its plain decoding (its n-gram decoding: .n
 PLAIN_BY_PRECISION = {
     dict(k.params).get("precision", INT4): k.methods[0] for k in KINDS.values() if k.module == ".genai"
 }
+# ... and the other way: a genai kind's name -> the precision its build takes
+PRECISION_OF = {name: precision for precision, name in PLAIN_BY_PRECISION.items()}
 # the speculative stats kept per generation (get_speculative_stats has ~60 keys)
 SPEC_STATS = (
     "rounds",

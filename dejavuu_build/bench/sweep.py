@@ -34,7 +34,6 @@ from typing import Callable, Iterable, Sequence
 from ..log import logger, progress
 from ..runtime.drafters import Draft, DraftBudget, Drafter
 from ..runtime.settings import DecodeSettings
-from ..schema import INT4
 from .anatomy import Anatomy
 from .config import SWEEP_PEERS, BenchConfig, BenchError, read_prompts, resolve_data
 from .peer import column
@@ -293,14 +292,14 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         raise BenchError(f"{cfg.model} has no tokenizer: the sweep builds its prompts from text")
     peers: list = []  # (genai peer, its graph's replay or None), in --compare order
     if cfg.compare:  # genai's builds only (BenchConfig refuses another peer with --contexts)
-        from .genai import GenaiReplay, load_genai_peer
-        from .peer import KINDS
+        from .genai import PRECISION_OF, GenaiReplay, load_genai_peer
 
         if model.manifest is None:
             raise BenchError(f"--compare needs a build with a manifest (its source); {model.folder} has none")
         for kind in cfg.compare:
-            precision = dict(KINDS[kind].params).get("precision", INT4)
-            peer, _ = load_genai_peer(model.manifest, cfg.threads, model.eos_ids, precision=precision)  # None: said why
+            peer, _ = load_genai_peer(
+                model.manifest, cfg.threads, model.eos_ids, precision=PRECISION_OF[kind]
+            )  # None: said why
             if peer is None:
                 continue
             replay = None
@@ -450,7 +449,7 @@ def plot_sweep(report: SweepReport, path: Path, title: str) -> None:
     from .peer import KINDS
 
     lines = [(OURS, "ours (baseline)", "C0")] + [
-        (p, KINDS[p].label if p in KINDS else p, f"C{i}") for i, p in enumerate(SWEEP_PEERS, start=1)
+        (p, KINDS[p].label, f"C{i}") for i, p in enumerate(SWEEP_PEERS, start=1)
     ]
     for system, label, color in lines:
         rows = [r for r in report.rows if r.system == system]
