@@ -86,7 +86,10 @@ class Precision:
 
 # The order is the variants' order everywhere (schema.variant_order): the reference first.
 # int8: 8-bit blocks lose so little that a zero point buys nothing measurable; its 8-bit table in
-# blocks of 32 carries a Q8_0 embedding exactly. int4: for a GGUF source, the file's own blocks
+# blocks of 32 carries a Q8_0 embedding exactly. Its body stays in blocks of 32 although wider ones
+# stream fewer scales: MLAS rounds the activations to int8 per weight block too, and blocks of 64
+# (chosen by choose_body_block, the down projection kept at 32) cost SmolLM2-135M's gate top-1
+# 0.975 -> 0.961 and KL 0.0039 -> 0.0053 for a one-token step 0.94-0.96x (docs/speed.md). int4: for a GGUF source, the file's own blocks
 # carried exactly (gguf_min="offset": the model as published, not a second rounding of it); what
 # the file does not hold (other sources, GGUF types it cannot carry) is re-rounded with a zero
 # point per block (asymmetric: closer to the weights than symmetric on both real models measured)

@@ -147,8 +147,11 @@ TABLE_TIMED_ROWS = (1, 2, 8)
 VERDICTS = ("invariant", "guardable", "variant")
 
 
-def _nbits_session(bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int, seed: int = 0):
-    """One MatMulNBits [1, M, K] -> [1, M, N] with random levels and scales, symmetric (the table's form)."""
+def _nbits_session(
+    bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int, seed: int = 0, zero_points: bool = False
+):
+    """One MatMulNBits [1, M, K] -> [1, M, N] with random levels and scales, symmetric (the table's
+    form) or with a random uint8 zero point per block (an asymmetric body's)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -156,8 +159,12 @@ def _nbits_session(bits: int, block: int, k: int, n: int, accuracy_level: int, t
     nb = k // block
     q = rng.integers(0, 256, size=(n, nb, block * bits // 8), dtype=np.uint8)
     scales = (rng.random((n, nb), dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
+    arrays: list[tuple[np.ndarray, str]] = [(q, "w"), (scales, "s")]
+    if zero_points:  # 8 bits: a byte per block; 4 bits: two per byte, each column's padded to whole bytes
+        per_col = nb if bits == 8 else (nb + 1) // 2
+        arrays.append((rng.integers(0, 256, size=n * per_col, dtype=np.uint8), "z"))
     node = helper.make_node(
-        "MatMulNBits", ["x", "w", "s"], ["y"], domain=MS, K=k, N=n, bits=bits, block_size=block,
+        "MatMulNBits", ["x"] + [nm for _, nm in arrays], ["y"], domain=MS, K=k, N=n, bits=bits, block_size=block,
         accuracy_level=accuracy_level,
     )  # fmt: skip
     graph = helper.make_graph(
@@ -165,22 +172,24 @@ def _nbits_session(bits: int, block: int, k: int, n: int, accuracy_level: int, t
         "table_probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "M", n])],
-        [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scales, "s")],
+        [numpy_helper.from_array(a, nm) for a, nm in arrays],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    del q, scales, graph
+    del q, scales, graph, arrays
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = threads, 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 @lru_cache(maxsize=None)
-def nbits_rows(bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int) -> tuple[int, int, int]:
+def nbits_rows(
+    bits: int, block: int, k: int, n: int, accuracy_level: int, threads: int, zero_points: bool = False
+) -> tuple[int, int, int]:
     """(rows compared, rows equal to the row alone, rows equal to it beside one zero pad row) of one
     MatMulNBits signature on this machine's kernel, every row of 2, 3, 5, 8 and 17-row forwards:
     export.exactness's per-op measure, made before the graph exists so that the quantizer can pick
     a form the graph keeps exact (docs/exactness.md)."""
-    sess = _nbits_session(bits, block, k, n, accuracy_level, threads)
+    sess = _nbits_session(bits, block, k, n, accuracy_level, threads, zero_points=zero_points)
     x = np.random.default_rng(1).standard_normal((1, max(TABLE_ROWS), k)).astype(np.float32)
     pad = np.zeros((1, 1, k), np.float32)
     alone = [sess.run(None, {"x": x[:, r : r + 1]})[0][0, 0] for r in range(x.shape[1])]
@@ -307,6 +316,41 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
     rec["why"] = f"{sig}: no block of {cands} keeps rows exact here; blocks of {block} (the batched gate decides)"
     logger.warning("  %s", rec["why"])
     return rec
+
+
+@lru_cache(maxsize=None)
+def choose_body_block(
+    bits: int, k: int, n: int, largest: int, accuracy_level: int, zero_points: bool = False
+) -> tuple[int | None, str]:
+    """The block of a re-rounded body weight [K, N] (N: the fused siblings' width, as the in-place
+    flavours run it) on this machine: the largest of ``largest`` halved down to 16 dividing K whose
+    rows stay exact here alone and among rows (else beside a pad row: the row guard's form), measured
+    with 1 and the default threads as ``choose_table_block`` measures the lm-head's. Returns (block,
+    why); None where no block of 16 or more divides K.
+
+    Why a plan may ask for more than the GGUF's 32: each block carries a float scale (MLAS adds a
+    float block sum), so an 8-bit weight in blocks of 32 streams 1.25 bytes per weight and in 64
+    about 1.13 (SmolLM2-135M's one-token step 0.93-0.94x; its quality cost is why the registered
+    int8 keeps 32: precisions.py). Why measured: which blocks keep rows exact is the CPU's kernel's
+    property (blocks of 128 at K = 1536, N = 576 give a lone row other bits on an AVX-512 AMD EPYC;
+    64 do not)."""
+    cands = table_blocks(k, largest)
+    if not cands:
+        return None, f"no block of 16..{largest} divides K = {k}"
+    if len(cands) == 1:
+        return cands[0], f"blocks of {cands[0]} (the only one dividing K = {k})"
+    threads = sorted({1, DEFAULT_THREADS})
+    verdicts: dict[int, str] = {}
+    for tier in VERDICTS[:2]:
+        for b in cands:
+            if b not in verdicts:
+                per = [nbits_rows(bits, b, k, n, accuracy_level, t, zero_points=zero_points) for t in threads]
+                verdicts[b] = max((rows_verdict(*r) for r in per), key=VERDICTS.index)
+            if verdicts[b] == tier:
+                seen = ", ".join(f"{c}: {v}" for c, v in verdicts.items())
+                return b, f"blocks of {b}, {tier} here ({seen})"
+    seen = ", ".join(f"{c}: {v}" for c, v in verdicts.items())
+    return cands[-1], f"no block keeps rows exact here ({seen}); blocks of {cands[-1]} (the batched gate decides)"
 
 
 def _quantize_rows(w_rows: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Encoded:
@@ -455,6 +499,8 @@ def quantize_model(
         producers={o: nd for nd in g.node for o in nd.output},
         report={"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None},
     )
+    if emb is not None and emb.input[0] in streamed:
+        q.hidden = int(streamed.dims(emb.input[0])[1])
     lm_tied = _quantize_embedding(q, emb, lm) if emb is not None else False
     if tied is not None and tied != lm_tied and emb is not None:
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
@@ -502,6 +548,7 @@ class _Quantizing:
     replaced: dict = field(default_factory=dict)  # id(node) -> replacement nodes
     drop_nodes: set = field(default_factory=set)
     block_sums: dict = field(default_factory=dict)  # (input, block) -> its block sums, shared by its readers
+    hidden: int | None = None  # the residual stream's width (the embedding table's), where there is one
     fp_bytes: int = 0
     q_bytes: int = 0
 
@@ -537,9 +584,17 @@ def _symmetric_4bit(q: _Quantizing) -> bool:
     return not q.report["rounding"]["zero_points"]
 
 
+def _symmetric(q: _Quantizing, bits: int) -> bool:
+    """Whether re-rounded body blocks of ``bits`` are symmetric: 8 bits as the plan says (rows with
+    8-bit zero points are probed with the block, ``choose_body_block``), 4 bits also where this
+    machine's kernel would give rows other bits with one (``_symmetric_4bit``)."""
+    return q.plan.symmetric if bits == 8 else _symmetric_4bit(q)
+
+
 def _encode(q: _Quantizing, w_nk: np.ndarray, bits: int, block: int) -> Encoded:
-    """The file's own blocks where the GGUF holds exactly these rows; else onnxruntime's rounding."""
-    found = q.blocks.find(w_nk) if q.blocks is not None and block == BLOCK else None
+    """The file's own blocks where the GGUF holds exactly these rows (at the file's block, whatever
+    the plan's: Q8_0 stays in its blocks of 32); else onnxruntime's rounding at ``block``."""
+    found = q.blocks.find(w_nk) if q.blocks is not None and block >= BLOCK else None
     if found is not None:
         where, file_blocks = found
         enc = carry(file_blocks, bits, q.plan)
@@ -551,7 +606,7 @@ def _encode(q: _Quantizing, w_nk: np.ndarray, bits: int, block: int) -> Encoded:
             return enc
     if q.blocks is not None:
         q.report["gguf"]["requantized"] += 1
-    return _quantize_rows(w_nk, bits, block, symmetric=bits == 8 or _symmetric_4bit(q))
+    return _quantize_rows(w_nk, bits, block, symmetric=_symmetric(q, bits))
 
 
 def _head_encoding(q: _Quantizing, w_nk: np.ndarray) -> Encoded:
@@ -694,7 +749,7 @@ def _quantize_embedding(q: _Quantizing, emb, lm) -> bool:
         and q.producers[lm_w].input[0] == table_name
     )
     eb = plan.lm_head_bits if lm_tied else plan.embed_bits
-    eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else plan.body_block)
+    eblock = fit_block(table.shape[1], plan.lm_head_block if lm_tied else min(plan.body_block, BLOCK))
     if eb != 8 or eblock is None:
         raise ExportError("embedding tables are quantized at 8 bits in blocks of 16..128 dividing the hidden size")
     if lm_tied:  # the lm-head's table: its block measured on this machine
@@ -745,6 +800,35 @@ def _const_source(q: _Quantizing, nd) -> tuple[str, bool] | None:
     return None
 
 
+def _group_body_block(q: _Quantizing, members: list) -> int | None:
+    """The block of one input's body projections (siblings fuse only at one block): blocks of 32
+    (the GGUF's) where the plan asks no more or where they read a vector wider than the residual
+    stream, else ``choose_body_block`` at their summed width, recorded in the report once per
+    signature.
+
+    Why not wider everywhere: MLAS's 8-bit kernels (accuracy_level 4) round the activations to int8
+    per weight block too, and the MLP's down projection reads SiLU(gate) * up, whose outliers a wide
+    block's one scale flattens: SmolLM2-135M's quality gate gave top-1 0.957, KL 0.0060 with every
+    body block at 64, 0.970 / 0.0053 with the down projection's at 32 (0.973 / 0.0040 all at 32)."""
+    plan = q.plan
+    body = [src_ for nd, src_ in members if nd.name != LM_HEAD_NODE]
+    if not body:
+        return None
+    dims = [list(q.inits.dims(w)) for w, _ in body]
+    k = {d[1] if t else d[0] for d, (_, t) in zip(dims, body)}
+    if len(k) != 1 or plan.body_block <= BLOCK or (q.hidden is not None and min(k) > q.hidden):
+        return fit_block(min(k), min(plan.body_block, BLOCK))
+    (kk,) = k
+    n = sum(d[0] if t else d[1] for d, (_, t) in zip(dims, body))
+    zp = not _symmetric(q, plan.body_bits)
+    block, why = choose_body_block(plan.body_bits, kk, n, plan.body_block, plan.accuracy_level, zero_points=zp)
+    sig = f"MatMulNBits bits={plan.body_bits} acc={plan.accuracy_level} K={kk} N={n}"
+    if sig not in q.report.setdefault("body_blocks", {}):
+        q.report["body_blocks"][sig] = {"block": block, "why": why}
+        logger.info("  body %s: %s", sig, why)
+    return block
+
+
 def _quantize_matmuls(q: _Quantizing, graph_nodes: list) -> None:
     """Every other MatMul with a constant weight (lm-head untied included), one weight in memory at
     a time; siblings reading one input (q/k/v, gate/up) are encoded together, so that those carried
@@ -764,12 +848,13 @@ def _quantize_matmuls(q: _Quantizing, graph_nodes: list) -> None:
     bar = progress(iter(()), desc="quantize", total=len(todo))
     for members in siblings.values():
         encoded = []
+        body_block = _group_body_block(q, members)
         for nd, (w_name, transposed) in members:
             is_head = nd.name == LM_HEAD_NODE
             bits = plan.lm_head_bits if is_head else plan.body_bits
             dims = list(q.inits.dims(w_name))
             k = dims[1] if transposed else dims[0]
-            block = fit_block(k, plan.lm_head_block if is_head else plan.body_block)
+            block = fit_block(k, plan.lm_head_block) if is_head else body_block
             if block is None:
                 report["nodes"][nd.name] = f"float32 {dims} kept (no block size divides K)"
                 continue

@@ -1,6 +1,8 @@
 """GGUF blocks carried over exactly: a synthetic GGUF of every carried type written with the
 `gguf` package, and the real SmolLM2 (Q4_1) and Gemma-3-270M (Q4_K_M) files."""
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -256,6 +258,15 @@ def test_int4_of_a_gguf_carries_minima_exactly_and_symmetric_nearest_rerounds(sy
     assert near["gguf"]["carried"] == len(CENTRED)
     q8 = quantize_model(src, tmp_path / "c.onnx", PLANS["int8"], gguf=path)  # 8 bits: minima re-rounded
     assert q8["gguf"]["carried"] == len(CENTRED)
+    # an 8-bit plan asking for blocks up to 128 (choose_body_block) re-rounds in them, yet the file's
+    # centred blocks stay the file's: Q8_0 in its blocks of 32, Q6_K in 16
+    wide = replace(PLANS["int8"], body_block=128, symmetric=False)
+    q8 = quantize_model(src, tmp_path / "d.onnx", wide, gguf=path)
+    assert q8["gguf"]["carried"] == len(CENTRED)
+    assert q8["nodes"]["/model/Q8_0/MatMul"].endswith("Q8_0 carried exactly (q8)")
+    assert q8["nodes"]["/model/Q6_K/MatMul"].endswith("Q6_K carried exactly (q8 bs16)")
+    (chosen,) = {r["block"] for sig, r in q8["body_blocks"].items() if f"K={K} " in sig}
+    assert q8["nodes"]["/model/Q4_1/MatMul"].endswith(f"q8 bs{chosen} asym")
 
 
 def test_row_order_follows_the_onnx_weight(synthetic):
