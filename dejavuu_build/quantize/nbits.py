@@ -204,12 +204,24 @@ def nbits_rows(
     return rows, eq_alone, eq_padded
 
 
+VERDICT_THREADS = tuple(sorted({1, DEFAULT_THREADS}))  # a block's rows are judged at each of these
+
+
 def rows_verdict(rows: int, eq_alone: int, eq_padded: int) -> str:
     """export.exactness's verdict: invariant (nothing to pay), guardable (the row guard's pad row
     makes it exact), variant (no graph with it is exact)."""
     if eq_padded < rows:
         return "variant"
     return "invariant" if eq_alone == rows else "guardable"
+
+
+def block_verdict(bits: int, block: int, k: int, n: int, accuracy_level: int, zero_points: bool = False) -> dict:
+    """One MatMulNBits signature at one block on this machine: the worst ``rows_verdict`` over
+    VERDICT_THREADS and the rows counted over them (the record ``choose_table_block`` keeps)."""
+    per = [nbits_rows(bits, block, k, n, accuracy_level, t, zero_points=zero_points) for t in VERDICT_THREADS]
+    rows, alone, padded = (sum(c) for c in zip(*per))
+    worst = max((rows_verdict(*p) for p in per), key=VERDICTS.index)
+    return {"verdict": worst, "rows": rows, "equal_alone": alone, "equal_padded": padded}
 
 
 def nbits_slowdown(
@@ -267,19 +279,15 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
     cands = table_blocks(k, plan.lm_head_block)
     if file_block and k % file_block == 0 and file_block not in cands:
         cands = sorted({*cands, file_block}, reverse=True)
-    threads = sorted({1, DEFAULT_THREADS})
     measured: dict[int, dict] = {}
 
     def verdict(b: int) -> str:
         if b not in measured:
-            per = [nbits_rows(bits, b, k, n, acc, t) for t in threads]
-            worst = max((rows_verdict(*p) for p in per), key=VERDICTS.index)
-            rows, alone, padded = (sum(c) for c in zip(*per))
-            measured[b] = {"verdict": worst, "rows": rows, "equal_alone": alone, "equal_padded": padded}
+            measured[b] = block_verdict(bits, b, k, n, acc)
         return measured[b]["verdict"]
 
     sig = f"MatMulNBits bits={bits} acc={acc} K={k} N={n}"
-    rec: dict = {"signature": sig, "candidates": cands, "file_block": file_block, "threads": threads}
+    rec: dict = {"signature": sig, "candidates": cands, "file_block": file_block, "threads": list(VERDICT_THREADS)}
     for tier in VERDICTS[:2]:
         best = next((b for b in cands if verdict(b) == tier), None)
         if best is None:
@@ -318,15 +326,14 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
     return rec
 
 
-@lru_cache(maxsize=None)
 def choose_body_block(
     bits: int, k: int, n: int, largest: int, accuracy_level: int, zero_points: bool = False
 ) -> tuple[int | None, str]:
     """The block of a re-rounded body weight [K, N] (N: the fused siblings' width, as the in-place
     flavours run it) on this machine: the largest of ``largest`` halved down to 16 dividing K whose
     rows stay exact here alone and among rows (else beside a pad row: the row guard's form), measured
-    with 1 and the default threads as ``choose_table_block`` measures the lm-head's. Returns (block,
-    why); None where no block of 16 or more divides K.
+    with ``block_verdict`` as ``choose_table_block`` measures the lm-head's. Returns (block, why);
+    None where no block of 16 or more divides K.
 
     Why a plan may ask for more than the GGUF's 32: each block carries a float scale (MLAS adds a
     float block sum), so an 8-bit weight in blocks of 32 streams 1.25 bytes per weight and in 64
@@ -339,13 +346,11 @@ def choose_body_block(
         return None, f"no block of 16..{largest} divides K = {k}"
     if len(cands) == 1:
         return cands[0], f"blocks of {cands[0]} (the only one dividing K = {k})"
-    threads = sorted({1, DEFAULT_THREADS})
     verdicts: dict[int, str] = {}
     for tier in VERDICTS[:2]:
         for b in cands:
             if b not in verdicts:
-                per = [nbits_rows(bits, b, k, n, accuracy_level, t, zero_points=zero_points) for t in threads]
-                verdicts[b] = max((rows_verdict(*r) for r in per), key=VERDICTS.index)
+                verdicts[b] = block_verdict(bits, b, k, n, accuracy_level, zero_points)["verdict"]
             if verdicts[b] == tier:
                 seen = ", ".join(f"{c}: {v}" for c, v in verdicts.items())
                 return b, f"blocks of {b}, {tier} here ({seen})"
@@ -499,8 +504,6 @@ def quantize_model(
         producers={o: nd for nd in g.node for o in nd.output},
         report={"plan": plan.to_json(), "nodes": {}, "gguf": {"carried": 0, "requantized": 0} if blocks else None},
     )
-    if emb is not None and emb.input[0] in streamed:
-        q.hidden = int(streamed.dims(emb.input[0])[1])
     lm_tied = _quantize_embedding(q, emb, lm) if emb is not None else False
     if tied is not None and tied != lm_tied and emb is not None:
         raise ExportError(f"manifest says tied={tied} but the graph's lm-head tied={lm_tied}")
@@ -742,6 +745,7 @@ def _quantize_embedding(q: _Quantizing, emb, lm) -> bool:
     if table_name not in inits:
         raise ExportError(f"{EMBED_NODE} does not read a constant table")
     table = inits.array(table_name)
+    q.hidden = int(table.shape[1])
     lm_tied = (
         lm_w not in inits
         and lm_w in q.producers
@@ -814,12 +818,11 @@ def _group_body_block(q: _Quantizing, members: list) -> int | None:
     body = [src_ for nd, src_ in members if nd.name != LM_HEAD_NODE]
     if not body:
         return None
-    dims = [list(q.inits.dims(w)) for w, _ in body]
-    k = {d[1] if t else d[0] for d, (_, t) in zip(dims, body)}
-    if len(k) != 1 or plan.body_block <= BLOCK or (q.hidden is not None and min(k) > q.hidden):
-        return fit_block(min(k), min(plan.body_block, BLOCK))
-    (kk,) = k
-    n = sum(d[0] if t else d[1] for d, (_, t) in zip(dims, body))
+    dims = [q.inits.dims(w)[::-1] if t else q.inits.dims(w) for w, t in body]  # [K, N] each
+    kk = dims[0][0]  # siblings read one input: one K
+    if plan.body_block <= BLOCK or (q.hidden is not None and kk > q.hidden):
+        return fit_block(kk, min(plan.body_block, BLOCK))
+    n = sum(d[1] for d in dims)
     zp = not _symmetric(q, plan.body_bits)
     block, why = choose_body_block(plan.body_bits, kk, n, plan.body_block, plan.accuracy_level, zero_points=zp)
     sig = f"MatMulNBits bits={plan.body_bits} acc={plan.accuracy_level} K={kk} N={n}"

@@ -32,13 +32,6 @@ def _fake_rows(verdicts: dict[int, str]):
     return lambda bits, block, k, n, acc, threads, **kw: counts[verdicts[block]]
 
 
-@pytest.fixture
-def fresh_choice():
-    choose_body_block.cache_clear()
-    yield
-    choose_body_block.cache_clear()
-
-
 @pytest.mark.parametrize(
     "verdicts, block, tier",
     [
@@ -48,19 +41,19 @@ def fresh_choice():
         ({128: "guardable", 64: "variant", 32: "variant", 16: "variant"}, 128, "guardable"),
     ],
 )
-def test_the_largest_block_in_the_best_tier_is_taken(monkeypatch, fresh_choice, verdicts, block, tier):
+def test_the_largest_block_in_the_best_tier_is_taken(monkeypatch, verdicts, block, tier):
     monkeypatch.setattr(nbits, "nbits_rows", _fake_rows(verdicts))
     got, why = choose_body_block(8, 1536, 576, 128, 4)
     assert got == block and f"blocks of {block}, {tier} here" in why
 
 
-def test_no_exact_block_falls_back_to_the_smallest_and_says_so(monkeypatch, fresh_choice):
+def test_no_exact_block_falls_back_to_the_smallest_and_says_so(monkeypatch):
     monkeypatch.setattr(nbits, "nbits_rows", _fake_rows(dict.fromkeys((128, 64, 32, 16), "variant")))
     got, why = choose_body_block(8, 512, 64, 128, 4)
     assert got == 16 and "no block keeps rows exact here" in why and "the batched gate decides" in why
 
 
-def test_only_blocks_dividing_k_are_candidates(monkeypatch, fresh_choice):
+def test_only_blocks_dividing_k_are_candidates(monkeypatch):
     seen: list[int] = []
 
     def rows(bits, block, k, n, acc, threads, **kw):
@@ -99,7 +92,7 @@ def _model(tmp_path):
     return src, w, emb
 
 
-def test_int8_body_takes_the_block_measured_here_and_computes_its_rounding(tmp_path, fresh_choice):
+def test_int8_body_takes_the_block_measured_here_and_computes_its_rounding(tmp_path):
     """The real kernel: the projections reading the residual stream take the measured choice at
     their siblings' summed width, recorded in the report; the down projection, reading the wider
     MLP vector, keeps blocks of 32; the outputs are those roundings' (numeric parity); the untied

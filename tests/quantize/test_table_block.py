@@ -24,7 +24,7 @@ K, V = 640, 384  # Gemma-3-270M's hidden size: its 8-bit lm-head in blocks of 12
 def _fake_rows(verdicts: dict[int, str]):
     """nbits_rows as a machine whose blocks have these verdicts would measure them (35 rows)."""
     counts = {"invariant": (35, 35, 35), "guardable": (35, 0, 35), "variant": (35, 3, 32)}
-    return lambda bits, block, k, n, acc, threads: counts[verdicts[block]]
+    return lambda bits, block, k, n, acc, threads, zero_points=False: counts[verdicts[block]]
 
 
 def _fake_slowdown(ratio: float):
