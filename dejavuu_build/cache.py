@@ -647,6 +647,9 @@ def verify_entry(folder: str | os.PathLike, files: list[str] | None = None, *, s
     named = [(rel, sha, want, "the manifest's provenance view") for rel, sha, want in provenance]
     if "file" in m.batched:
         named.append((m.batched["file"], m.batched["sha256"], "", "its batched graph record"))
+    for v, rec in m.variants.items():
+        if rec.prefill.get("file"):
+            named.append((rec.prefill["file"], rec.prefill.get("sha256"), "", f"{v}'s prefill graph record"))
     for rel, sha, want, what in named:
         member(folder, rel, rebuild)
         if want is None or (want and rel != want):

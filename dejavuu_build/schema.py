@@ -27,6 +27,8 @@ MANIFEST_FILE = "manifest.json"
 DECODER_FILE = "decoder_{variant}.onnx"  # one per variant (variant_file)
 # the serving batch graph of one static variant (batched_file; Manifest.batched records it)
 BATCHED_FILE = "decoder_{variant}.batched.onnx"
+# a rowwise variant's prefill graph (prefill_file; VariantRecord.prefill records it)
+PREFILL_FILE = "decoder_{variant}.prefill.onnx"
 REFERENCE_FILE = "reference.npz"  # torch's references, so quant-only validates without torch
 EMBED_FILE = "embed_tokens.onnx"  # inputs_embeds builds: input_ids -> inputs_embeds
 VISION_FILE = "vision_encoder.onnx"  # VLM builds: pixel_values -> image_features
@@ -120,6 +122,7 @@ MASK_NONE = "none"
 # Graph metadata keys (written by the export passes, read by the runtime).
 KV_LAYOUT_KEY = "dejavuu.kv_layout"
 KV_CAPACITY_KEY = "dejavuu.kv_capacity"
+PREFILL_KEY = "dejavuu.prefill"  # JSON: the prefill graph's source variant (export.passes.rowwise_prefill)
 ROW_GUARD_KEY = "dejavuu.row_guard"  # JSON: length_invariant, guarded ops, the machine they were measured on
 
 # Defaults shared by the build, the runtime, the bench and the server (their CLIs show them).
@@ -128,6 +131,13 @@ DEFAULT_MAX_CONTEXT = 8192  # in-place KV capacity without --max-context: the mo
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TREE_WIDTH = 2  # children per draft node in tree mode
 DEFAULT_MAX_DEPTH = 8  # longest draft path per step
+# Prompt rows per prefill forward (runtime.job.Job.prefill_rows; serve.batch.measure_exact). Why 64:
+# smaller chunks prefill faster on every layout (a chunk's logits stay in cache, a rowwise chunk
+# attends over a buffer only as long as the prompt so far): SmolLM2-135M, 512 prompt rows, 1 thread,
+# CPU time, AVX-512 + AMX Xeon (docs/speed.md): rowwise 2439 -> 1877 ms (512 -> 64-row chunks),
+# static 1963 -> 1591, concat 1793 -> 1610. The boundaries are the same however a request is driven
+# (generate, the API, the server), so every path prefills alike.
+PREFILL_CHUNK = 64
 # `dejavuu-build serve` (serve.cli, serve.scheduler, serve.memory)
 DEFAULT_MAX_BATCH = 8  # requests decoded together
 DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those; more get HTTP 429
@@ -147,6 +157,10 @@ def batched_inputs(contract: "Contract") -> set[str]:
 
 def batched_file(variant: str) -> str:
     return BATCHED_FILE.format(variant=variant)
+
+
+def prefill_file(variant: str) -> str:
+    return PREFILL_FILE.format(variant=variant)
 
 
 def variant_file(variant: str) -> str:
@@ -264,6 +278,8 @@ class VariantRecord:
     length_invariant: bool = False  # see Contract.length_invariant
     row_guard: dict = field(default_factory=dict)  # per-op row invariance measured at build, what was guarded
     calibration: dict = field(default_factory=dict)  # runtime.calibration measured at build: key, record
+    # a rowwise variant's prefill graph (build.prefill_graph): file, sha256, source_sha256, gate, passed
+    prefill: dict = field(default_factory=dict)
 
 
 def variant_contract(contract: "Contract", record: "VariantRecord | None") -> "Contract":

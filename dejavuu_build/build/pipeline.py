@@ -22,6 +22,7 @@ from .config import TreeDecoderConfig, cache_key, tool_versions
 from .default import choose_default, keeps_answers
 from .digest import file_sha256
 from .export_step import export_fp32
+from .prefill_graph import write_prefill_graphs
 from .row_guard import guard_variant
 from .serve_graph import write_serve_batch
 from .summary import failed_gates, log_summary, quality_line
@@ -208,6 +209,7 @@ def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> N
     in the default's reason."""
     manifest = g.manifest
     earlier_trials = manifest.default_reason.get("trials")  # quant-only: the build's
+    write_prefill_graphs(g)
     timed = time_candidates(manifest, g.sessions) if timing else {}
     for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
         if not rec.passed:

@@ -31,6 +31,7 @@ def write_serve_batch(
     from ..export.fp16_store import load_unpacked
     from ..export.shared_weights import save_sharing
     from ..runtime.decoder import Decoder
+    from ..runtime.session import make_session
     from .gates import gate_serve_batch
 
     old, default = manifest.batched, manifest.default_variant
@@ -50,9 +51,11 @@ def write_serve_batch(
         return
     path = folder / S.batched_file(target)
     src_sha = file_sha256(folder / rec.file)
+    prefill = rec.prefill if rec.prefill.get("passed") else {}  # the server prefills through it (Decoder.prefill)
     same_source = (
         old.get("variant") == target
         and old.get("source_sha256") == src_sha
+        and old.get("prefill_sha256") == prefill.get("sha256")
         and old.get("graph_version") == S.BATCHED_GRAPH_VERSION
         and old.get("gate", {}).get("machine") == machine
     )
@@ -75,7 +78,8 @@ def write_serve_batch(
         else:
             sess, declared = sessions[target]
             try:
-                gate = gate_serve_batch(Decoder(sess, declared, embed), path, threads)
+                pre = make_session(folder / prefill["file"], threads) if prefill else None
+                gate = gate_serve_batch(Decoder(sess, declared, embed, pre), path, threads)
             except Exception as e:  # noqa: BLE001 - a graph onnxruntime cannot run fails its gate, named
                 gate = {"passed": False, "error": " ".join(str(e).split())[:300], "mismatches": 0, "steps_checked": 0}
             gate["machine"] = machine
@@ -87,6 +91,7 @@ def write_serve_batch(
         "shared_bytes": shared,  # read from the variant's own file (export.shared_weights)
         "sha256": sha,
         "source_sha256": src_sha,
+        "prefill_sha256": prefill.get("sha256"),  # the prompts' graph its gate ran (None: the decode graph)
         "graph_version": S.BATCHED_GRAPH_VERSION,
         "passed": bool(gate["passed"]),
         "gate": gate,

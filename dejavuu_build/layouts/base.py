@@ -47,6 +47,9 @@ class Layout:
     # (proto of this layout, its name) -> its batched serving graph (ContractError: does not apply)
     batch_pass: Callable[[Any, str], Any] | None = None
     batch_driver: type[BatchDriver[Any]] | None = None  # drives that batched graph (serve.batch)
+    # (proto of this layout, its name) -> its prefill graph, run on the same KV buffer (ContractError:
+    # does not apply); None: prompts run on the decode graph
+    prefill: Callable[[Any, str], Any] | None = None
 
     @property
     def suffix(self) -> str:
@@ -110,11 +113,23 @@ class Host(Protocol):
     out_names: list[str]
     has_hidden: bool
     pad_single: bool
+    prefill_s: Any  # the prefill graph's session (Layout.prefill), or None
 
     @property
     def single_rows(self) -> int: ...
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+def bind_kv(binding: Any, kv_in: list[str], kv_out: list[str], buffers: np.ndarray) -> None:
+    """Bind each layer's K or V buffer (``buffers[j]``) as both its past input and its present
+    output: an in-place graph writes the step's rows into the memory it reads."""
+    import onnxruntime as ort
+
+    for j, (i_name, o_name) in enumerate(zip(kv_in, kv_out)):
+        v = ort.OrtValue.ortvalue_from_numpy(buffers[j])
+        binding.bind_ortvalue_input(i_name, v)
+        binding.bind_ortvalue_output(o_name, v)
 
 
 def check_room(kv: Any, rows: int) -> None:
@@ -174,6 +189,12 @@ class Driver:
     ) -> Out:
         """runtime.decoder.Decoder.forward, on this layout."""
         raise NotImplementedError
+
+    def prefill(
+        self, tokens: Sequence[int], kv: Cache, prompt: int, room: int, embeds: np.ndarray | None = None
+    ) -> Out:
+        """runtime.decoder.Decoder.prefill: a prompt chunk as a chain step on the decode graph."""
+        return self.forward(tokens, None, kv, None if embeds is None else embeds[None], copy=False, last=1)
 
     def empty_past(self) -> dict[str, np.ndarray]:
         """The past of an empty context as the gates pass it (``forward_past``): zero rows."""
@@ -376,6 +397,14 @@ class BatchDriver(Generic[Owner]):
         commits nothing: the caller moves each slot's length with :meth:`commit`."""
         raise NotImplementedError
 
+    def prefill(self, slot: int, rows: Rows, prompt: int, room: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """One chunk of ``slot``'s ``prompt``-token prompt, its K/V left in the slot for the caller's
+        :meth:`commit`; (logits, hidden) of its rows as :meth:`forward` gives them. Here: a forward of
+        the batched graph for the slot alone (the single-request driver's decode-graph prefill);
+        a layout whose decoder prefills on a graph of its own overrides it (layouts.rowwise)."""
+        ((logits, hidden),) = self.forward(slot, [rows])
+        return logits, hidden
+
     # ------------------------------------------------------------------ slots
     def acquire(self, owner: Owner | None) -> int:
         if self.active >= self.max_batch:
@@ -416,10 +445,7 @@ class BatchDriver(Generic[Owner]):
         b = self._bindings.get(key)
         if b is None:
             b = self.s.io_binding()
-            for j, (i_name, o_name) in enumerate(zip(self.kv_in, self.kv_out)):
-                v = self.ort.OrtValue.ortvalue_from_numpy(self.buf[j, lo:hi])
-                b.bind_ortvalue_input(i_name, v)
-                b.bind_ortvalue_output(o_name, v)
+            bind_kv(b, self.kv_in, self.kv_out, self.buf[:, lo:hi])
             self._bindings[key] = b
         return b
 

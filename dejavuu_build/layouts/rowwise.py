@@ -13,6 +13,7 @@ server's batch's (``RowwiseBatch``, export.passes.serve_batch_rowwise) grow in t
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,7 +22,19 @@ import numpy as np
 from .. import schema as S
 from ..errors import GenerationError
 from ..runtime.tree import NEG, row_bias
-from .base import BatchDriver, BatchUnavailable, Driver, Host, Layout, Out, Owner, Rows, check_room, kv_dtype
+from .base import (
+    BatchDriver,
+    BatchUnavailable,
+    Driver,
+    Host,
+    Layout,
+    Out,
+    Owner,
+    Rows,
+    bind_kv,
+    check_room,
+    kv_dtype,
+)
 from .static import StaticKV
 
 TILE = 64  # the rowwise buffer grows in multiples of this many positions
@@ -96,16 +109,11 @@ class GrowingKV(StaticKV):
     def ensure(self, positions: int) -> None:
         if positions <= self.size:
             return
-        import onnxruntime as ort
-
         size = min(self.capacity, grown(self.size, positions, self.tile))
         old, new = self.buffers(), self._view(size)
         for h in range(self.dec.c.num_kv_heads - 1, 0, -1):  # later heads first: nothing is overwritten unread
             new[:, :, h, : self.length] = old[:, :, h, : self.length]
-        for j, (i_name, o_name) in enumerate(zip(self.dec.kv_in, self.dec.kv_out)):
-            v = ort.OrtValue.ortvalue_from_numpy(new[j])
-            self.binding.bind_ortvalue_input(i_name, v)
-            self.binding.bind_ortvalue_output(o_name, v)
+        bind_kv(self.binding, self.dec.kv_in, self.dec.kv_out, new)
         self.buf, self.size = new, size
 
     def release(self) -> None:
@@ -225,6 +233,36 @@ class RowwiseDriver(Driver):
         logits, hidden = f.logits[0], (f.hidden[0] if f.hidden is not None else None)
         return (logits.copy(), hidden.copy() if hidden is not None else None, None) if copy else (logits, hidden, None)
 
+    def prefill(self, tokens: Sequence[int], kv: Any, prompt: int, room: int, embeds: np.ndarray | None = None) -> Out:
+        """runtime.decoder.Decoder.prefill on a rowwise decoder: before the prompt's last chunk the
+        buffer makes room for the decoding (GrowingKV.reserve; earlier chunks must not attend to
+        it), and with a prefill graph (export.passes.rowwise_prefill) the chunk's rows run as rows
+        of one multi-row attention over the same buffer, its K/V written where the decode graph
+        would write them. Its feeds are made and bound per chunk (a chunk's run dwarfs that)."""
+        assert isinstance(kv, GrowingKV), "a rowwise decoder's cache comes from its new_cache()"
+        n, past = len(tokens), kv.length
+        if past + n >= prompt:
+            kv.reserve(prompt, room)
+        session = self.dec.prefill_s
+        if session is None:
+            return self.forward(tokens, None, kv, None if embeds is None else embeds[None], copy=False, last=1)
+        check_room(kv, n)
+        kv.ensure(past + n)
+        start = self.logits_start(n, 1)
+        f = RowFeeds(
+            self.c, n, kv.size, self.outputs(n, start), np.array([start], np.int64) if self.logits_from else None
+        )
+        f.fill(tokens, None, past)
+        if f.embeds is not None:
+            f.embeds[0] = embeds if embeds is not None else self.dec.embeddings(np.asarray(tokens, np.int64)[None])[0]
+        binding = session.io_binding()
+        bind_kv(binding, self.kv_in, self.kv_out, kv.buffers())
+        f.bind(binding)
+        t0 = time.perf_counter()
+        session.run_with_iobinding(binding)
+        self.last_run_s = time.perf_counter() - t0
+        return f.logits[0], (f.hidden[0] if f.hidden is not None else None), None
+
     def row_feeds(self, n: int, size: int, start: int = 0) -> RowFeeds:
         """The reusable feeds for ``n`` rows over a buffer of ``size`` positions, logits from row
         ``start`` on: kept for decode-sized steps (a buffer growth drops them all), made fresh for
@@ -280,6 +318,7 @@ class RowwiseBatch(BatchDriver[Owner]):
         self.mem = np.zeros((len(self.kv_in), max_batch * self.heads * self.room * self.head_dim), self.dtype)
         self.size = 0  # L, the bound buffer's positions (a multiple of the tile)
         self.buf = self._view(0)
+        self._prefilling: dict[int, GrowingKV] = {}  # slot -> its prompt's cache on the prefill graph (prefill)
 
     # ------------------------------------------------------------------ the buffer
     def _view(self, size: int, mem: np.ndarray | None = None) -> np.ndarray:
@@ -313,9 +352,38 @@ class RowwiseBatch(BatchDriver[Owner]):
         if need > self.size:
             self._resize(grown(self.size, need, self.tile))
 
+    def prefill(self, slot: int, rows: Rows, prompt: int, room: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """As BatchDriver.prefill; where the decoder has a prefill graph (export.passes.
+        rowwise_prefill), the chunk runs there exactly as it does for a request alone (its own
+        GrowingKV, Decoder.prefill: the same chunks, the same buffer lengths, so the same bits),
+        and its rows' K/V are then copied into the slot (~3 MB per 64-row chunk on SmolLM2-135M).
+        The batch's decode steps take over from the prompt's K/V as a request alone does."""
+        dec: Any = self.decoder
+        if dec.prefill_s is None:
+            return super().prefill(slot, rows, prompt, room)
+        kv = self._prefilling.get(slot)
+        if kv is None:
+            kv = self._prefilling[slot] = dec.new_cache()
+        past, n = kv.length, len(rows.tokens)
+        if past != self.lengths[slot]:
+            raise GenerationError(f"slot {slot} holds {self.lengths[slot]} positions, its prefill {past}")
+        logits, hidden, _ = dec.prefill(rows.tokens, kv, prompt, room, rows.embeds)
+        kv.commit(None, n, list(range(n)))
+        self._fit(past + n)
+        self.buf[:, slot, :, past : past + n] = kv.buffers()[:, 0, :, past : past + n]
+        if kv.length >= prompt:
+            self._prefilling.pop(slot).release()
+        return logits, hidden
+
     def release(self, slot: int) -> Owner | None:
         """As BatchDriver.release; the buffer shrinks to the remaining requests' lengths when they
         need half of it or less (every step attends to the whole buffer)."""
+        pending = self._prefilling.pop(slot, None)
+        if pending is not None:  # a request that leaves during its prefill
+            pending.release()
+        last = self.active - 1
+        if last in self._prefilling:  # the last slot's request moves into ``slot``
+            self._prefilling[slot] = self._prefilling.pop(last)
         moved = super().release(slot)
         longest = max(self.lengths[: self.active], default=0)
         if not self.active:
@@ -398,6 +466,12 @@ def _batch_pass(proto: Any, source: str) -> Any:
     return to_serve_batch_rowwise(proto, source)
 
 
+def _prefill_pass(proto: Any, source: str) -> Any:
+    from ..export.passes.rowwise_prefill import to_rowwise_prefill
+
+    return to_rowwise_prefill(proto, source)
+
+
 LAYOUT = Layout(
     S.KV_ROWWISE,
     rank=1,
@@ -408,4 +482,5 @@ LAYOUT = Layout(
     batch=S.KV_ROWWISE,
     batch_pass=_batch_pass,
     batch_driver=RowwiseBatch,
+    prefill=_prefill_pass,
 )

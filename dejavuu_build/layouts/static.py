@@ -23,7 +23,7 @@ import numpy as np
 from .. import schema as S
 from ..errors import GenerationError
 from ..runtime.tree import NEG, step_inputs
-from .base import BatchDriver, Host, Layout, Out, Owner, PaddedDriver, Rows, check_room, kv_dtype
+from .base import BatchDriver, Host, Layout, Out, Owner, PaddedDriver, Rows, bind_kv, check_room, kv_dtype
 
 
 class StaticKV:
@@ -86,16 +86,11 @@ class StaticDriver(PaddedDriver):
         if self.free:
             buf, binding = self.free.pop()
         else:
-            import onnxruntime as ort
-
             # np.zeros maps pages lazily: a long capacity costs memory only as the context grows.
             c = self.c
             buf = np.zeros((len(self.kv_in), 1, c.num_kv_heads, c.kv_capacity, c.head_dim), dtype=kv_dtype(c))
             binding = self.dec.s.io_binding()
-            for j, (i_name, o_name) in enumerate(zip(self.kv_in, self.kv_out)):
-                v = ort.OrtValue.ortvalue_from_numpy(buf[j])
-                binding.bind_ortvalue_input(i_name, v)
-                binding.bind_ortvalue_output(o_name, v)
+            bind_kv(binding, self.kv_in, self.kv_out, buf)
         return StaticKV(self, buf, binding)
 
     def empty_past(self) -> dict[str, np.ndarray]:

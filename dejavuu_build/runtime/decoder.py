@@ -23,10 +23,20 @@ from ..schema import MASK_ADDITIVE_4D, Contract
 class Decoder:
     """One ORT decoder session driven through its (derived) contract and its layout's driver."""
 
-    def __init__(self, session: Any, contract: Contract, embed: Callable[[np.ndarray], np.ndarray] | None = None):
+    def __init__(
+        self,
+        session: Any,
+        contract: Contract,
+        embed: Callable[[np.ndarray], np.ndarray] | None = None,
+        prefill: Any = None,
+    ):
+        """``prefill``: the session of the variant's prefill graph (export.passes.rowwise_prefill),
+        which runs prompt chunks over the same KV buffer (rowwise variants only); None: prompts run
+        on ``session`` too."""
         self.s = session
         self.c = contract
         self.embed = embed
+        self.prefill_s = prefill
         self.out_names = [o.name for o in session.get_outputs()]
         self.kv_in = [
             contract.kv_input_pattern.format(i=i, kv=kv) for i in range(contract.num_layers) for kv in ("key", "value")
@@ -42,6 +52,8 @@ class Decoder:
         if contract.kv_layout not in LAYOUTS:
             raise GenerationError(f"no KV layout {contract.kv_layout!r} is registered (known: {', '.join(LAYOUTS)})")
         self.layout = LAYOUTS[contract.kv_layout]
+        if prefill is not None and not self.layout.prefill:
+            raise GenerationError(f"the {contract.kv_layout} KV layout has no prefill graph")
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
         self.rowwise = self.layout.driver.one_row
@@ -115,6 +127,18 @@ class Decoder:
         slice, export.exporter.slice_logits, returns all); hidden states come for every token.
         """
         return self.driver.forward(tokens, parents, kv, embeds, copy, slots, last)
+
+    def prefill(
+        self, tokens: Sequence[int], kv: Cache, prompt: int, room: int, embeds: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None, list[np.ndarray] | None]:
+        """One chunk of a ``prompt``-token prompt over ``kv``: as ``forward`` of a chain with
+        ``copy=False, last=1`` (the last row's logits, views valid until the next forward; ``kv``
+        not committed; ``embeds`` [n, H] for an inputs_embeds decoder). The
+        engine and the server prefill through here alike (schema.PREFILL_CHUNK chunks), so a
+        prompt's K/V have the same bits whichever runs it: a rowwise decoder runs its chunks on
+        the prefill graph where it has one, and sizes its buffer before the last chunk for
+        ``room`` more positions (layouts.rowwise.GrowingKV.reserve)."""
+        return self.driver.prefill(tokens, kv, prompt, room, embeds)
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray:
         """ids [1, N] -> inputs_embeds [1, N, H] through the embedder the decoder was opened with."""

@@ -13,7 +13,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import GenerationError
-from ..layouts.rowwise import GrowingKV
 from .decoder import Decoder
 from .drafters.base import DraftBudget, Drafter
 from .job import STEP_ROOM, GenerationStats, Job, ResidualFn, StopFn, Successors
@@ -89,17 +88,7 @@ class Engine:
         try:
             while job.prefilling:  # chunks bound the logits buffer of a long prompt
                 rows = job.prefill_rows()
-                if isinstance(kv, GrowingKV) and kv.length + len(rows.tokens) >= len(tokens):
-                    # the last chunk (rowwise): decode room too (earlier chunks must not attend to it, masked)
-                    kv.reserve(len(tokens), max_new_tokens + 1 + budget.max_nodes)
-                logits, hidden, present = self.dec.forward(
-                    rows.tokens,
-                    None,
-                    kv,
-                    embeds=None if rows.embeds is None else rows.embeds[None],
-                    copy=False,
-                    last=1,  # the job reads the last row's logits only (the lm-head skips the rest)
-                )
+                logits, hidden, present = self.dec.prefill(rows.tokens, kv, job.prompt_len, job.room, rows.embeds)
                 job.after_prefill(partial(kv.commit, present), logits, hidden)
             while not job.done:
                 rows = job.plan(kv.length)

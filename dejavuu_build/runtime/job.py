@@ -96,13 +96,6 @@ def _topk_rows(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(idx, order, axis=-1)
 
 
-# Prompt rows per prefill forward. Why 64: smaller chunks prefill faster on every layout (a chunk's
-# logits stay in cache, a rowwise chunk attends over a buffer only as long as the prompt so far):
-# SmolLM2-135M, 512 prompt rows, 1 thread, CPU time, AVX-512 + AMX Xeon (docs/speed.md): rowwise
-# 2439 -> 1877 ms (512 -> 64-row chunks), static 1963 -> 1591, concat 1793 -> 1610. The boundaries are
-# the same however a request is driven (generate, the API, the server), so every path prefills alike.
-PREFILL_CHUNK = 64
-
 # KV room a request needs past its prompt and new tokens: a lone token's step runs two attention rows
 # (the static graph's floor, a pad row), the last token's second one past the context. Nothing else:
 # a chain is cut to the tokens left (Job.plan) and a tree to the cache's room (tree_layout), so every
@@ -344,15 +337,21 @@ class Job:
         return self.reason is not None
 
     @property
+    def room(self) -> int:
+        """Positions the decoding may write past the prompt: every new token and a step's drafts
+        (what a rowwise buffer reserves before the prompt's last chunk: Decoder.prefill)."""
+        return self.max_new + 1 + self.budget.max_nodes
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prompt_len
 
     # ------------------------------------------------------------------ prefill
     def prefill_rows(self) -> Rows:
-        """The next prompt chunk (PREFILL_CHUNK rows: the same boundaries however it is driven)."""
+        """The next prompt chunk (S.PREFILL_CHUNK rows: the same boundaries however it is driven)."""
         i = self.prefilled
-        part = self.tokens[i : i + PREFILL_CHUNK]
-        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i : i + PREFILL_CHUNK]
+        part = self.tokens[i : i + S.PREFILL_CHUNK]
+        emb = None if self.prefill_embeds is None else self.prefill_embeds[0, i : i + S.PREFILL_CHUNK]
         return Rows(part, None, emb)
 
     def after_prefill(

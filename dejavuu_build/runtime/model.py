@@ -15,7 +15,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Sequence
 
 import numpy as np
 
@@ -29,9 +29,10 @@ from ..cache import (
     read_checked_contract,
     read_checked_manifest,
     read_entry,
+    rebuild_hint,
     verify_entry,
 )
-from ..errors import CacheError, DejavuuError, GenerationError
+from ..errors import CacheError, DejavuuError, GenerationError, IntegrityError
 from ..log import logger
 from .decoder import Decoder
 from .drafters.base import DraftBudget, Drafter
@@ -699,12 +700,16 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         if verify:  # every file this load reads: all but the other variants, the build's references
             # and the serving batch graph (serve.batch.open_batch checks that one when it opens it)
             others = {r.file for v, r in manifest.variants.items() if v != variant} | {S.REFERENCE_FILE}
+            others |= {
+                r.prefill["file"] for v, r in manifest.variants.items() if v != variant and r.prefill.get("file")
+            }
             if manifest.batched.get("file"):
                 others |= {manifest.batched["file"], manifest.batched["file"] + ".data"}
             verify_entry(folder, skip=others)
         sess = make_session(onnx_path, threads)
         contract = S.variant_contract(read_checked_contract(folder, manifest), manifest.variants[variant])
         cross_check(derive_contract(sess), contract, str(onnx_path))
+        prefill = _prefill_session(folder, manifest, variant, threads)
         eos = list(contract.eos_token_ids)
     else:  # a third-party export: the graph is the only contract
         found = onnx_file or next(iter(sorted(folder.glob("*.onnx"))), None)
@@ -712,6 +717,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
             raise CacheError(f"{folder} holds no .onnx decoder")
         onnx_path = found
         sess = make_session(onnx_path, threads)
+        prefill = None
         contract = derive_contract(sess)
         variant = onnx_path.stem
         eos = _eos_from_configs(folder)
@@ -730,7 +736,7 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
     return Model(
         folder,
         variant,
-        Decoder(sess, contract, embed),
+        Decoder(sess, contract, embed, prefill),
         contract,
         tok,
         eos,
@@ -738,6 +744,24 @@ def _load(folder: Path, onnx_file: Path | None, name_or_path, variant: str | Non
         vision=vision,
         path=Path(onnx_path),
     )
+
+
+def _prefill_session(folder: Path, manifest: S.Manifest, variant: str, threads: int) -> Any:
+    """The session of ``variant``'s prefill graph (layouts.rowwise: prompt chunks as multi-row
+    attention over the decode graph's buffer), or None where the build wrote none or its gate
+    failed (prompts then run on the decode graph: slower, said once)."""
+    rec = manifest.variants[variant].prefill
+    if not rec.get("file"):
+        return None
+    if not rec.get("passed"):
+        logger.info("%s: its prefill graph failed its gate at build; prompts run on the decode graph", variant)
+        return None
+    if rec.get("source_sha256") != manifest.variants[variant].sha256:
+        raise IntegrityError(
+            f"{folder.name}'s prefill graph of {variant} was made from another {variant} file than the one "
+            f"it holds: {rebuild_hint(manifest, folder.name)}"
+        )
+    return make_session(member(folder, rec["file"]), threads)
 
 
 def is_ours(folder: Path, name_or_path) -> bool:

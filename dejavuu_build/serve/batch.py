@@ -139,20 +139,24 @@ def measure_exact(dec: Decoder, batch: BatchDriver[Any], cases=START_CHECK, seed
     """Whether the batched graph's rows equal the single-request decoder's bit for bit here: each
     case is one request (a random prompt of ``past`` tokens, then steps of the given row counts),
     every request prefilled through the batched graph alone, then their steps side by side in
-    one forward; the prefill and every step's logits are compared with ``dec`` decoding that
-    request alone. Cases that do not fit the KV capacity or the batch are left out."""
+    one forward; the prefill (its last row, in the runtime's chunks, each side's own prefill path:
+    Decoder.prefill, BatchDriver.prefill) and every step's logits are compared with ``dec``
+    decoding that request alone. Cases that do not fit the KV capacity or the batch are left out."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     V = dec.c.vocab_size
     cases = [(p, st) for p, st in cases if p + sum(st) + 2 <= batch.capacity][: batch.max_batch]
     prompts = [rng.integers(0, V, p).tolist() for p, _ in cases]
     want = []
-    for p, (_, st) in zip(prompts, cases):
+    rooms = [sum(st) + 1 for _, st in cases]
+    for p, (_, st), room in zip(prompts, cases, rooms):
         kv = dec.new_cache()
         try:
-            lg, _, pr = dec.forward(p, None, kv)
-            outs = [(p, lg.copy())]
-            kv.commit(pr, len(p), list(range(len(p))))
+            for i in range(0, len(p), S.PREFILL_CHUNK):  # as Engine.generate prefills
+                part = p[i : i + S.PREFILL_CHUNK]
+                lg, _, pr = dec.prefill(part, kv, len(p), room)
+                kv.commit(pr, len(part), list(range(len(part))))
+            outs = [(p, lg[-1].copy())]
             for n in st:
                 toks = rng.integers(0, V, n).tolist()
                 lg, _, pr = dec.forward(toks, None, kv)
@@ -176,10 +180,12 @@ def measure_exact(dec: Decoder, batch: BatchDriver[Any], cases=START_CHECK, seed
 
     slots = [batch.acquire(None) for _ in prompts]
     try:
-        for b, (s, p) in enumerate(zip(slots, prompts)):
-            ((lg, _),) = batch.forward(s, [Rows(p, None)])
-            compare(b, 0, lg)
-            batch.commit(s, len(p), list(range(len(p))))
+        for b, (s, p, room) in enumerate(zip(slots, prompts, rooms)):
+            for i in range(0, len(p), S.PREFILL_CHUNK):  # as the scheduler prefills
+                part = p[i : i + S.PREFILL_CHUNK]
+                lg, _ = batch.prefill(s, Rows(part, None), len(p), room)
+                batch.commit(s, len(part), list(range(len(part))))
+            compare(b, 0, lg[-1])
         for j in range(1, 1 + max((len(st) for _, st in cases), default=0)):
             rows = [Rows(want[b][j][0], None) for b in range(len(cases))]
             outs = batch.forward(slots[0], rows)

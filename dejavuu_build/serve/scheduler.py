@@ -264,10 +264,11 @@ class Scheduler:
             self._release(r)
             self._finish_error(r, Cancelled("the client went away"))
         for r in [r for r in self._active if r.running.prefilling]:
-            ((logits, hidden),) = batch.forward(r.slot, [r.running.prefill_rows()])
+            job = r.running
+            logits, hidden = batch.prefill(r.slot, job.prefill_rows(), job.prompt_len, job.room)
             self._count_forward(1)
-            r.running.after_prefill(partial(batch.commit, r.slot), logits, hidden)
-            if r.running.done:
+            job.after_prefill(partial(batch.commit, r.slot), logits, hidden)
+            if job.done:
                 self._complete(r)
         decoding = sorted((r for r in self._active if not r.running.prefilling), key=lambda r: r.slot)
         if not decoding:
