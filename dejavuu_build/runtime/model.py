@@ -752,6 +752,13 @@ def _prefill_session(folder: Path, manifest: S.Manifest, variant: str, threads: 
     failed (prompts then run on the decode graph: slower, said once)."""
     rec = manifest.variants[variant].prefill
     if not rec.get("file"):
+        if manifest.variants[variant].kv_layout == S.KV_ROWWISE:
+            logger.info(
+                "%s: no prefill graph (%s); prompts run on the decode graph, slower: %s to add one",
+                variant,
+                rec.get("skipped") or "built before the build wrote one",
+                rebuild_hint(manifest, folder.name),
+            )
         return None
     if not rec.get("passed"):
         logger.info("%s: its prefill graph failed its gate at build; prompts run on the decode graph", variant)
