@@ -63,6 +63,11 @@ def log_summary(manifest: Manifest) -> None:
                 else "lone token padded"
                 + (f" ({', '.join(g['not_exact'])} not row-exact)" if g.get("not_exact") else "")
             )
+        pf = rec.prefill.get("gate")
+        if pf:
+            parts.append(
+                f"{'✓' if rec.prefill['passed'] else '✗'} prefill graph top-1 {pf['top1']:.3f} KL {pf['mean_kl']:.4f}"
+            )
         t = rec.timings_ms
         tim = f"  N1/N2/N8@256 {t['n1_p256']:.1f}/{t['n2_p256']:.1f}/{t['n8_p256']:.1f} ms" if "n1_p256" in t else ""
         dflt = "  [default]" if v == manifest.default_variant else ""
