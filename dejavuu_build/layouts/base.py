@@ -399,7 +399,8 @@ class BatchDriver(Generic[Owner]):
 
     def prefill(self, slot: int, rows: Rows, prompt: int, room: int) -> tuple[np.ndarray, np.ndarray | None]:
         """One chunk of ``slot``'s ``prompt``-token prompt, its K/V left in the slot for the caller's
-        :meth:`commit`; (logits, hidden) of its rows as :meth:`forward` gives them. Here: a forward of
+        :meth:`commit`; (logits, hidden): the logits of at least its last row (what the request
+        reads), hidden states of every row. Here: a forward of
         the batched graph for the slot alone (the single-request driver's decode-graph prefill);
         a layout whose decoder prefills on a graph of its own overrides it (layouts.rowwise)."""
         ((logits, hidden),) = self.forward(slot, [rows])
