@@ -131,13 +131,17 @@ DEFAULT_MAX_CONTEXT = 8192  # in-place KV capacity without --max-context: the mo
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TREE_WIDTH = 2  # children per draft node in tree mode
 DEFAULT_MAX_DEPTH = 8  # longest draft path per step
-# Prompt rows per prefill forward (runtime.job.Job.prefill_rows; serve.batch.measure_exact). Why 64:
-# smaller chunks prefill faster on every layout (a chunk's logits stay in cache, a rowwise chunk
-# attends over a buffer only as long as the prompt so far): SmolLM2-135M, 512 prompt rows, 1 thread,
-# CPU time, AVX-512 + AMX Xeon (docs/speed.md): rowwise 2439 -> 1877 ms (512 -> 64-row chunks),
-# static 1963 -> 1591, concat 1793 -> 1610. The boundaries are the same however a request is driven
-# (generate, the API, the server), so every path prefills alike.
-PREFILL_CHUNK = 64
+# Prompt rows per prefill forward (runtime.job.Job.prefill_rows; serve.batch.measure_exact). The
+# boundaries are the same however a request is driven (generate, the API, the server), so every
+# path prefills alike. Why 128: with the lm-head on the chunk's last row only, a chunk's cost is its
+# products' and its attention's; SmolLM2-135M `int8`, AMD EPYC (avx512_vnni, no AMX), 2 threads,
+# 5 interleaved rounds, 256 / 1024 prompt tokens, ms per chunk size 64 / 128 / 256 / 512: static
+# 338 / 290 / 293 / 307 and 1295 / 1219 / 1217 / 1257; rowwise with its prefill graph 339 / 295 /
+# 295 / 315 and 1406 / 1209 / 1227 / 1291; rowwise alone 368 / 330 / 335 / 342 and 1633 / 1488 /
+# 1533 / 1662 (docs/speed.md). A static prompt's bits do not depend on the chunk size (its
+# GroupQueryAttention rows agree among any row counts >= 2: measured equal for 32 to 256). 64
+# before (measured on the AMX Xeon while every row still paid the lm-head).
+PREFILL_CHUNK = 128
 # `dejavuu-build serve` (serve.cli, serve.scheduler, serve.memory)
 DEFAULT_MAX_BATCH = 8  # requests decoded together
 DEFAULT_MAX_QUEUE = 32  # requests waiting beyond those; more get HTTP 429

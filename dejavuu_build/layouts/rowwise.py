@@ -356,7 +356,7 @@ class RowwiseBatch(BatchDriver[Owner]):
         """As BatchDriver.prefill; where the decoder has a prefill graph (export.passes.
         rowwise_prefill), the chunk runs there exactly as it does for a request alone (its own
         GrowingKV, Decoder.prefill: the same chunks, the same buffer lengths, so the same bits),
-        and its rows' K/V are then copied into the slot (~3 MB per 64-row chunk on SmolLM2-135M).
+        and its rows' K/V are then copied into the slot (~3 MB per 64 rows on SmolLM2-135M).
         The batch's decode steps take over from the prompt's K/V as a request alone does."""
         dec: Any = self.decoder
         if dec.prefill_s is None:
