@@ -120,6 +120,12 @@ class Host(Protocol):
 
     def embeddings(self, ids: np.ndarray) -> np.ndarray: ...
 
+    def new_cache(self) -> Any: ...
+
+    def prefill(
+        self, tokens: Sequence[int], kv: Any, prompt: int, room: int, embeds: np.ndarray | None = None
+    ) -> Out: ...
+
 
 def bind_kv(binding: Any, kv_in: list[str], kv_out: list[str], buffers: np.ndarray) -> None:
     """Bind each layer's K or V buffer (``buffers[j]``) as both its past input and its present
@@ -390,6 +396,7 @@ class BatchDriver(Generic[Owner]):
         self._bindings: dict[tuple[int, int], Any] = {}  # onnxruntime IOBindings per slot range
         self.last_run_s = 0.0
         self.split_forwards = 0  # steps whose entries did not fit one padded forward (layouts.static)
+        self._prefilling: dict[int, Any] = {}  # slot -> its prompt's own cache while it prefills (prefill)
 
     def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """One forward over slots ``lo .. lo+len(rows)``; ``None`` marks an idle slot. Returns per
@@ -398,13 +405,29 @@ class BatchDriver(Generic[Owner]):
         raise NotImplementedError
 
     def prefill(self, slot: int, rows: Rows, prompt: int, room: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """One chunk of ``slot``'s ``prompt``-token prompt, its K/V left in the slot for the caller's
-        :meth:`commit`; (logits, hidden): the logits of at least its last row (what the request
-        reads), hidden states of every row. Here: a forward of
-        the batched graph for the slot alone (the single-request driver's decode-graph prefill);
-        a layout whose decoder prefills on a graph of its own overrides it (layouts.rowwise)."""
-        ((logits, hidden),) = self.forward(slot, [rows])
+        """One chunk of ``slot``'s ``prompt``-token prompt, run exactly as a request alone runs it
+        (``Decoder.prefill`` of the decoder this graph was made from, over a cache of the slot's own:
+        the same chunks, the same graph -- a rowwise variant's prefill graph included -- so the same
+        bits, and the lm-head on the chunk's last row only, where the batched graph would compute
+        every row's), then its rows' K/V copied into the slot (~3 MB per 64 rows on SmolLM2-135M)
+        for the caller's :meth:`commit`. Returns the chunk's last-row logits and its hidden states."""
+        dec = self.decoder
+        kv = self._prefilling.get(slot)
+        if kv is None:
+            kv = self._prefilling[slot] = dec.new_cache()
+        past, n = kv.length, len(rows.tokens)
+        if past != self.lengths[slot]:
+            raise GenerationError(f"slot {slot} holds {self.lengths[slot]} positions, its prefill {past}")
+        logits, hidden, present = dec.prefill(rows.tokens, kv, prompt, room, rows.embeds)
+        kv.commit(present, n, list(range(n)))
+        self.fit(past + n)
+        self.buf[:, slot, :, past : past + n] = kv.buffers()[:, 0, :, past : past + n]
+        if kv.length >= prompt:
+            self._prefilling.pop(slot).release()
         return logits, hidden
+
+    def fit(self, positions: int) -> None:
+        """Make the slots' buffer hold ``positions`` (a fixed-capacity buffer already does)."""
 
     # ------------------------------------------------------------------ slots
     def acquire(self, owner: Owner | None) -> int:
@@ -418,7 +441,12 @@ class BatchDriver(Generic[Owner]):
     def release(self, slot: int) -> Owner | None:
         """Free ``slot``; the last active request moves into it (its KV rows copied) so the active
         slots stay a contiguous prefix. Returns the owner that moved, whose slot is now ``slot``."""
+        pending = self._prefilling.pop(slot, None)
+        if pending is not None:  # a request that leaves during its prefill
+            pending.release()
         last = self.active - 1
+        if last in self._prefilling:  # the last slot's request moves into ``slot``
+            self._prefilling[slot] = self._prefilling.pop(last)
         moved = None
         if slot != last:
             n = self.lengths[last]

@@ -318,7 +318,6 @@ class RowwiseBatch(BatchDriver[Owner]):
         self.mem = np.zeros((len(self.kv_in), max_batch * self.heads * self.room * self.head_dim), self.dtype)
         self.size = 0  # L, the bound buffer's positions (a multiple of the tile)
         self.buf = self._view(0)
-        self._prefilling: dict[int, GrowingKV] = {}  # slot -> its prompt's cache on the prefill graph (prefill)
 
     # ------------------------------------------------------------------ the buffer
     def _view(self, size: int, mem: np.ndarray | None = None) -> np.ndarray:
@@ -347,43 +346,14 @@ class RowwiseBatch(BatchDriver[Owner]):
         self.mem, self.buf, self.size = mem, new, size
         self._bindings.clear()
 
-    def _fit(self, need: int) -> None:
-        """L covers ``need`` positions: grown in GrowingKV's steps (``grown``)."""
-        if need > self.size:
-            self._resize(grown(self.size, need, self.tile))
-
-    def prefill(self, slot: int, rows: Rows, prompt: int, room: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """As BatchDriver.prefill; where the decoder has a prefill graph (export.passes.
-        rowwise_prefill), the chunk runs there exactly as it does for a request alone (its own
-        GrowingKV, Decoder.prefill: the same chunks, the same buffer lengths, so the same bits),
-        and its rows' K/V are then copied into the slot (~3 MB per 64 rows on SmolLM2-135M).
-        The batch's decode steps take over from the prompt's K/V as a request alone does."""
-        dec: Any = self.decoder
-        if dec.prefill_s is None:
-            return super().prefill(slot, rows, prompt, room)
-        kv = self._prefilling.get(slot)
-        if kv is None:
-            kv = self._prefilling[slot] = dec.new_cache()
-        past, n = kv.length, len(rows.tokens)
-        if past != self.lengths[slot]:
-            raise GenerationError(f"slot {slot} holds {self.lengths[slot]} positions, its prefill {past}")
-        logits, hidden, _ = dec.prefill(rows.tokens, kv, prompt, room, rows.embeds)
-        kv.commit(None, n, list(range(n)))
-        self._fit(past + n)
-        self.buf[:, slot, :, past : past + n] = kv.buffers()[:, 0, :, past : past + n]
-        if kv.length >= prompt:
-            self._prefilling.pop(slot).release()
-        return logits, hidden
+    def fit(self, positions: int) -> None:
+        """L covers ``positions``: grown in GrowingKV's steps (``grown``)."""
+        if positions > self.size:
+            self._resize(grown(self.size, positions, self.tile))
 
     def release(self, slot: int) -> Owner | None:
         """As BatchDriver.release; the buffer shrinks to the remaining requests' lengths when they
         need half of it or less (every step attends to the whole buffer)."""
-        pending = self._prefilling.pop(slot, None)
-        if pending is not None:  # a request that leaves during its prefill
-            pending.release()
-        last = self.active - 1
-        if last in self._prefilling:  # the last slot's request moves into ``slot``
-            self._prefilling[slot] = self._prefilling.pop(last)
         moved = super().release(slot)
         longest = max(self.lengths[: self.active], default=0)
         if not self.active:
@@ -411,7 +381,7 @@ class RowwiseBatch(BatchDriver[Owner]):
                     f"the KV cache holds {self.capacity} positions and this step needs "
                     f"{lens[b] + counts[b]}: use a shorter prompt or fewer new tokens"
                 )
-        self._fit(max(lens) + R)  # every slot in the range writes R rows at its length
+        self.fit(max(lens) + R)  # every slot in the range writes R rows at its length
         L = self.size
         ids = np.zeros((B, R), np.int64)
         pos = np.zeros((B, R), np.int64)

@@ -19,7 +19,10 @@ An entry built before the graph existed is served one request per forward, with 
 to rebuild it (nothing is written at serve time).
 
 Each request is a runtime.job.Job (the engine's own step machine), so the scheduler can put
-many requests' verify rows into one call and still decode each as Engine.generate would.
+many requests' verify rows into one call and still decode each as Engine.generate would. A
+prompt is prefilled as Engine.generate prefills it (``BatchDriver.prefill``: the decoder's own
+``Decoder.prefill``, then its K/V copied into the request's slot), so its K/V are the engine's by
+construction and its lm-head runs on each chunk's last row only.
 """
 
 from __future__ import annotations
@@ -138,10 +141,9 @@ GATE_CHECK = ((11, (1, 3, 5, 8)), (70, (5, 8, 1, 3)), (250, (3, 1, 8, 5)))
 def measure_exact(dec: Decoder, batch: BatchDriver[Any], cases=START_CHECK, seed: int = 0) -> dict:
     """Whether the batched graph's rows equal the single-request decoder's bit for bit here: each
     case is one request (a random prompt of ``past`` tokens, then steps of the given row counts),
-    every request prefilled through the batched graph alone, then their steps side by side in
-    one forward; the prefill (its last row, in the runtime's chunks, each side's own prefill path:
-    Decoder.prefill, BatchDriver.prefill) and every step's logits are compared with ``dec``
-    decoding that request alone. Cases that do not fit the KV capacity or the batch are left out."""
+    every request prefilled as the server prefills it (BatchDriver.prefill: the decoder's own
+    prefill, its K/V then copied into the slot), then their steps side by side in one forward;
+    the prefill's last row and every step's logits are compared with ``dec`` decoding that request alone. Cases that do not fit the KV capacity or the batch are left out."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     V = dec.c.vocab_size

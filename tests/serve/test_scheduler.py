@@ -295,3 +295,38 @@ def test_a_request_at_the_cache_end_decodes_as_alone_beside_a_wide_one(model):
         assert sched.batch.split_forwards > 0  # the near one's rows ran in a forward of their own at least once
     finally:
         sched.close()
+
+
+def test_the_server_prefills_a_prompt_as_the_engine_does(model, tiny_llama):
+    """BatchDriver.prefill on the static batched graph: each chunk runs on the decoder's own
+    prefill (the lm-head on its last row only: one row of logits back for a chunk of many), and the
+    slot's K/V are bit-equal to the engine's prefill of the same prompt, chunk for chunk."""
+    import numpy as np
+
+    from dejavuu_build.layouts import Rows
+    from dejavuu_build.layouts.static import StaticBatch
+    from dejavuu_build.serve.batch import open_batch
+
+    batch = open_batch(model, 2)
+    assert isinstance(batch, StaticBatch)
+    C = S.PREFILL_CHUNK
+    ids = np.random.default_rng(3).integers(0, model.contract.vocab_size, C + 40).tolist()
+    dec = model.decoder
+    kv = dec.new_cache()
+    want = []
+    for i in range(0, len(ids), C):
+        part = ids[i : i + C]
+        lg, _, pr = dec.prefill(part, kv, len(ids), 8)
+        want.append(lg.copy())
+        kv.commit(pr, len(part), list(range(len(part))))
+    ref = kv.buffers()[:, 0, :, : len(ids)].copy()
+    kv.release()
+    slot = batch.acquire("r")
+    for j, i in enumerate(range(0, len(ids), C)):
+        part = ids[i : i + C]
+        lg, _ = batch.prefill(slot, Rows(part, None), len(ids), 8)
+        assert lg.shape[0] < len(part) and np.array_equal(lg[-1], want[j][-1])
+        batch.commit(slot, len(part), list(range(len(part))))
+    assert batch.lengths[slot] == len(ids) and not batch._prefilling
+    assert np.array_equal(batch.buf[:, slot, :, : len(ids)], ref)
+    batch.release(slot)
