@@ -49,7 +49,7 @@ class Layout:
     batch_driver: type[BatchDriver[Any]] | None = None  # drives that batched graph (serve.batch)
     # (proto of this layout, its name) -> its prefill graph, run on the same KV buffer (ContractError:
     # does not apply); None: prompts run on the decode graph
-    prefill: Callable[[Any, str], Any] | None = None
+    prefill_pass: Callable[[Any, str], Any] | None = None
 
     @property
     def suffix(self) -> str:
@@ -113,7 +113,7 @@ class Host(Protocol):
     out_names: list[str]
     has_hidden: bool
     pad_single: bool
-    prefill_s: Any  # the prefill graph's session (Layout.prefill), or None
+    prefill_s: Any  # the prefill graph's session (Layout.prefill_pass), or None
 
     @property
     def single_rows(self) -> int: ...
@@ -248,9 +248,10 @@ class Driver:
         self.last_run_s = time.perf_counter() - t0
         return out
 
-    def run_bound(self, binding: Any) -> None:
+    def run_bound(self, binding: Any, session: Any = None) -> None:
+        """Run ``binding`` on ``session`` (default: the decode graph's), timed into ``last_run_s``."""
         t0 = time.perf_counter()
-        self.dec.s.run_with_iobinding(binding)
+        (self.dec.s if session is None else session).run_with_iobinding(binding)
         self.last_run_s = time.perf_counter() - t0
 
     def outputs(self, rows: int, start: int = 0) -> tuple[np.ndarray, np.ndarray | None]:

@@ -13,7 +13,6 @@ server's batch's (``RowwiseBatch``, export.passes.serve_batch_rowwise) grow in t
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -258,9 +257,7 @@ class RowwiseDriver(Driver):
         binding = session.io_binding()
         bind_kv(binding, self.kv_in, self.kv_out, kv.buffers())
         f.bind(binding)
-        t0 = time.perf_counter()
-        session.run_with_iobinding(binding)
-        self.last_run_s = time.perf_counter() - t0
+        self.run_bound(binding, session)
         return f.logits[0], (f.hidden[0] if f.hidden is not None else None), None
 
     def row_feeds(self, n: int, size: int, start: int = 0) -> RowFeeds:
@@ -452,5 +449,5 @@ LAYOUT = Layout(
     batch=S.KV_ROWWISE,
     batch_pass=_batch_pass,
     batch_driver=RowwiseBatch,
-    prefill=_prefill_pass,
+    prefill_pass=_prefill_pass,
 )

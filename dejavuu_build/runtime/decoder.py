@@ -52,7 +52,7 @@ class Decoder:
         if contract.kv_layout not in LAYOUTS:
             raise GenerationError(f"no KV layout {contract.kv_layout!r} is registered (known: {', '.join(LAYOUTS)})")
         self.layout = LAYOUTS[contract.kv_layout]
-        if prefill is not None and not self.layout.prefill:
+        if prefill is not None and self.layout.prefill_pass is None:
             raise GenerationError(f"the {contract.kv_layout} KV layout has no prefill graph")
         # rowwise graphs run every row on one-row kernels, and a length-invariant graph (row guard,
         # export.passes.row_guard) pads inside itself where an op needs it: a lone token is one row
