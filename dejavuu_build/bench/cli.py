@@ -54,6 +54,14 @@ def _out_dir(model: str, out: str | None, resume: str | None, kind: str = "") ->
 )
 @click.option("--per-category", default=10, show_default=True, type=int, help="Prompts per category.")
 @click.option(
+    "--skip",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Leave out the first N prompts of each category (held-out prompts: the default set is what "
+    "the drafters were tuned on).",
+)
+@click.option(
     "--categories",
     default=",".join(DEFAULT_CATEGORIES),
     show_default=True,
@@ -173,6 +181,7 @@ def bench(
     model,
     methods,
     per_category,
+    skip,
     categories,
     max_new_tokens,
     threads,
@@ -209,6 +218,7 @@ def bench(
         methods=_csv(methods),
         categories=_csv(categories),
         per_category=per_category,
+        skip=skip,
         max_new_tokens=max_new_tokens,
         threads=threads,
         width=width,
@@ -268,6 +278,11 @@ def _replay(path, cfg: BenchConfig, out, row_costs, step_ms) -> None:
     file = Path(path).expanduser()
     if file.is_file():
         rec = R.Recording.load(file)
+        if int(rec.meta.get("skip", 0)) != cfg.skip:
+            raise BenchError(
+                f"{file} holds the prompts after the first {rec.meta.get('skip', 0)} of each category, "
+                f"not after {cfg.skip}: replay it with --skip {rec.meta.get('skip', 0)}, or record to another file"
+            )
         logger.info("replaying %d recorded turns of %s from %s", len(rec.turns), rec.model, file)
     else:
         rec = R.record(cfg, file)

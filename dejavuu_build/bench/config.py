@@ -65,6 +65,7 @@ class BenchConfig:
     methods: tuple[str, ...] = ("baseline", "pld")
     categories: tuple[str, ...] = DEFAULT_CATEGORIES
     per_category: int = 10
+    skip: int = 0  # the first this many fitting prompts of each category are left out (held-out runs)
     max_new_tokens: int = S.DEFAULT_MAX_NEW_TOKENS
     threads: int = S.DEFAULT_THREADS
     tree: bool = False
@@ -98,6 +99,7 @@ class BenchConfig:
         "datastore",
         "compare",
         "genai_ngram",
+        "skip",
     )
 
     def __post_init__(self) -> None:
@@ -145,6 +147,8 @@ class BenchConfig:
             raise BenchError("no categories to run")
         if self.per_category < 1 or self.max_new_tokens < 1:
             raise BenchError("--per-category and --max-new-tokens must be at least 1")
+        if self.skip < 0:
+            raise BenchError("--skip takes a count of prompts to leave out per category (0 or more)")
 
     @property
     def settings(self) -> DecodeSettings:
@@ -235,9 +239,15 @@ def read_prompts(path: Path) -> list[Prompt]:
 
 
 def select(
-    prompts: Sequence[Prompt], categories: Sequence[str], n: int, fits: Callable[[Prompt], bool] = lambda p: True
+    prompts: Sequence[Prompt],
+    categories: Sequence[str],
+    n: int,
+    fits: Callable[[Prompt], bool] = lambda p: True,
+    skip: int = 0,
 ) -> list[Prompt]:
-    """The first ``n`` prompts of each category that fit the model, deterministically.
+    """The first ``n`` prompts of each category that fit the model, deterministically; with
+    ``skip``, the ``n`` after the first ``skip`` of them (prompts the default run never measures:
+    a held-out check of anything tuned on the default set).
 
     Within a category the source categories take turns (MT-Bench: writing, roleplay, ...), so a
     small ``n`` still samples all of mt_bench rather than its first 10 writing prompts.
@@ -251,14 +261,15 @@ def select(
         )
     chosen: list[Prompt] = []
     for cat in categories:
-        picked = list(islice(filter(fits, _interleaved(by_cat[cat])), n))
+        picked = list(islice(filter(fits, _interleaved(by_cat[cat])), skip, skip + n))
         if len(picked) < n:
             logger.warning(
-                "%s: only %d of the %d prompts asked for (of %d in the data) fit the model",
+                "%s: only %d of the %d prompts asked for (of %d in the data%s) fit the model",
                 cat,
                 len(picked),
                 n,
                 len(_interleaved(by_cat[cat])),
+                f", the first {skip} that fit left out" if skip else "",
             )
         chosen += picked
     return chosen

@@ -164,7 +164,11 @@ def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
     if model.tokenizer is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
     prompts = select(
-        read_prompts(data), cfg.categories, cfg.per_category, lambda p: prompt_fits(model, p, cfg.max_new_tokens)
+        read_prompts(data),
+        cfg.categories,
+        cfg.per_category,
+        lambda p: prompt_fits(model, p, cfg.max_new_tokens),
+        cfg.skip,
     )
     if not prompts:
         raise BenchError("no prompt fits the model: lower --max-new-tokens")
@@ -177,7 +181,7 @@ def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
         cfg.max_new_tokens,
         costs,
         [],
-        {**machine(), "data": str(data), "model_folder": str(model.folder)},
+        {**machine(), "data": str(data), "model_folder": str(model.folder), "skip": cfg.skip},
     )
     fill, model.fill = model.fill, False  # one token per step: a top-k row for every answer position
     try:

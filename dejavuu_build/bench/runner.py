@@ -457,7 +457,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     if tok is None:
         raise BenchError(f"{cfg.model} has no tokenizer: the benchmark sends chat messages")
     fits = lambda p: prompt_fits(model, p, cfg.max_new_tokens)  # noqa: E731
-    prompts = select(corpus, cfg.categories, cfg.per_category, fits)
+    prompts = select(corpus, cfg.categories, cfg.per_category, fits, cfg.skip)
     if cfg.ngram and cfg.genai_ngram == NGRAM_SWEEP:  # fail before anything slow if nothing is left to sweep on
         from .ngram import sweep_prompts
 

@@ -147,6 +147,28 @@ def test_select_maps_and_interleaves_spec_bench():
         select(prompts, ("nope",), 1)
 
 
+def test_skip_selects_the_prompts_after_the_default_set_and_never_one_of_it():
+    spec_bench = default_data_path()
+    if spec_bench is None:
+        pytest.skip("Spec-Bench question.jsonl not present")
+    prompts = read_prompts(spec_bench)
+    cats = ("translation", "mt_bench", "rag")
+    first = select(prompts, cats, 10)
+    held = select(prompts, cats, 10, skip=10)
+    assert len(held) == 30 and not {p.qid for p in first} & {p.qid for p in held}
+    # the next ten of each category's own order (mt_bench interleaves its source categories)
+    assert [p.qid for p in select(prompts, cats, 20)] == [
+        p.qid for c in cats for p in [*first, *held] if p.category == c
+    ]
+    # the fits filter counts before the skip: left-out prompts are fitting ones
+    short = select(prompts, ("qa",), 3, fits=lambda p: len(p.turns[0]) < 200, skip=2)
+    assert [p.qid for p in short] == [p.qid for p in select(prompts, ("qa",), 5, fits=lambda p: len(p.turns[0]) < 200)][
+        2:
+    ]
+    with pytest.raises(BenchError, match="--skip"):
+        BenchConfig(model="m", skip=-1)
+
+
 def _cli():
     from dejavuu_build.bench.cli import bench
     from dejavuu_build.cli import main

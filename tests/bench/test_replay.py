@@ -111,6 +111,9 @@ def test_recording_round_trips_and_the_cli_replays_it(tmp_path):
     assert r.exit_code == 0, r.output
     assert "pld" in r.output and (tmp_path / "replay.csv").is_file()
     assert json.loads((tmp_path / "replay.json").read_text())["recording"] == str(path)
+    # a recording of other prompts than the run asks for is refused, not replayed as if it were them
+    r = CliRunner().invoke(main, ["bench", "--model", "m", "--replay", str(path), "--methods", "pld", "--skip", "10"])
+    assert r.exit_code == 2 and "--skip 0" in r.output, r.output
 
 
 def test_record_keeps_plain_decoding_answers_and_their_top_k(tiny_llama, tmp_path):
@@ -122,6 +125,7 @@ def test_record_keeps_plain_decoding_answers_and_their_top_k(tiny_llama, tmp_pat
         model=str(tiny_llama), data=str(data), categories=("qa",), per_category=1, max_new_tokens=12, threads=1
     )
     rec = record(cfg, tmp_path / "rec.json")
+    assert rec.meta["skip"] == 0
     (t,) = rec.turns
     assert len(t.answer) == len(t.topk) and [row[0] for row in t.topk] == t.answer
     from dejavuu_build.runtime import load
