@@ -262,6 +262,18 @@ def table_blocks(k: int, largest: int) -> list[int]:
     return out
 
 
+def first_exact(cands: list[int], verdict) -> tuple[int, str] | None:
+    """The first block of ``cands`` (in the caller's preference order) with the best verdict any of
+    them reaches -- ``invariant``, else ``guardable`` -- and that verdict; None where every block is
+    ``variant``. ``verdict`` measures a block (lazily: blocks past the first invariant one are not
+    measured), so the lm-head's and the body's choices rank blocks alike."""
+    for tier in VERDICTS[:2]:
+        best = next((b for b in cands if verdict(b) == tier), None)
+        if best is not None:
+            return best, tier
+    return None
+
+
 def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None = None) -> dict:
     """The block of the 8-bit lm-head (a tied model's embedding table too) on this machine.
 
@@ -288,10 +300,9 @@ def choose_table_block(k: int, n: int, plan: QuantPlan, file_block: int | None =
 
     sig = f"MatMulNBits bits={bits} acc={acc} K={k} N={n}"
     rec: dict = {"signature": sig, "candidates": cands, "file_block": file_block, "threads": list(VERDICT_THREADS)}
-    for tier in VERDICTS[:2]:
-        best = next((b for b in cands if verdict(b) == tier), None)
-        if best is None:
-            continue
+    found = first_exact(cands, verdict)
+    if found is not None:
+        best, tier = found
         rec.update(block=best, verdict=tier, carried=file_block == best)
         if plan.carry_table and file_block is not None and file_block < best and verdict(file_block) == tier:
             rec.update(block=file_block, carried=True)
@@ -347,14 +358,16 @@ def choose_body_block(
     if len(cands) == 1:
         return cands[0], f"blocks of {cands[0]} (the only one dividing K = {k})"
     verdicts: dict[int, str] = {}
-    for tier in VERDICTS[:2]:
-        for b in cands:
-            if b not in verdicts:
-                verdicts[b] = block_verdict(bits, b, k, n, accuracy_level, zero_points)["verdict"]
-            if verdicts[b] == tier:
-                seen = ", ".join(f"{c}: {v}" for c, v in verdicts.items())
-                return b, f"blocks of {b}, {tier} here ({seen})"
+
+    def verdict(b: int) -> str:
+        if b not in verdicts:
+            verdicts[b] = block_verdict(bits, b, k, n, accuracy_level, zero_points)["verdict"]
+        return verdicts[b]
+
+    found = first_exact(cands, verdict)
     seen = ", ".join(f"{c}: {v}" for c, v in verdicts.items())
+    if found is not None:
+        return found[0], f"blocks of {found[0]}, {found[1]} here ({seen})"
     return cands[-1], f"no block keeps rows exact here ({seen}); blocks of {cands[-1]} (the batched gate decides)"
 
 
