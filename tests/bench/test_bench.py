@@ -148,23 +148,35 @@ def test_select_maps_and_interleaves_spec_bench():
 
 
 def test_skip_selects_the_prompts_after_the_default_set_and_never_one_of_it():
-    spec_bench = default_data_path()
-    if spec_bench is None:
-        pytest.skip("Spec-Bench question.jsonl not present")
-    prompts = read_prompts(spec_bench)
-    cats = ("translation", "mt_bench", "rag")
+    from dejavuu_build.bench.config import Prompt
+
+    # two categories, the second with two source categories that take turns (as MT-Bench's do)
+    prompts = [Prompt(f"t{i}", "translation", "translation", (f"text {i}" * (1 + i % 3),)) for i in range(30)]
+    prompts += [Prompt(f"w{i}", "mt_bench", "writing", (f"w {i}",)) for i in range(15)]
+    prompts += [Prompt(f"r{i}", "mt_bench", "roleplay", (f"r {i}",)) for i in range(15)]
+    cats = ("translation", "mt_bench")
     first = select(prompts, cats, 10)
     held = select(prompts, cats, 10, skip=10)
-    assert len(held) == 30 and not {p.qid for p in first} & {p.qid for p in held}
-    # the next ten of each category's own order (mt_bench interleaves its source categories)
-    assert [p.qid for p in select(prompts, cats, 20)] == [
-        p.qid for c in cats for p in [*first, *held] if p.category == c
+    assert len(held) == 20 and not {p.qid for p in first} & {p.qid for p in held}
+    assert [p.qid for p in held if p.category == "translation"] == [f"t{i}" for i in range(10, 20)]
+    # mt_bench's own order interleaves its sources; the skip continues that order
+    assert [p.qid for p in held if p.category == "mt_bench"] == [
+        "w5",
+        "r5",
+        "w6",
+        "r6",
+        "w7",
+        "r7",
+        "w8",
+        "r8",
+        "w9",
+        "r9",
     ]
-    # the fits filter counts before the skip: left-out prompts are fitting ones
-    short = select(prompts, ("qa",), 3, fits=lambda p: len(p.turns[0]) < 200, skip=2)
-    assert [p.qid for p in short] == [p.qid for p in select(prompts, ("qa",), 5, fits=lambda p: len(p.turns[0]) < 200)][
-        2:
-    ]
+    # the fits filter counts before the skip: the prompts left out are fitting ones
+    fits = lambda p: len(p.turns[0]) < 10  # noqa: E731  (every third translation prompt is short)
+    short = select(prompts, ("translation",), 3, fits=fits, skip=2)
+    assert [p.qid for p in short] == [p.qid for p in select(prompts, ("translation",), 5, fits=fits)][2:]
+    assert [p.qid for p in short] == ["t6", "t9", "t12"]
     with pytest.raises(BenchError, match="--skip"):
         BenchConfig(model="m", skip=-1)
 
