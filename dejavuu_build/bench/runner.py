@@ -74,6 +74,7 @@ class RecordStore:
             old = json.loads(cfg_path.read_text())
             old.setdefault("compare", [])  # runs from before --compare existed
             old.setdefault("genai_ngram", NGRAM_OFF)  # and before genai's n-gram decoding was timed
+            old.setdefault("skip", 0)  # and before --skip
             new = cfg.to_json()
             diff = [k for k in cfg.RESUME_KEYS if old.get(k) != new.get(k)]
             if diff:

@@ -120,6 +120,12 @@ def test_resume_skips_finished_prompts(tiny_llama, data, tmp_path, calls):
         run_bench(cfg_for(tiny_llama, data, per_category=1), out)
     with pytest.raises(BenchError, match="max_new_tokens was 16"):
         run_bench(cfg_for(tiny_llama, data, per_category=2, max_new_tokens=8), out, resume=True)
+    with pytest.raises(BenchError, match="skip was 0, now 1"):  # other prompts: not the same run
+        run_bench(cfg_for(tiny_llama, data, per_category=2, skip=1), out, resume=True)
+    # a run from before --skip (no skip in its config) resumes as skip 0
+    conf = json.loads((out / "config.json").read_text())
+    del conf["skip"]
+    (out / "config.json").write_text(json.dumps(conf))
     with (out / RECORDS_FILE).open("a") as f:
         f.write('{"qid": "2", "turn": 1, "meth')  # a crash mid-write
     calls.clear()
