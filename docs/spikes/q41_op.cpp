@@ -1,8 +1,8 @@
 // Spike (docs/speed.md, twenty-second session): the exact Q4_1 kernel of q41_gemm.cpp as an
 // onnxruntime custom operator (domain dejavuu.q41, op Q41MatMul: A [..., K] float, packed levels,
 // scales, minima; attributes K, N), run on onnxruntime's intra-op pool (KernelContext::ParallelFor),
-// to time a whole decode step with it (q41_surgery.py puts it in place of the body's MatMulNBits,
-// random weights of the same shapes: for timing only; q41_step.py times it). Measurement code, not
+// to time a whole decode step with it (q41_graph.py puts it in place of the body's MatMulNBits,
+// on the GGUF's own Q4_1 blocks, or --random levels; q41_step.py times it). Measurement code, not
 // part of the package.
 //
 // Build: the onnxruntime C/C++ API headers (include/onnxruntime/core/session/*.h of onnxruntime's

@@ -1,19 +1,15 @@
 """Spike (docs/speed.md): the quality gate's teacher-forced top-1 and KL against fp32 for the
-Q41MatMul graph on the file's own Q4_1 blocks (q41_real_weights.py), int8-static and int4-static."""
-import numpy as np, onnxruntime as ort, json
-from pathlib import Path
+Q41MatMul graph on the file's own Q4_1 blocks (q41_graph.py), int8-static and int4-static."""
 from dejavuu_build import schema as S
 from dejavuu_build.build.quality import gate_quality, scoring_set
 from dejavuu_build.build.runner import Runner
 from dejavuu_build.build.validation import open_gating
 from dejavuu_build.cache import read_manifest
 from dejavuu_build.runtime.session import make_session
-E = Path("/root/.cache/dejavuu/smollm2-s22b")
+from q41_common import ENTRY as E, session
 man = read_manifest(E)
 g = open_gating(E, man, 2)
-so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.log_severity_level = 3
-so.register_custom_ops_library("/tmp/s23/op/libq41op.so")
-qs_sess = ort.InferenceSession("/tmp/s23/op/q41_real.onnx", so, providers=["CPUExecutionProvider"])
+qs_sess = session()
 c_static = S.variant_contract(g.contract, man.variants["int8-static"])
 c_i4 = S.variant_contract(g.contract, man.variants["int4-static"])
 fp32 = Runner(make_session(E / "decoder_fp32.onnx", 2), S.variant_contract(g.contract, man.variants["fp32"]), None)
