@@ -278,10 +278,11 @@ def _replay(path, cfg: BenchConfig, out, row_costs, step_ms) -> None:
     file = Path(path).expanduser()
     if file.is_file():
         rec = R.Recording.load(file)
-        if int(rec.meta.get("skip", 0)) != cfg.skip:
+        skipped = int(rec.meta.get("skip", 0))
+        if skipped != cfg.skip:
             raise BenchError(
-                f"{file} holds the prompts after the first {rec.meta.get('skip', 0)} of each category, "
-                f"not after {cfg.skip}: replay it with --skip {rec.meta.get('skip', 0)}, or record to another file"
+                f"{file} holds the prompts after the first {skipped} of each category, "
+                f"not after {cfg.skip}: replay it with --skip {skipped}, or record to another file"
             )
         logger.info("replaying %d recorded turns of %s from %s", len(rec.turns), rec.model, file)
     else:
