@@ -195,10 +195,15 @@ def import_closure(package_root: str | os.PathLike | None = None, root: str = BU
 
 def code_digest(package_root: str | os.PathLike | None = None) -> str:
     """sha256 of the package code that shapes a build (import_closure of the pipeline): relative
-    path + bytes of every module, in sorted order."""
+    path + bytes of every module, in sorted order, and the sources of the native operators
+    (kernels/) the closure reaches, whose arithmetic the gates measure."""
     base = Path(package_root) if package_root is not None else Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in import_closure(base):
+    files = import_closure(base)
+    native = {
+        f for py in files if py.parent.name == "kernels" for f in py.parent.rglob("*") if f.suffix in (".cpp", ".h")
+    }
+    for f in files + sorted(native, key=lambda p: p.relative_to(base).as_posix()):
         h.update(f.relative_to(base).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:32]

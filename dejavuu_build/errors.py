@@ -35,3 +35,7 @@ class ContractError(DejavuuError):
 
 class GenerationError(DejavuuError):
     """Bad generation input (empty prompt, too long, unknown method)."""
+
+
+class KernelUnavailable(DejavuuError):
+    """A native operator could not be built or loaded on this machine (no C++ compiler, or onnxruntime refused it)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 
-FP32, INT8, INT4 = "fp32", "int8", "int4"
+FP32, INT8, INT4, INT4OP = "fp32", "int8", "int4", "int4op"
 
 # What a variant must keep of the model to be the default, whatever its size or speed (its quality
 # gate against fp32): one under these passes its own gate and can be asked for, but is not the default.
@@ -35,7 +35,8 @@ class QuantPlan:
     symmetric: bool = False  # re-quantized blocks: False = a zero point per block (asymmetric)
     gguf_min: str = "offset"  # GGUF blocks with a minimum (Q4_1, Q4_K, ...): "offset" (exact, fast
     # kernels + an fp32 block-sum term), "nearest" integer zero point
-    # (fast, not exact) or "float_zp" (exact, slow kernels)
+    # (fast, not exact), "float_zp" (exact, slow kernels) or "q41" (exact: the file's
+    # 4-bit blocks in our own operator, kernels.q41; other sources rounded to that form)
     # The 8-bit lm-head (tied: the embedding table too): the GGUF's own table blocks (Q8_0: blocks
     # of 32, carried bit for bit) wherever they keep rows as exact as the best block does on this
     # machine (carry_table, the default: the file's answers, a choice that follows bit comparisons
@@ -74,6 +75,10 @@ class Precision:
     default_mean_kl: float = DEFAULT_MEAN_KL
     # onnxruntime-genai's builder's name for a like precision (`-p`): what the bench's peer is built at
     genai: str | None = None
+    # our own operators its graphs run (kernels: their onnxruntime domains), compiled on the machine
+    # that runs them: a graph with one loads only in our runtime, never in onnxruntime-genai or the
+    # `dejavuu` package, and is built only where the operator compiles and loads
+    operators: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.isalnum() or self.name != self.name.lower():
@@ -126,6 +131,28 @@ PRECISIONS: dict[str, Precision] = {
             quality_floor=0.75,
             auto_tier=1,
             genai="int4",
+        ),
+        # int4op: the GGUF's 4-bit blocks (Q4_0 / Q4_1 / Q4_K: levels, scale and minimum per 32) as
+        # the file holds them, in our exact operator (kernels.q41) instead of MatMulNBits plus the
+        # offset term; other weights as int4. One node per projection and no second rounding: the
+        # spike measured one-token steps 0.69-0.81x int8-static's with a better gate (docs/speed.md).
+        # A timed trial of the auto build (build.trial), kept only where clearly faster.
+        Precision(
+            INT4OP,
+            QuantPlan(
+                body_bits=4,
+                body_block=32,
+                lm_head_bits=8,
+                lm_head_block=128,
+                embed_bits=8,
+                symmetric=False,
+                gguf_min="q41",
+            ),
+            teacher_forced_floor=0.70,
+            quality_floor=0.75,
+            auto_tier=3,
+            genai="int4",
+            operators=("dejavuu.q41",),
         ),
     )
 }

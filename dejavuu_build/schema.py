@@ -56,6 +56,7 @@ LOCKS_DIR = ".locks"  # one flock per entry name
 SOURCES_DIR = ".sources"  # `pypi:<dist>` model sources (build.sources)
 SOURCE_FILE = "source.json"  # ... each one's dist, version and sha256
 RUNTIME_DIR = ".runtime"  # machine-local exactness calibrations (runtime.calibration)
+KERNELS_DIR = ".kernels"  # our own operators, compiled on this machine (kernels/): one folder per key
 PEERS_DIR = ".peers"  # `bench --compare genai`: onnxruntime-genai's own builds (bench.genai)
 PEER_FILE = "peer.json"  # ... each one's builder versions and sha256s
 BENCH_DIR = "bench"  # `dejavuu-build bench` outputs
@@ -354,6 +355,13 @@ class Manifest:
         return cls(**d)
 
 
+def portable(variant: str) -> bool:
+    """Whether other runtimes (onnxruntime-genai, the `dejavuu` package) can load ``variant``: it
+    runs none of our own operators (precisions.Precision.operators, compiled by our runtime)."""
+    p = PRECISIONS.get(split_variant(variant)[0])
+    return p is None or not p.operators
+
+
 def manifest_provenance(m: "Manifest") -> dict:
     """The view of a decoder build that the `dejavuu` package (0.2.0) resolves its files through.
 
@@ -362,13 +370,17 @@ def manifest_provenance(m: "Manifest") -> dict:
     decoder / embed_tokens / vision_encoder and takes ``provenance.image_token_id``; its bench reads
     ``model_kind`` and warns on ``variants[V].speculative_compatible`` false. Only concat variants are
     listed: an in-place one (static, rowwise) takes inputs a plain loop does not feed (slot_rows,
-    row_slots / kv_write_index, a bound fixed-capacity buffer). A decoder on inputs_embeds appears
+    row_slots / kv_write_index, a bound fixed-capacity buffer), nor one that runs our own operators
+    (``portable``). A decoder on inputs_embeds appears
     under ``graphs`` only. Derived from the rest of the manifest on every write, never read back:
     the manifest's own fields keep their meaning. {} for a datastore.
     """
     if m.kind not in DECODER_KINDS:
         return {}
-    concat = sorted((v for v, r in m.variants.items() if r.kv_layout == KV_CONCAT), key=variant_order)
+    concat = sorted(
+        (v for v, r in m.variants.items() if r.kv_layout == KV_CONCAT and portable(v)),
+        key=variant_order,
+    )
     view: dict = {"format": "dejavuu-provenance/1", "model_kind": "smolvlm_onnx" if m.kind == KIND_VLM else "text_onnx"}
     if m.build_config.get("primary_input", INPUT_IDS) == INPUT_IDS:
         view["variants"] = {

@@ -197,7 +197,12 @@ def vlm(model, revision, name, variants, vision_position_ids, threads, no_timing
 
 @click.command("quant-only")
 @click.option("--name", required=True, help="Cache name of an existing tree-decoder build.")
-@click.option("--variants", default=",".join(P.quantized()), show_default=True)
+@click.option(
+    "--variants",
+    default=None,
+    help=f"Precisions to redo, comma-separated ({','.join(P.quantized())}) "
+    "[default: every one whose operators run on this machine].",
+)
 @click.option("--threads", default=S.DEFAULT_THREADS, show_default=True, type=int)
 @click.option("--no-timing", is_flag=True)
 @_friendly
@@ -207,6 +212,10 @@ def quant_only_cmd(name, variants, threads, no_timing):
 
     check_name(name)
     _check_threads(threads)
+    if variants is None:
+        res = quant_only(name, variants=None, threads=threads, timing=not no_timing)
+        click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
+        return
     vs = tuple(v.strip() for v in variants.split(",") if v.strip())
     quantized = P.quantized()
     bad = [v for v in vs if v not in quantized]

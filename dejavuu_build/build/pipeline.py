@@ -79,7 +79,8 @@ def quant_only(
     ``variants``: the precisions to redo [default: every quantized precision of the table]."""
     from ..errors import IntegrityError
 
-    variants = P.quantized() if variants is None else variants
+    if variants is None:  # every quantized precision this machine can run
+        variants = tuple(v for v in P.quantized() if not _unrunnable(v))
     final = entry_dir(name)
     redo = {variant_file(S.variant_name(v, k)) for v in variants for k in S.KV_LAYOUTS}
     # the batched serving graph is written again from the variant it follows (serve_graph)
@@ -170,6 +171,10 @@ def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool)
             made = {n: r for n, r in manifest.variants.items() if S.split_variant(n)[0] in built}
             if any(r.passed and keeps_answers(n, r) for n, r in made.items()):
                 break
+        tier = tuple(p for p in tier if not _unrunnable(p))
+        if not tier:
+            continue
+        if built:
             why = "; ".join(f"{n}: {quality_line(r)}" for n, r in sorted(made.items()))
             logger.info(
                 "%s does not keep the model's answers here (%s): adding %s",
@@ -237,3 +242,14 @@ def _finish(folder: Path, manifest: Manifest, steps: list[tuple[str, float]] | N
     record_files(folder, manifest)
     write_json(folder / S.MANIFEST_FILE, manifest.to_json())
     log_summary(manifest)
+
+
+def _unrunnable(precision: str) -> bool:
+    """A precision whose own operators cannot run here (said); the auto build and quant-only's
+    default skip it (asked for by name, it is refused: variants.quantize)."""
+    from .variants import operators_missing
+
+    missing = operators_missing(precision)
+    if missing:
+        logger.info("skipping %s: %s", precision, missing)
+    return bool(missing)

@@ -114,12 +114,19 @@ def log_summary(manifest: Manifest) -> None:
                 f"; not timed, as no default: {', '.join(f'{v} ({w})' for v, w in skip.items())}" if skip else "",
             )
         for v, t in (why.get("trials") or {}).items():
+            if t.get("skipped"):
+                logger.info(" not tried %s: %s", v, t["skipped"])
+                continue
             logger.info(
                 " tried %s for speed: %.2fx the step cost of %s, %s",
                 v,
                 t["ratio"],
                 t["against"],
-                "kept as a candidate" if t["kept"] else "not kept (not clearly faster)",
+                "kept as a candidate"
+                if t["kept"]
+                else f"replaced by {t['superseded_by']} (faster)"
+                if t.get("superseded_by")
+                else "not kept (not clearly faster)",
             )
     if manifest.steps:
         total = sum(sec for _, sec in manifest.steps)

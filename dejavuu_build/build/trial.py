@@ -26,7 +26,7 @@ from .default import candidates, clearly_faster, preference, ratio_record
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
-from .variants import Quantized, layout_variant, quantize
+from .variants import Quantized, layout_variant, operators_missing, quantize
 
 TRIAL_ROUNDS = 5  # interleaved rounds (each times 1 and 8 rows at pasts 256 and 1024)
 
@@ -42,25 +42,34 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
     layout = S.split_variant(first)[1]
     cap = capacity(manifest.build_config.get("max_context"), g.contract.max_positions)
     trials: dict[str, dict] = {}
+    kept: str | None = None  # the last trial kept: a later one is judged against it and replaces it
     for precision in (p for tier in P.auto_tiers() for p in tier if p not in built):
         name = S.variant_name(precision, layout)
+        missing = operators_missing(precision)
+        if missing:
+            logger.info("  no %s trial: %s", name, missing)
+            trials[name] = {"against": kept or first, "kept": False, "skipped": missing}
+            continue
         quantize(folder, manifest, [precision], done)
         if layout != S.KV_CONCAT and not layout_variant(folder, manifest, precision, cap, layout):
             _drop(g, done, precision, name)
             continue
         guard_variant(folder, manifest, name, g.contract, g.threads)
-        rec: dict[str, Any] = {"against": first, "kept": False}
+        against = kept or first
+        rec: dict[str, Any] = {"against": against, "kept": False}
         trials[name] = rec
-        with step(f"trial of {name} against {first} (kept only if faster), interleaved"):
+        with step(f"trial of {name} against {against} (kept only if faster), interleaved"):
             own = (
                 make_session(folder / variant_file(name), threads=g.threads),
                 S.variant_contract(g.contract, manifest.variants[name]),
             )
-            timed = time_interleaved(
-                {first: g.sessions[first], name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS
+            theirs_session = g.sessions.get(against) or (
+                make_session(folder / variant_file(against), threads=g.threads),
+                S.variant_contract(g.contract, manifest.variants[against]),
             )
-        mine, theirs = timed[name]["round_costs_ms"], timed[first]["round_costs_ms"]
-        rec["round_costs_ms"] = {first: theirs, name: mine}
+            timed = time_interleaved({against: theirs_session, name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS)
+        mine, theirs = timed[name]["round_costs_ms"], timed[against]["round_costs_ms"]
+        rec["round_costs_ms"] = {against: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
         rec["cost_ratio"] = ratio_record(mine, theirs)
         rec["kept"] = clearly_faster(mine, theirs)
@@ -69,7 +78,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             name,
             rec["cost_ratio"]["median"],
             rec["cost_ratio"]["error"],
-            first,
+            against,
             len(mine),
             "clearly faster: gated and kept as a candidate"
             if rec["kept"]
@@ -80,6 +89,11 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         if rec["kept"]:
             validate(g, name, fresh=True)
             quality(g, [name])
+            if kept is not None:  # slower than this one and kept only as a candidate: it goes
+                logger.info("  %s replaces the trial %s (slower): %s goes", name, kept, kept)
+                trials[kept]["kept"], trials[kept]["superseded_by"] = False, name
+                _drop(g, done, kept, S.split_variant(kept)[0])
+            kept = name
         else:
             _drop(g, done, name)
     return trials

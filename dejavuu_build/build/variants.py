@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import precisions as P
 from .. import schema as S
-from ..errors import ExportError
+from ..errors import ExportError, KernelUnavailable
 from ..layouts import DERIVED_LAYOUTS, LAYOUTS, capacity
 from ..log import logger, step
 from ..schema import Manifest, VariantRecord, variant_file
@@ -30,6 +30,10 @@ def quantize(folder: Path, manifest: Manifest, variants: list[str], done: Quanti
     from ..quantize import quantize_model
     from .sources import gguf_of
 
+    for v in variants:
+        missing = operators_missing(v)
+        if missing:
+            raise KernelUnavailable(f"{v} runs our own operator, which this machine cannot: {missing}")
     gguf = gguf_of(manifest.source) if variants else None
     with unguarded(folder / variant_file(S.FP32), bool(variants)) as source:
         for v in variants:
@@ -46,6 +50,15 @@ def quantize(folder: Path, manifest: Manifest, variants: list[str], done: Quanti
             manifest.variants[v] = VariantRecord(file=variant_file(v), quant=rep)
     if variants:
         manifest.quantize = {"seconds": round(done.seconds, 1), "variants": list(done.variants)}
+
+
+def operators_missing(precision: str) -> str | None:
+    """Why ``precision``'s own operators (precisions.Precision.operators) cannot run on this
+    machine, or None where they build and load (or it needs none)."""
+    from ..kernels import unavailable
+
+    ops = P.PRECISIONS[precision].operators
+    return unavailable(ops) if ops else None
 
 
 def add_layouts(folder: Path, manifest: Manifest, variants: list[str], max_positions: int, *, fp32: bool) -> list[str]:

@@ -56,14 +56,17 @@ MS = "com.microsoft"
 
 
 # The plan of each precision is its entry in precisions.PRECISIONS (PLANS: a view of it).
-GGUF_MIN_FORMS = ("offset", "nearest", "float_zp")
+GGUF_MIN_FORMS = ("offset", "nearest", "float_zp", "q41")
+Q41 = "q41"  # the form of kernels.q41's operator: w = d * q + m per block of 32, 4-bit levels as the file holds them
 
 
 @dataclass
 class Encoded:
     """One weight in MatMulNBits' layout: levels [N, nb, block] uint8 (unpacked), scales [N, nb],
     zero points [N, nb] (uint8 levels, float32, or None for the default 2^(bits-1)), and an
-    optional offset [N, nb] float32 added to every weight of its block (the block-sum term)."""
+    optional offset [N, nb] float32 added to every weight of its block (the block-sum term).
+    ``form`` "q41": the layout of our own operator instead (kernels.q41): 4-bit levels 0..15 as
+    the file holds them, ``scales`` the blocks' d and ``offset`` their minimum m, w = d * q + m."""
 
     bits: int
     q: np.ndarray
@@ -71,6 +74,7 @@ class Encoded:
     zp: np.ndarray | None
     note: str
     offset: np.ndarray | None = None
+    form: str = "nbits"
 
     @property
     def block(self) -> int:
@@ -78,6 +82,11 @@ class Encoded:
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, as the graph computes it: (q - zero_point) * scale (+ offset)."""
+        if self.form == Q41:
+            if self.offset is None:
+                raise ValueError("a q41 encoding carries its blocks' minima")
+            w = self.scales[..., None] * self.q.astype(np.float32) + self.offset[..., None]
+            return w.reshape(self.q.shape[0], -1)
         zp = np.float32(2 ** (self.bits - 1)) if self.zp is None else self.zp.astype(np.float32)[..., None]
         w = (self.q.astype(np.float32) - zp) * self.scales[..., None]
         if self.offset is not None:
@@ -402,6 +411,10 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     weights loses nothing measurable and needs no offset term), or 5-bit levels with a minimum
     outside the "offset" form."""
     name = src.kind
+    if plan.gguf_min == Q41 and bits == 4 and src.bits == 4 and src.block == BLOCK:
+        # Q4_0 / Q4_1 / Q4_K: levels, scale and minimum (a centred type's -8d, exact in float32)
+        # as the file holds them, for our operator: nothing re-rounded, nothing re-centred
+        return Encoded(4, src.q, src.scale, None, f"{name} carried exactly (q41 operator)", src.offset, form=Q41)
     width = 8 if bits == 8 or src.bits > 4 else 4
     shift = 2 ** (width - 1) - 2 ** (src.bits - 1)  # centre the file's levels in the kernel's range
     q = (src.q.astype(np.int16) + shift).astype(np.uint8)
@@ -410,7 +423,7 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
         return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs})")
     if bits == 8:
         return None
-    if plan.gguf_min == "offset":  # s*q + o = s*(q' - 2^(w-1)) + (o + s*2^(b-1))
+    if plan.gguf_min in ("offset", Q41):  # s*q + o = s*(q' - 2^(w-1)) + (o + s*2^(b-1))
         c = (src.offset + src.scale * np.float32(2 ** (src.bits - 1))).astype(np.float32)
         return Encoded(width, q, src.scale, None, f"{name} carried exactly (q{width}{bs} + block-sum offset)", c)
     if width != 4:  # onnxruntime has no 8-bit float zero points
@@ -535,6 +548,10 @@ def quantize_model(
     streamed.close()
     if not any(o.domain == MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS, 1))
+    for domain in sorted(q.operators):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    if q.operators:
+        q.report["operators"] = sorted(q.operators)
     save_model(model, dst)
     report = q.report
     if blocks is not None:
@@ -564,6 +581,7 @@ class _Quantizing:
     replaced: dict = field(default_factory=dict)  # id(node) -> replacement nodes
     drop_nodes: set = field(default_factory=set)
     block_sums: dict = field(default_factory=dict)  # (input, block) -> its block sums, shared by its readers
+    operators: set = field(default_factory=set)  # our operators' domains the graph uses (kernels)
     hidden: int | None = None  # the residual stream's width (the embedding table's), where there is one
     fp_bytes: int = 0
     q_bytes: int = 0
@@ -622,7 +640,22 @@ def _encode(q: _Quantizing, w_nk: np.ndarray, bits: int, block: int) -> Encoded:
             return enc
     if q.blocks is not None:
         q.report["gguf"]["requantized"] += 1
+    if q.plan.gguf_min == Q41 and bits == 4 and block == BLOCK:
+        return q41_rows(w_nk)
     return _quantize_rows(w_nk, bits, block, symmetric=_symmetric(q, bits))
+
+
+def q41_rows(w_rows: np.ndarray) -> Encoded:
+    """[N, K] float32 rounded to our operator's form (kernels.q41) as llama.cpp rounds Q4_1
+    (quantize_row_q4_1_ref): per block of 32, m = min, d = (max - min) / 15, q = round((w - m) / d).
+    Written here because onnxruntime's quantizer writes only integer zero points."""
+    n, k = w_rows.shape
+    w = np.ascontiguousarray(w_rows, np.float32).reshape(n, k // BLOCK, BLOCK)
+    lo, hi = w.min(-1), w.max(-1)
+    d = ((hi - lo) / np.float32(15)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.floor((w - lo[..., None]) * inv[..., None] + np.float32(0.5)), 0, 15).astype(np.uint8)
+    return Encoded(4, q, d, None, "q4_1 bs32 (q41 operator)", lo.astype(np.float32), form=Q41)
 
 
 def _head_encoding(q: _Quantizing, w_nk: np.ndarray) -> Encoded:
@@ -682,6 +715,8 @@ def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared
 
     after: list = []
     out = node.output[0]
+    if enc is not None and enc.form == Q41:
+        return [_q41_node(q, node, enc, prefix)]
     if shared is None:
         if enc is None:
             raise ValueError(f"{node.name}: MatMulNBits needs the weight's encoding or the shared table")
@@ -719,6 +754,26 @@ def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared
     return extra + [mm] + after
 
 
+def _q41_node(q: _Quantizing, node, enc: Encoded, prefix: str):
+    """``node`` (a MatMul) as our operator (kernels.q41) over ``enc``'s levels, d and m."""
+    from onnx import helper
+
+    from ..kernels import q41 as op
+
+    if enc.offset is None:
+        raise ValueError(f"{node.name}: a q41 encoding carries its blocks' minima")
+    packed, d, m = op.pack(enc.q, enc.scales, enc.offset)
+    n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
+    ins = [
+        node.input[0],
+        q.add_init(packed, prefix + ".q41"),
+        q.add_init(d, prefix + ".q41_d"),
+        q.add_init(m, prefix + ".q41_m"),
+    ]
+    q.operators.add(op.DOMAIN)
+    return helper.make_node(op.OP, ins, list(node.output), name=node.name + "Q41", domain=op.DOMAIN, K=k, N=n)
+
+
 def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
     """Siblings on one input, each carried with an offset term, as ONE MatMulNBits, one offset
     MatMul and one Add over their columns concatenated along N, then a Split into their outputs:
@@ -738,6 +793,7 @@ def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
         None,
         "",
         np.concatenate([e.offset for e in encs]),
+        form=encs[0].form,
     )
     fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
     sizes = q.add_init(np.array([e.q.shape[0] for e in encs], np.int64), prefix + ".split")
@@ -889,7 +945,8 @@ def _quantize_matmuls(q: _Quantizing, graph_nodes: list) -> None:
                 bar.update(1)
         kinds: dict = {}
         for m in encoded:
-            kinds.setdefault((m[1].bits, m[1].block) if m[1].offset is not None else id(m[0]), []).append(m)
+            key = (m[1].form, m[1].bits, m[1].block) if m[1].offset is not None else id(m[0])
+            kinds.setdefault(key, []).append(m)
         for group in kinds.values():
             if len(group) > 1:
                 q.replaced[id(group[0][0])] = _fused_nbits(q, group)

@@ -44,12 +44,78 @@ _KV_PATTERNS = [  # (input regex, output pattern) for ours and common third-part
 ]
 
 
+def _varint(f) -> int | None:
+    out, shift = 0, 0
+    while True:
+        b = f.read(1)
+        if not b:
+            return None
+        out |= (b[0] & 0x7F) << shift
+        if b[0] < 0x80:
+            return out
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 64 bits")
+
+
+def graph_domains(path: str | os.PathLike) -> set[str]:
+    """The operator domains an ONNX file imports (ModelProto.opset_import), read off the file's
+    top-level fields, the graph skipped by seeking: which of our own operators (kernels) a session
+    of it needs, without onnx (not a runtime dependency) or reading the weights. Malformed
+    files give what was read; onnxruntime then says what is wrong with them."""
+    domains: set[str] = set()
+    try:
+        with open(path, "rb") as f:
+            while (tag := _varint(f)) is not None:
+                field_no, wire = tag >> 3, tag & 7
+                if wire == 0:
+                    _varint(f)
+                elif wire in (1, 5):
+                    f.seek(8 if wire == 1 else 4, os.SEEK_CUR)
+                elif wire == 2:
+                    n = _varint(f)
+                    if n is None:
+                        break
+                    if field_no != 8:  # ModelProto.opset_import
+                        f.seek(n, os.SEEK_CUR)
+                        continue
+                    body = f.read(n)
+                    i = 0
+                    while i < len(body):  # OperatorSetIdProto: domain = 1 (string), version = 2
+                        t = body[i]
+                        i += 1
+                        if t == 0x0A:
+                            ln = body[i]
+                            i += 1
+                            if ln >= 0x80:  # a domain name of 128+ bytes: not one of ours
+                                break
+                            domains.add(body[i : i + ln].decode("utf-8", "replace"))
+                            i += ln
+                        elif t == 0x10:
+                            while i < len(body) and body[i] >= 0x80:
+                                i += 1
+                            i += 1
+                        else:
+                            break
+                else:
+                    break
+    except (OSError, ValueError):
+        pass
+    return domains
+
+
 def make_session(path: str | os.PathLike, threads: int | None = None, profile: str | None = None):
     """The session every runtime reader opens. ``profile``: onnxruntime's profiler on, its JSON
-    named from this prefix (bench.anatomy reads per-node kernel times from it)."""
+    named from this prefix (bench.anatomy reads per-node kernel times from it). A graph that runs
+    one of our own operators (kernels.OPERATORS, by the domains it imports) gets its library,
+    built from the package's source on this machine; nothing is ever loaded from the entry."""
     import onnxruntime as ort
 
+    from ..kernels import OPERATORS
+
     so = ort.SessionOptions()
+    for domain in sorted(graph_domains(path) & OPERATORS.keys()):
+        OPERATORS[domain](so)
     if profile:
         so.enable_profiling = True
         so.profile_file_prefix = str(profile)

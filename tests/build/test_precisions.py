@@ -62,15 +62,16 @@ def test_the_readers_see_a_registered_precision(registered):
         SYM,
     ]
     P.PRECISIONS.pop(SYM)
-    with pytest.raises(DejavuuError, match="among fp32, int8, int4 "):
+    with pytest.raises(DejavuuError, match="among fp32, int8, int4, int4op "):
         TreeDecoderConfig(model="./m", variants=("fp32", SYM)).validate()
 
 
 def test_the_auto_build_follows_the_tiers(monkeypatch):
-    assert P.auto_tiers() == [(S.INT4,), (S.INT8,)]
+    assert P.auto_tiers() == [(S.INT4,), (S.INT8,), (P.INT4OP,)]
     monkeypatch.setitem(P.PRECISIONS, SYM, _throwaway(auto_tier=1))
-    assert P.auto_tiers() == [(S.INT4, SYM), (S.INT8,)]
+    assert P.auto_tiers() == [(S.INT4, SYM), (S.INT8,), (P.INT4OP,)]
     assert "int4 and int4sym in every KV layout (int8 too when no int4 or int4sym keeps" in cli._auto_help()
+    assert "(int4op too when no int8 keeps" in cli._auto_help()
 
 
 def test_the_default_floors_are_each_precisions(monkeypatch):
@@ -79,7 +80,10 @@ def test_the_default_floors_are_each_precisions(monkeypatch):
     monkeypatch.setitem(P.PRECISIONS, S.INT4, replace(P.PRECISIONS[S.INT4], default_top1=0.85))
     assert default.keeps_answers(S.INT4, rec) and default.keeps_answers("int4-rowwise", rec)
     assert not default.keeps_answers(S.INT8, rec)
-    assert default.default_floors_line() == "int8: top-1 >= 0.95, mean KL <= 0.02; int4: top-1 >= 0.85, mean KL <= 0.02"
+    assert default.default_floors_line() == (
+        "int8: top-1 >= 0.95, mean KL <= 0.02; int4: top-1 >= 0.85, mean KL <= 0.02; "
+        "int4op: top-1 >= 0.95, mean KL <= 0.02"
+    )
 
 
 def test_a_build_of_a_registered_precision_reads_only_the_table(cache_dir, registered):

@@ -13,24 +13,30 @@ from dejavuu_build.build.config import TreeDecoderConfig
 from dejavuu_build.build.pipeline import build_tree_decoder
 
 
-def _fake_timing(ratio: float):
-    """time_interleaved whose trial variant costs about ``ratio`` times the candidate's (+-1%)."""
+def _fake_timing(ratio: float | dict[str, float]):
+    """time_interleaved whose trial variant costs about ``ratio`` times the one it is judged
+    against (+-1%); per precision where a mapping."""
 
     def timed(sessions, rounds, **kw):
         first, name = list(sessions)
+        r = ratio[S.split_variant(name)[0]] if isinstance(ratio, dict) else ratio
         base = [10.0, 10.5, 10.2, 9.9, 10.1][:rounds]
         wobble = [1.0, 1.01, 0.99, 1.0, 1.005][:rounds]
         return {
             first: {"timings_ms": {}, "round_costs_ms": base},
-            name: {"timings_ms": {}, "round_costs_ms": [b * ratio * w for b, w in zip(base, wobble)]},
+            name: {"timings_ms": {}, "round_costs_ms": [b * r * w for b, w in zip(base, wobble)]},
         }
 
     return timed
 
 
-def _build(cache_dir, name: str, monkeypatch, ratio: float):
+def _build(cache_dir, name: str, monkeypatch, ratio: float | dict[str, float], operator: bool = True):
     from tiny import save_tiny
 
+    from dejavuu_build import kernels
+
+    if not operator:
+        monkeypatch.setattr(kernels, "unavailable", lambda ops: "no C++ compiler found")
     monkeypatch.setattr(trial, "time_interleaved", _fake_timing(ratio))
     src = save_tiny("llama", cache_dir.parent / f"src-{name}", seed=0)
     return build_tree_decoder(TreeDecoderConfig(model=str(src), name=name, timing=True, reference_tokens=12))
@@ -40,23 +46,48 @@ def _build(cache_dir, name: str, monkeypatch, ratio: float):
 def test_a_slower_trial_leaves_nothing_but_its_record(cache_dir, monkeypatch):
     r = _build(cache_dir, "trial-slow", monkeypatch, ratio=1.3)
     m = r.manifest
-    assert not any(S.split_variant(v)[0] == "int8" for v in m.variants), sorted(m.variants)
-    assert not any(p.name.startswith("decoder_int8") for p in r.folder.iterdir())
+    assert not any(S.split_variant(v)[0] in ("int8", "int4op") for v in m.variants), sorted(m.variants)
+    assert not any(p.name.startswith(("decoder_int8", "decoder_int4op")) for p in r.folder.iterdir())
     assert m.quantize["variants"] == ["int4"]
-    (name, rec), *rest = m.default_reason["trials"].items()
-    assert not rest and name == S.variant_name("int8", S.split_variant(rec["against"])[1])
-    assert rec["kept"] is False and rec["ratio"] == pytest.approx(1.3, abs=0.01)
-    assert rec["against"] == m.default_reason["preferred"]
-    assert any(n.startswith(f"trial of {name}") for n, _ in m.steps)
+    trials = m.default_reason["trials"]
+    assert [S.split_variant(n)[0] for n in trials] == ["int8", "int4op"]  # the tiers' order
+    for name, rec in trials.items():
+        assert name == S.variant_name(S.split_variant(name)[0], S.split_variant(rec["against"])[1])
+        assert rec["kept"] is False and rec["ratio"] == pytest.approx(1.3, abs=0.01)
+        assert rec["against"] == m.default_reason["preferred"]
+        assert any(n.startswith(f"trial of {name}") for n, _ in m.steps)
     assert S.read_manifest(r.folder).default_reason["trials"] == m.default_reason["trials"]  # written
 
 
 @pytest.mark.slow
-def test_a_faster_trial_is_gated_and_becomes_a_candidate(cache_dir, monkeypatch):
-    r = _build(cache_dir, "trial-fast", monkeypatch, ratio=0.7)
+def test_a_later_faster_trial_replaces_an_earlier_one(cache_dir, monkeypatch):
+    """int8 kept against int4's flavour, then int4op judged against int8's and clearly faster:
+    int4op's flavour stays, int8's goes (its record says by what), one trial flavour in the entry."""
+    r = _build(cache_dir, "trial-twice", monkeypatch, ratio={"int8": 0.7, "int4op": 0.7})
     m = r.manifest
-    (name, rec), *rest = m.default_reason["trials"].items()
-    assert not rest and rec["kept"] is True
+    (n8, r8), (nop, rop) = m.default_reason["trials"].items()
+    assert S.split_variant(n8)[0] == "int8" and S.split_variant(nop)[0] == "int4op"
+    assert rop["kept"] is True and rop["against"] == n8
+    assert r8["kept"] is False and r8["superseded_by"] == nop
+    assert n8 not in m.variants and not (r.folder / m.variants[nop].file.replace("int4op", "int8")).exists()
+    assert m.variants[nop].passed and nop in m.default_reason["candidates"]
+    assert m.quantize["variants"] == ["int4", "int4op"]
+
+
+@pytest.mark.slow
+def test_a_trial_whose_operator_cannot_run_here_is_skipped_and_said(cache_dir, monkeypatch):
+    r = _build(cache_dir, "trial-no-op", monkeypatch, ratio=1.3, operator=False)
+    rec = next(rec for n, rec in r.manifest.default_reason["trials"].items() if n.startswith("int4op"))
+    assert rec == {"against": r.manifest.default_reason["preferred"], "kept": False, "skipped": "no C++ compiler found"}
+    assert not any(p.name.startswith("decoder_int4op") for p in r.folder.iterdir())
+
+
+@pytest.mark.slow
+def test_a_faster_trial_is_gated_and_becomes_a_candidate(cache_dir, monkeypatch):
+    r = _build(cache_dir, "trial-fast", monkeypatch, ratio={"int8": 0.7, "int4op": 1.3})
+    m = r.manifest
+    (name, rec), (other, orec) = m.default_reason["trials"].items()
+    assert rec["kept"] is True and orec["kept"] is False and orec["against"] == name
     assert name != "int8" and "int8" not in m.variants  # the flavour stays, its concat base does not
     assert not (r.folder / S.variant_file("int8")).exists()
     assert m.variants[name].passed and "quality" in m.variants[name].gates  # gated like every variant
@@ -81,6 +112,6 @@ def test_a_trial_within_the_tie_band_is_not_kept(cache_dir, monkeypatch):
     from dejavuu_build.build.default import MIN_SPEEDUP
 
     r = _build(cache_dir, "trial-tie", monkeypatch, ratio=0.98)
-    rec = next(iter(r.manifest.default_reason["trials"].values()))
-    assert 0.98 > 1 - MIN_SPEEDUP and rec["kept"] is False
-    assert not any(S.split_variant(v)[0] == "int8" for v in r.manifest.variants)
+    recs = r.manifest.default_reason["trials"].values()
+    assert 0.98 > 1 - MIN_SPEEDUP and not any(rec["kept"] for rec in recs)
+    assert not any(S.split_variant(v)[0] in ("int8", "int4op") for v in r.manifest.variants)

@@ -1,0 +1,371 @@
+"""Q41MatMul: an exact Q4_1 x int8-activation matmul as an onnxruntime custom operator (q41.cpp),
+compiled on first use on this machine (pip install stays pure Python) for the best ISA path it has.
+
+The quantizer writes the weights with :func:`pack`; the runtime calls :func:`register` on its
+``SessionOptions``; :func:`reference` is the operator's arithmetic in numpy, bit for bit, and
+:func:`gemm` runs the compiled kernel without onnxruntime (tests, timing).
+
+Operator (domain ``dejavuu.q41``, opset 1): inputs ``A`` float32 [..., K], ``packed`` uint8
+[tiles*nb*256], ``d`` and ``m`` float32 [tiles*nb*16]; attributes ``K`` (a multiple of 32) and ``N``;
+output float32 [..., N]; ``tiles = ceil(N/16)``, ``nb = K/32``. Weight column n of block b (32
+consecutive k) is ``d[b,n] * q + m[b,n]`` with levels q in 0..15 (GGUF Q4_1; Q4_K and Q4_0 have that
+form per 32 too). Activations are rounded to int8 per row and block of 32; every ISA path does the
+same float operations in the same order, and each row's arithmetic is its own, so a row gives the
+same bits alone as among others (what keeps speculative verification lossless).
+
+onnxruntime: the operator uses only its C API, functions of API version 17 or lower, and stamps
+itself with the highest version both its vendored headers (25) and the running library have; so it
+needs onnxruntime >= 1.17 (below that, registering fails with a message saying so).
+
+Security: the library is only ever built from this package's own source (q41.cpp, include/) into
+the cache's ``.kernels`` folder, under a key over that source, the compiler and the flags; nothing
+is ever loaded from a model entry or any other path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from ..cache import cache_root
+from ..errors import KernelUnavailable
+from ..log import logger
+from ..schema import KERNELS_DIR
+
+DOMAIN = "dejavuu.q41"
+OP = "Q41MatMul"
+OPSET = 1
+BLOCK = 32  # k per block: one scale and one minimum per column and block
+TILE = 16  # columns per tile: N is padded up to a multiple
+TILE_BYTES = TILE * BLOCK // 2  # packed bytes per tile and block (256)
+ISAS = ("avx512vnni", "avx2", "scalar")  # the compiled paths, best first (isa_of names one)
+BUILD_ISAS = ("avx2", "scalar")  # what library(isa=...) can force instead of -march=native
+
+LIBRARY = "libdejavuu_q41.so"
+
+_HERE = Path(__file__).resolve().parent
+SOURCE = _HERE / "q41.cpp"
+INCLUDE = _HERE / "include"
+# -ffp-contract=off: no fused multiply-add the source does not write (the float order is the
+# contract); never -ffast-math
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden")
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+
+# ------------------------------------------------------------------------------------- weights
+def pack(q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike) -> tuple[U8, F32, F32]:
+    """The operator's ``packed``, ``d`` and ``m`` from levels ``q`` [N, nb, 32] (integers 0..15),
+    ``scale`` and ``offset`` [N, nb] (float32; w = scale * q + offset per column and block).
+
+    Columns are padded up to a multiple of 16 with zero levels, scale 0 and offset 0."""
+    q = np.asarray(q)
+    if q.ndim != 3 or q.shape[2] != BLOCK or q.shape[0] == 0 or q.shape[1] == 0:
+        raise ValueError(f"q must be [N, nb, {BLOCK}] with N, nb > 0, got shape {q.shape}")
+    if not np.issubdtype(q.dtype, np.integer):
+        raise ValueError(f"q must hold integer levels, got {q.dtype}")
+    if q.min() < 0 or q.max() > 15:
+        raise ValueError(f"q's levels must be 0..15, got {q.min()}..{q.max()}")
+    n, nb, _ = q.shape
+    sc, off = _block_params(scale, offset, n, nb)
+    tiles = -(-n // TILE)
+    qp = np.zeros((tiles * TILE, nb, BLOCK), np.uint8)
+    qp[:n] = q
+    # [tiles, nb, 8 groups of 4 k, 16 columns, 4]: group g's bytes hold k = 4g..4g+3 (low nibble)
+    # and k = 16+4g..16+4g+3 (high nibble), 16 columns x 4 bytes each
+    qt = qp.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    packed = (qt[:, :, :4] | (qt[:, :, 4:] << 4)).astype(np.uint8).reshape(-1)
+
+    def per_tile(a: F32) -> F32:
+        ap = np.zeros((tiles * TILE, nb), np.float32)
+        ap[:n] = a
+        return np.ascontiguousarray(ap.reshape(tiles, TILE, nb).transpose(0, 2, 1).reshape(-1))
+
+    return np.ascontiguousarray(packed), per_tile(sc), per_tile(off)
+
+
+def unpack(packed: npt.ArrayLike, d: npt.ArrayLike, m: npt.ArrayLike, n: int, k: int) -> tuple[U8, F32, F32]:
+    """The inverse of :func:`pack`: levels [n, k/32, 32], scale and offset [n, k/32]."""
+    nb, tiles = k // BLOCK, -(-n // TILE)
+    p = np.asarray(packed, np.uint8).reshape(tiles, nb, 4, TILE, 4)
+    qt = np.concatenate([p & 0x0F, p >> 4], axis=2)  # [tiles, nb, 8, 16, 4]
+    q = qt.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, nb, BLOCK)[:n]
+
+    def per_column(a: npt.ArrayLike) -> F32:
+        return np.asarray(a, np.float32).reshape(tiles, nb, TILE).transpose(0, 2, 1).reshape(-1, nb)[:n]
+
+    return np.ascontiguousarray(q), np.ascontiguousarray(per_column(d)), np.ascontiguousarray(per_column(m))
+
+
+def _block_params(scale: npt.ArrayLike, offset: npt.ArrayLike, n: int, nb: int) -> tuple[F32, F32]:
+    out = []
+    for name, a in (("scale", scale), ("offset", offset)):
+        arr = np.asarray(a)
+        if arr.shape != (n, nb) or not np.issubdtype(arr.dtype, np.floating):
+            raise ValueError(f"{name} must be floats of shape {(n, nb)}, got {arr.dtype} {arr.shape}")
+        out.append(arr.astype(np.float32))
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------------- reference
+def reference(x: npt.ArrayLike, q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike) -> F32:
+    """The operator's output for activations ``x`` [..., K] and the weights as :func:`pack` takes
+    them, computed in numpy with the kernel's float32 operations in the kernel's order: the same
+    bits for finite inputs (fmaf emulated exactly, see :func:`fmaf`)."""
+    q = np.asarray(q)
+    n, nb, _ = q.shape
+    sc_w, off = _block_params(scale, offset, n, nb)
+    x = np.asarray(x, np.float32)
+    k = nb * BLOCK
+    if x.ndim == 0 or x.shape[-1] != k:
+        raise ValueError(f"x's last dimension must be K = {k}, got shape {x.shape}")
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, nb, BLOCK)
+    rows = xb.shape[0]
+    amax = np.abs(xb).max(axis=-1) if rows else np.zeros((0, nb), np.float32)
+    sc = (amax / np.float32(127)).astype(np.float32)
+    inv = np.zeros_like(sc)
+    np.divide(np.float32(1), sc, out=inv, where=sc != 0)
+    with np.errstate(invalid="ignore"):
+        qa = np.rint(xb * inv[..., None]).astype(np.int64)  # ties to even, as cvtps under the default MXCSR
+    ssum = (sc * qa.sum(axis=-1).astype(np.float32)).astype(np.float32)
+    qi = q.astype(np.int64)
+    acc = np.zeros((rows, n), np.float32)
+    for b in range(nb):
+        dot = qa[:, b, :] @ qi[:, b, :].T  # [rows, n], exact integers (|dot| <= 32*15*127)
+        ds = (sc_w[None, :, b] * sc[:, b, None]).astype(np.float32)
+        t1 = (dot.astype(np.float32) * ds).astype(np.float32)
+        acc = (acc + fmaf(off[None, :, b], ssum[:, b, None], t1)).astype(np.float32)
+    return acc.reshape(*lead, n)
+
+
+def fmaf(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> F32:
+    """C's fmaf on float32 arrays: a*b + c rounded once. a*b is exact in float64 (24+24 bits); the
+    sum is kept exact as a float64 pair (TwoSum), and the one case where rounding its high part to
+    float32 differs from rounding the exact sum (the high part on a float32 midpoint, the low part
+    not zero) is settled towards the low part's sign."""
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    p = a64 * b64
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    f = s.astype(np.float32)
+    f64 = f.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        other = np.nextafter(f, np.where(s > f64, np.float32(np.inf), np.float32(-np.inf))).astype(np.float32)
+        o64 = other.astype(np.float64)
+        tie = (s != f64) & ((s - f64) == (o64 - s))
+        fix = tie & (err != 0) & ((o64 > f64) == (err > 0))
+    return np.where(fix, other, f).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------ the compiled kernel
+def _isa_flags(isa: str | None) -> tuple[str, ...]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if isa is None:
+        return ("-march=native",)
+    if isa not in BUILD_ISAS:
+        raise ValueError(f"isa must be None (this CPU's best) or one of {BUILD_ISAS}, got {isa!r}")
+    if isa == "avx2":
+        if not x86:
+            raise KernelUnavailable("the avx2 path of the Q4_1 operator exists on x86-64 only")
+        return ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")
+    return ("-march=x86-64",) if x86 else ()
+
+
+def _compiler() -> tuple[str, ...]:
+    """$CXX (a command, possibly with arguments: "ccache g++"), else g++, else c++."""
+    if cxx := os.environ.get("CXX", "").strip():
+        words = shlex.split(cxx)
+        found = shutil.which(words[0])
+        if found is None:
+            raise KernelUnavailable(
+                f"CXX={cxx!r} is not a program on PATH: the Q4_1 operator cannot be compiled; "
+                "set CXX to a C++17 compiler (or unset it to use g++)"
+            )
+        return (found, *words[1:])
+    for name in ("g++", "c++"):
+        if found := shutil.which(name):
+            return (found,)
+    raise KernelUnavailable(
+        "no C++ compiler (g++ or c++) on PATH: the Q4_1 operator cannot be compiled; "
+        "install g++ (apt-get install g++) or set CXX to a C++17 compiler"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _key(cxx: tuple[str, ...], flags: tuple[str, ...], isa: str | None, source: Path, include: Path) -> str:
+    """What the library depends on: the source and headers, the compiler (its --version) and what
+    the flags make of this CPU (the predefined macros: -march=native on another CPU, or another
+    compiler release, is another key, so a shared cache never loads a foreign build)."""
+    h = hashlib.sha256()
+
+    def part(tag: str, data: bytes) -> None:
+        h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    part("source", source.read_bytes())
+    for f in sorted(include.glob("*.h")):
+        part(f"header {f.name}", f.read_bytes())
+    part("version", _run([*cxx, "--version"]).encode())
+    macros = _run([*cxx, *[f for f in flags if f not in ("-shared", "-fPIC")], "-dM", "-E", "-x", "c++", os.devnull])
+    part("macros", "\n".join(sorted(macros.splitlines())).encode())
+    part("flags", " ".join(flags).encode())
+    part("isa", (isa or "native").encode())
+    return h.hexdigest()[:20]
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(
+            f"could not run the C++ compiler ({e}); install g++ or set CXX to a C++17 compiler"
+        ) from e
+    if proc.returncode != 0:
+        raise KernelUnavailable(
+            f"the C++ compiler failed ({shlex.join(cmd[:3])} ...: {_first_error(proc.stderr)}); "
+            "install g++ or set CXX to a C++17 compiler"
+        )
+    return proc.stdout
+
+
+def _first_error(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["no message"])[0][:300]
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (two processes building the same library wait for each
+    other); where fcntl is missing (Windows) the atomic rename alone guards the result."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def library(isa: str | None = None) -> Path:
+    """The compiled operator, built on first use into ``<cache root>/.kernels/q41-<key>/``.
+
+    ``isa=None`` compiles for this CPU (-march=native: the best path it has); ``"avx2"`` and
+    ``"scalar"`` force those paths (tests compare every path the CPU can run). Raises
+    :class:`KernelUnavailable` when no compiler is found or compiling fails."""
+    flags = (*BASE_FLAGS, *_isa_flags(isa))
+    cxx = _compiler()
+    folder = cache_root() / KERNELS_DIR / f"q41-{_key(cxx, flags, isa, SOURCE, INCLUDE)}"
+    lib = folder / LIBRARY
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / "build.lock"):
+        if lib.is_file():  # another process built it while this one waited
+            return lib
+        for stale in folder.glob(f".{LIBRARY}.*.tmp"):  # what a killed build left (we hold the lock)
+            stale.unlink(missing_ok=True)
+        tmp = folder / f".{LIBRARY}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        t0 = time.perf_counter()
+        try:
+            _run([*cxx, *flags, "-I", str(INCLUDE), "-o", str(tmp), str(SOURCE)])
+            os.replace(tmp, lib)
+        finally:
+            tmp.unlink(missing_ok=True)
+        seconds = time.perf_counter() - t0
+    logger.info("compiled the Q4_1 operator (%s path) in %.1fs: %s", isa_of(lib), seconds, lib)
+    return lib
+
+
+_loaded: dict[Path, ctypes.CDLL] = {}
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    if path not in _loaded:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KernelUnavailable(f"could not load the Q4_1 operator {path}: {e}") from e
+        lib.dejavuu_q41_isa.restype = ctypes.c_char_p
+        lib.dejavuu_q41_isa.argtypes = []
+        p = ctypes.c_void_p
+        lib.dejavuu_q41_gemm.restype = None
+        lib.dejavuu_q41_gemm.argtypes = [p, ctypes.c_int64, p, p, p, ctypes.c_int64, ctypes.c_int64, p]
+        _loaded[path] = lib
+    return _loaded[path]
+
+
+def isa_of(path: Path) -> str:
+    """Which path a compiled library runs: "avx512vnni", "avx2" or "scalar"."""
+    return str(_load(path).dejavuu_q41_isa().decode())
+
+
+def gemm(x: npt.ArrayLike, packed: U8, d: F32, m: F32, n: int, *, isa: str | None = None) -> F32:
+    """The compiled kernel on ``x`` [..., K] without onnxruntime, on this thread (tests, timing)."""
+    xa = np.ascontiguousarray(x, np.float32)
+    if xa.ndim == 0 or xa.shape[-1] % BLOCK or xa.shape[-1] == 0 or n <= 0:
+        raise ValueError(f"x must be [..., K] with K a positive multiple of {BLOCK}, and n > 0")
+    k = xa.shape[-1]
+    nb, tiles = k // BLOCK, -(-n // TILE)
+    pk = np.ascontiguousarray(packed, np.uint8)
+    da, ma = np.ascontiguousarray(d, np.float32), np.ascontiguousarray(m, np.float32)
+    if pk.size != tiles * nb * TILE_BYTES or da.size != tiles * nb * TILE or ma.size != da.size:
+        raise ValueError(f"packed/d/m do not match K={k}, N={n} (see pack)")
+    y = np.empty((*xa.shape[:-1], n), np.float32)
+    _load(library(isa)).dejavuu_q41_gemm(
+        xa.ctypes.data, xa.size // k, pk.ctypes.data, da.ctypes.data, ma.ctypes.data, k, n, y.ctypes.data
+    )
+    return y
+
+
+def register(session_options: Any, isa: str | None = None) -> str:
+    """Register the operator with an ``onnxruntime.SessionOptions`` (building it first if needed);
+    returns the ISA path it runs. Raises :class:`KernelUnavailable` if it cannot be built or
+    onnxruntime refuses it."""
+    path = library(isa)
+    try:
+        session_options.register_custom_ops_library(str(path))
+    except Exception as e:  # onnxruntime's own error types, re-raised as ours
+        raise KernelUnavailable(f"onnxruntime refused the Q4_1 operator {path}: {e}") from e
+    return isa_of(path)
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the operator cannot run here (building, loading or registering it failed: the one-line
+    message), or None where it can. Checked once per process; never raises."""
+    try:
+        import onnxruntime as ort
+
+        register(ort.SessionOptions())
+    except Exception as e:  # noqa: BLE001 - any failure means "not here", and says why
+        logger.debug("the Q4_1 operator is not available: %s", e)
+        return str(e) or type(e).__name__
+    return None
+
+
+def available() -> bool:
+    """Whether the operator builds, loads and registers here (once per process; never raises)."""
+    return unavailable() is None

@@ -1,0 +1,88 @@
+"""`int4op` end to end on a tiny Llama GGUF (Q4_1 blocks): its body runs our own operator
+(kernels.q41) on the file's blocks, it passes every gate, every drafter reproduces plain decoding
+on it token for token (chains and trees), only our runtime is pointed at it, and a machine where
+the operator cannot be built says so in one line instead of building it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dejavuu_build import schema as S
+from dejavuu_build.build.config import TreeDecoderConfig
+from dejavuu_build.build.pipeline import build_tree_decoder
+from dejavuu_build.errors import KernelUnavailable
+from dejavuu_build.kernels import q41
+from dejavuu_build.runtime import load
+from dejavuu_build.runtime.drafters import METHODS
+
+pytestmark = pytest.mark.slow  # a build (~1 min on 2 cores)
+
+PROMPTS = ["hello hello hello world", "abcabcabcabc abcabc", "the cat the cat the cat"]
+
+
+@pytest.fixture(scope="module")
+def entry(cache_dir, tmp_path_factory):
+    from tiny import tiny_llama_gguf
+
+    src = tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf")
+    cfg = TreeDecoderConfig(
+        model=str(src),
+        name="tiny-int4op",
+        variants=("fp32", "int4op"),
+        timing=False,
+        reference_tokens=12,
+        kv_layouts=(S.KV_CONCAT, S.KV_STATIC),
+    )
+    return build_tree_decoder(cfg)
+
+
+def test_the_body_is_the_files_blocks_in_our_operator_and_passes_every_gate(entry):
+    m = entry.manifest
+    assert sorted(m.variants, key=S.variant_order) == ["fp32", "fp32-static", "int4op", "int4op-static"]
+    for v in ("int4op", "int4op-static"):
+        rec = m.variants[v]
+        assert rec.passed, (v, rec.gates)
+        batched = rec.gates["batched_vs_incremental"]
+        assert batched["mismatches"] == 0 and batched["logits_maxdiff"] == 0.0
+        assert rec.quant["operators"] == [q41.DOMAIN]
+    body = {k: n for k, n in m.variants["int4op"].quant["nodes"].items() if "/layers." in k}
+    assert len(body) == 2 * 7 and all(n.endswith("Q4_1 carried exactly (q41 operator)") for n in body.values()), body
+    # only runtimes that build our operator are pointed at it: the `dejavuu` package's view lists fp32
+    assert list(S.manifest_provenance(m)["variants"]) == ["fp32"]
+    assert not S.portable("int4op-static") and S.portable("int4-static")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_lossless_on_the_operator(entry, method):
+    m = load(entry.folder, variant="int4op-static")
+    for prompt in PROMPTS:
+        for temp in (0.0, 0.9):
+            base = m.generate(prompt, max_new_tokens=30, temperature=temp, seed=5)
+            for tree in (False, True):
+                r = m.generate(
+                    prompt, method=method, tree=tree, max_new_tokens=30, temperature=temp, seed=5, validate_drafts=True
+                )
+                assert r.tokens == base.tokens, (method, tree, temp, prompt)
+
+
+def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatch):
+    """No compiler: the explicit precision is refused with what to do (exit 2, one line), the
+    auto build's trial and quant-only's default skip it, and loading its graph says why."""
+    from test_trust_cli import invoke, one_line_error
+
+    from dejavuu_build import kernels
+    from dejavuu_build.build import pipeline
+
+    why = "no C++ compiler found: install g++ (or set CXX)"
+    monkeypatch.setattr(kernels, "unavailable", lambda ops: why)
+    r = invoke("quant-only", "--name", "tiny-int4op", "--variants", "int4op", "--no-timing")
+    one_line_error(r, "runs our own operator, which this machine cannot: no C++ compiler found")
+    assert pipeline._unrunnable("int4op") and not pipeline._unrunnable("int4")
+
+    def refuse(so):
+        raise KernelUnavailable(why)
+
+    monkeypatch.setitem(kernels.OPERATORS, q41.DOMAIN, refuse)
+    with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+        load(entry.folder, variant="int4op-static")
+    assert load(entry.folder, variant="fp32").variant == "fp32"  # a graph without it never asks for it
