@@ -103,7 +103,8 @@ class Precision:
 # lm_head_block (128) down that keeps rows exact on the building machine, or the GGUF's own table
 # where it keeps them exact too and is as fast (choose_table_block; blocks of 128 are row-variant on
 # an Intel AMX Xeon at K = 640). (Figures: docs/quantization.md, docs/exactness.md.)
-# The auto build makes int4 (in every KV layout) and int8 only when no int4 keeps the answers.
+# The auto build makes int4 (in every KV layout), then int4op and int8 only when no int4 keeps the
+# answers (else each as a timed trial, build.trial).
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
@@ -113,7 +114,7 @@ PRECISIONS: dict[str, Precision] = {
             QuantPlan(body_bits=8, body_block=32, lm_head_bits=8, lm_head_block=32, embed_bits=8, symmetric=True),
             teacher_forced_floor=0.85,
             quality_floor=0.96,
-            auto_tier=2,
+            auto_tier=3,
             genai="int8",
         ),
         Precision(
@@ -136,7 +137,8 @@ PRECISIONS: dict[str, Precision] = {
         # the file holds them, in our exact operator (kernels.q41) instead of MatMulNBits plus the
         # offset term; other weights as int4. One node per projection and no second rounding: the
         # spike measured one-token steps 0.69-0.81x int8-static's with a better gate (docs/speed.md).
-        # A timed trial of the auto build (build.trial), kept only where clearly faster.
+        # A timed trial of the auto build (build.trial), kept only where clearly faster; tried before
+        # int8 (faster than it on the CPU measured, so int8's trial then skips its gates).
         Precision(
             INT4OP,
             QuantPlan(
@@ -150,7 +152,7 @@ PRECISIONS: dict[str, Precision] = {
             ),
             teacher_forced_floor=0.70,
             quality_floor=0.75,
-            auto_tier=3,
+            auto_tier=2,
             genai="int4",
             operators=("dejavuu.q41",),
         ),

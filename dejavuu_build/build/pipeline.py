@@ -158,7 +158,7 @@ def _quantize_and_validate(
 def _auto_variants(folder: Path, manifest: Manifest, threads: int, timing: bool) -> None:
     """The default build (--variants auto): the fp32 export (what a rebuild and quant-only start
     from) and the precisions of the table's first auto tier (int4) in every KV layout, the
-    candidates the machine's measurements pick the default from; each next tier (int8) is added
+    candidates the machine's measurements pick the default from; each next tier (int4op, int8) is added
     only when no variant of the tiers before passes its gates and keeps the model's answers
     (keeps_answers), so a user always gets a default that does; otherwise it is tried for speed
     (build.trial) and kept only where faster. fp32's in-place flavours (each as large as the fp32

@@ -1,14 +1,17 @@
-"""Later tiers as timed trials: the auto build gates int4 (tier 1) in every layout; int8 (tier 2)
-keeps the answers as well (8-bit blocks, no offset term) but runs other kernels, slower than the
-exact int4 carry on some CPUs (AVX-512 + AMX Xeon: its 8-bit MatMulNBits cost 1.53x the 4-bit
-ones at one row, docs/speed.md) and maybe faster on others. Building, gating and keeping it
-everywhere would add ~40% to the build and break the entry's size budget, so the build quantizes
-it, writes its flavour in the layout of int4's preferred candidate, and times the two interleaved
-through the runtime's own Decoder. The trial variant stays (gated like every variant, a candidate
-the picker then times) only where it is clearly faster by the picker's rule; otherwise its files
-go and the manifest says what was measured (``default_reason["trials"]``). Its concat base (the
-file the flavour was derived from) goes either way: it is no faster than the flavour and 150 MB
-on SmolLM2, and quant-only derives it again from the fp32 export when asked."""
+"""Later tiers as timed trials: the auto build gates int4 (tier 1) in every layout; int4op (tier 2:
+the same blocks in our own operator, where it compiles) and int8 (tier 3: 8-bit blocks, no offset
+term) keep the answers as well but run other kernels, each faster or slower than the exact int4
+carry by CPU (AVX-512 + AMX Xeon: 8-bit MatMulNBits cost 1.53x the 4-bit ones at one row; AMD EPYC
+AVX-512 VNNI: int8-static 0.83x and int4op-static 0.64-0.73x int4-static's step, docs/speed.md).
+Building, gating and keeping them everywhere would add ~40% each to the build and break the entry's
+size budget, so the build quantizes each, writes its flavour in the layout of int4's preferred
+candidate, and times it interleaved against that candidate -- or against the last trial kept,
+which a faster one replaces (at most one trial flavour stays) -- through the runtime's own
+Decoder. A trial variant stays (gated like every variant, a candidate the picker then times) only
+where it is clearly faster by the picker's rule; otherwise its files go and the manifest says what
+was measured (``default_reason["trials"]``). Its concat base (the file the flavour was derived
+from) goes either way: it is no faster than the flavour and 100-150 MB on SmolLM2, and quant-only
+derives it again from the fp32 export when asked."""
 
 from __future__ import annotations
 

@@ -67,11 +67,11 @@ def test_the_readers_see_a_registered_precision(registered):
 
 
 def test_the_auto_build_follows_the_tiers(monkeypatch):
-    assert P.auto_tiers() == [(S.INT4,), (S.INT8,), (P.INT4OP,)]
+    assert P.auto_tiers() == [(S.INT4,), (P.INT4OP,), (S.INT8,)]
     monkeypatch.setitem(P.PRECISIONS, SYM, _throwaway(auto_tier=1))
-    assert P.auto_tiers() == [(S.INT4, SYM), (S.INT8,), (P.INT4OP,)]
-    assert "int4 and int4sym in every KV layout (int8 too when no int4 or int4sym keeps" in cli._auto_help()
-    assert "(int4op too when no int8 keeps" in cli._auto_help()
+    assert P.auto_tiers() == [(S.INT4, SYM), (P.INT4OP,), (S.INT8,)]
+    assert "int4 and int4sym in every KV layout (int4op too when no int4 or int4sym keeps" in cli._auto_help()
+    assert "(int8 too when no int4op keeps" in cli._auto_help()
 
 
 def test_the_default_floors_are_each_precisions(monkeypatch):
