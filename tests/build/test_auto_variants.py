@@ -76,13 +76,18 @@ def test_quant_only_gates_only_what_it_rewrote(auto_build):
     assert third.batched == before.batched
 
 
-def test_auto_adds_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):
-    # No int4 can reach a top-1 above 1: the build must add int8 (and never fp32's flavours).
+def test_auto_adds_int4op_then_int8_when_int4_loses_the_answers(cache_dir, monkeypatch, caplog):
+    # No variant can reach a top-1 above 1: the build must add the next tiers, int4op then int8, in
+    # every layout (and never fp32's flavours).
     for name in P.quantized():  # the default floors are each precision's (the precisions table)
         monkeypatch.setitem(P.PRECISIONS, name, replace(P.PRECISIONS[name], default_top1=1.01, default_mean_kl=0.0))
     with caplog.at_level(logging.INFO, logger="dejavuu"):
         m = _build(cache_dir, "auto-int8", seed=1).manifest
-    assert sorted(m.variants, key=S.variant_order) == INT4[:1] + ["int8", "int8-static", "int8-rowwise"] + INT4[1:]
+    int4op = ["int4op", "int4op-static", "int4op-rowwise"]
+    assert sorted(m.variants, key=S.variant_order) == (
+        INT4[:1] + ["int8", "int8-static", "int8-rowwise"] + INT4[1:] + int4op
+    )
     assert "int4 does not keep the model's answers here" in caplog.text and "int4-rowwise: top-1" in caplog.text
+    assert "int4 or int4op does not keep the model's answers here" in caplog.text
     assert all("quality" in m.variants[v].gates for v in m.variants if v != "fp32")
     assert m.default_variant is not None and m.variants[m.default_variant].passed
