@@ -44,6 +44,10 @@ class QuantPlan:
     # 16 whose MatMulNBits keeps rows exact (choose_table_block). The cost, measured: SmolLM2's Q8_0
     # lm-head in blocks of 32 ran 1.08-1.15x the time of re-rounded blocks of 64 (about 2% of a step).
     carry_table: bool = True
+    # With gguf_min "q41": the lm-head (tied: a copy of the table in the operator's layout) and the
+    # body's other 8-bit blocks of 32 in our operator too (kernels.q41's centred form), rows exact
+    # by construction (no block to measure); its 8-row step is what a verify step pays most for
+    lm_head_op: bool = False
     # With carry_table off: carry the file's blocks only where they run at most this factor slower,
     # at 1, 2 and 8 rows, than the largest exact block (timed at build: the bytes follow the load).
     table_carry_slowdown: float = 0.0
@@ -149,6 +153,7 @@ PRECISIONS: dict[str, Precision] = {
                 embed_bits=8,
                 symmetric=False,
                 gguf_min="q41",
+                lm_head_op=True,
             ),
             teacher_forced_floor=0.70,
             quality_floor=0.75,

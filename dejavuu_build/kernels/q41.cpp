@@ -1,31 +1,48 @@
-// Q41MatMul (domain dejavuu.q41, opset 1): an exact Q4_1 x int8-activation matmul as an onnxruntime
-// custom operator, compiled on the user's machine on first use by dejavuu_build/kernels/q41.py
-// (which also writes the weights, pack(), and holds the same arithmetic in numpy, reference()).
+// Q41MatMul (domain dejavuu.q41, opset 1): an exact matmul of block-quantized weights (4- or 8-bit
+// levels, blocks of 32 along K) by int8-rounded activations, as an onnxruntime custom operator,
+// compiled on the user's machine on first use by dejavuu_build/kernels/q41.py (which also writes
+// the weights, pack(), and holds the same arithmetic in numpy, reference()).
 // Grown from docs/spikes/q41_op.cpp and q41_gemm.cpp.
 //
-// Inputs   A float [..., K]; packed uint8 [tiles*nb*256]; d float [tiles*nb*16]; m float [tiles*nb*16]
-// Attrs    K (a multiple of 32), N (the real output width); tiles = ceil(N/16), nb = K/32
+// Inputs   A float [..., K]
+//          packed uint8 [tiles*nb*64*bits] (per tile and block: 256 bytes at 4 bits, 512 at 8)
+//          d float or float16 [tiles*nb*16]
+//          m optional, d's type, [tiles*nb*16]: omitted (an empty name, or no 4th input) is the
+//            centred form below
+// Attrs    K (a multiple of 32), N (the real output width), bits (4 or 8; absent: 4);
+//          tiles = ceil(N/16), nb = K/32
 // Output   Y float [..., N]
 //
-// Weights: column n, block b (32 consecutive k): w[k, n] = d[b,n] * q + m[b,n], q a 4-bit level
-// 0..15 (GGUF Q4_1, Q4_K and Q4_0 all have this form per 32). Per tile of 16 columns and block, 256
-// bytes: 4 groups of 64 (16 columns x 4 bytes); byte g*64 + lane*4 + e holds the level of k = 4g+e
-// in its low nibble and of k = 16+4g+e in its high one. Columns past N are zero levels, d = m = 0.
+// Weights, column n, block b (32 consecutive k), levels q in 0..2^bits-1:
+//   minimum form (m given):  w[k, n] = d[b,n] * q + m[b,n]       (GGUF Q4_1; Q4_K, Q4_0 per 32 too)
+//   centred form (no m):     w[k, n] = d[b,n] * (q - 2^(bits-1))  (GGUF Q4_0: q, d; Q8_0: q_s8 + 128, d)
+// float16 d and m are converted to float exactly: the same bits as the same values given as float.
+// Layout, per tile of 16 columns and block (d and m: [tiles][nb][16]; columns past N are zero
+// levels, d = m = 0):
+//   bits 4: 256 bytes, 4 groups of 64 (16 columns x 4 bytes); byte g*64 + lane*4 + e holds the
+//           level of k = 4g+e in its low nibble and of k = 16+4g+e in its high one
+//   bits 8: 512 bytes, 8 groups of 64; byte g*64 + lane*4 + e holds the level of k = 4g+e
 //
 // Arithmetic, the same float operations in the same order on every ISA path (so every path gives
 // the same bits) and for every row whatever the row count (a row alone and among 8 gives the same
 // bits, which is what keeps speculative verification lossless):
 //   per row and block:  sc = amax/127.f; inv = sc ? 1.f/sc : 0.f; qa = round_half_even(v*inv);
-//                       ssum = sc * (float)sum(qa)
+//                       isum = sum(qa) (int32); ssum = sc * (float)isum
 //   per row and column: acc = 0.f; for b in order: dot = int32 sum_j q*qa;
-//                       acc = acc + fmaf(m, ssum, (float)dot * (d*sc))
-// Non-finite activations give non-finite outputs whose bits are left unspecified.
+//     minimum form:     acc = acc + fmaf(m, ssum, (float)dot * (d*sc))
+//     centred form:     dotc = dot - 2^(bits-1) * isum (exact); acc = acc + (float)dotc * (d*sc)
+//   (|dot| <= 32*255*127 < 2^24: every int32 -> float conversion is exact)
+// Non-finite activations or scales give non-finite outputs whose bits are left unspecified.
 //
 // ISA paths, chosen at compile time from the predefined macros (the JIT builds with -march=native):
-//   avx512vnni  AVX-512 F+BW+VNNI: vpdpbusd over 4 levels per lane, 16 columns per zmm
+//   avx512vnni  AVX-512 F+BW+VNNI: vpdpbusd over 4 levels per lane, 16 columns per zmm (8-bit
+//               levels straight from memory, no unpacking); float16 scales by vcvtph2ps
 //   avx2        AVX2+FMA (AVX-512 CPUs without VNNI too): two 8-column halves, vpmaddubsw (levels
 //               0..15 unsigned x int8 activations: at most 2*15*127 per pair, and 8 groups summed
-//               in int16 stay under 8*3810 = 30480, so no saturation) then vpmaddwd with ones
+//               in int16 stay under 8*3810 = 30480, so no saturation) then vpmaddwd with ones;
+//               8-bit levels split into nibbles, dot = dot(lo) + 16*dot(hi) (each as above: a
+//               byte x 127 pair could reach 2*255*127 and saturate int16); float16 scales by F16C
+//               where the compiler has it (-mf16c), else converted one by one
 //   scalar      portable C++ (std::nearbyint under the default rounding mode, std::fma)
 // Build flags: -ffp-contract=off and never -ffast-math (the order above is the contract).
 //
@@ -33,6 +50,9 @@
 // <= 17 (KernelContext_ParallelFor, onnxruntime 1.17, is the newest one used). RegisterCustomOps
 // asks for the highest API version both the headers and the running library have, down to 17, and
 // stamps the operator with it (onnxruntime refuses an OrtCustomOp whose version is above its own).
+// The optional m (GetInputCharacteristic: OrtCustomOp version >= 8) and d/m of any element type
+// (GetInputType UNDEFINED: each input its own "all types" constraint, onnxruntime >= 1.17;
+// checked at Compute) need nothing newer.
 #include "onnxruntime_c_api.h"
 
 #include <algorithm>
@@ -56,22 +76,25 @@
 
 namespace {
 
-constexpr int BL = 32;               // block length along K
-constexpr int TN = 16;               // columns per tile
-constexpr int64_t kTileBytes = 256;  // packed bytes per tile and block
-constexpr size_t kBatches = 0;       // ParallelFor: no cap on the number of batches (as timed)
-constexpr uint32_t kMinApi = 17;     // KernelContext_ParallelFor
+constexpr int BL = 32;            // block length along K
+constexpr int TN = 16;            // columns per tile
+constexpr size_t kBatches = 0;    // ParallelFor: no cap on the number of batches (as timed)
+constexpr uint32_t kMinApi = 17;  // KernelContext_ParallelFor
 constexpr const char* kDomain = "dejavuu.q41";
 constexpr const char* kOp = "Q41MatMul";
 
+// packed bytes per tile and block: 16 columns x 32 levels of `bits` bits (256 at 4 bits, 512 at 8)
+constexpr int64_t tile_bytes(int bits) { return (int64_t)TN * BL * bits / 8; }
+
 struct Job {
   const uint8_t* q;
-  const float* d;
-  const float* m;
-  const int8_t* qa;   // [rows][K]
-  const float* s;     // [rows][nb]
-  const float* ssum;  // [rows][nb]
-  float* y;           // [rows][N]
+  const void* d;        // float, or uint16_t holding float16 bits (the instantiation says which)
+  const void* m;        // d's type; null in the centred form
+  const int8_t* qa;     // [rows][K]
+  const float* s;       // [rows][nb]
+  const float* ssum;    // [rows][nb]
+  const int32_t* isum;  // [rows][nb]
+  float* y;             // [rows][N]
   int64_t K, N, nb, rows;
 };
 
@@ -86,11 +109,35 @@ inline void store_cols(float* dst, const float* tmp, int width) {
   std::memcpy(dst, tmp, sizeof(float) * (size_t)width);
 }
 
+// IEEE half -> float, exact (every half is a float): subnormals normalised, inf kept, NaN quieted.
+[[maybe_unused]] inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+  uint32_t b;
+  if (e == 0x1F) {
+    b = sign | 0x7F800000u | (f << 13) | (f != 0 ? 0x400000u : 0u);
+  } else if (e != 0) {
+    b = sign | ((e + 112u) << 23) | (f << 13);
+  } else if (f == 0) {
+    b = sign;
+  } else {  // f * 2^-24 = 1.x * 2^(-14-sh) once f << sh has bit 10 set
+    uint32_t ff = f, sh = 0;
+    while (!(ff & 0x400u)) {
+      ff <<= 1;
+      sh++;
+    }
+    b = sign | ((113u - sh) << 23) | ((ff & 0x3FFu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
 // ------------------------------------------------------------------ activations, per row and block
 #if defined(Q41_AVX512VNNI)
 constexpr const char* kIsa = "avx512vnni";
 
-void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
+void quantize_block(const float* v, int8_t* qa, float* s, float* ssum, int32_t* isum) {
   __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   float sc = amax / 127.f, inv = sc != 0.f ? 1.f / sc : 0.f;
@@ -101,12 +148,13 @@ void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
   int tot = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   *s = sc;
   *ssum = sc * (float)tot;
+  *isum = tot;
 }
 
 #elif defined(Q41_AVX2)
 constexpr const char* kIsa = "avx2";
 
-void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
+void quantize_block(const float* v, int8_t* qa, float* s, float* ssum, int32_t* isum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4], a = _mm256_setzero_ps();
   for (int i = 0; i < 4; i++) {
@@ -134,12 +182,13 @@ void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
   int tot = _mm_cvtsi128_si32(t4);
   *s = sc;
   *ssum = sc * (float)tot;
+  *isum = tot;
 }
 
 #else
 constexpr const char* kIsa = "scalar";
 
-void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
+void quantize_block(const float* v, int8_t* qa, float* s, float* ssum, int32_t* isum) {
   float amax = 0.f;
   for (int j = 0; j < BL; j++) amax = std::max(amax, std::fabs(v[j]));
   float sc = amax / 127.f, inv = sc != 0.f ? 1.f / sc : 0.f;
@@ -152,34 +201,54 @@ void quantize_block(const float* v, int8_t* qa, float* s, float* ssum) {
   }
   *s = sc;
   *ssum = sc * (float)tot;
+  *isum = tot;
 }
 #endif
 
-void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* qa, float* s, float* ssum) {
+void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* qa, float* s, float* ssum, int32_t* isum) {
   const int64_t nb = K / BL;
   for (int64_t r = 0; r < rows; r++)
-    for (int64_t b = 0; b < nb; b++)
-      quantize_block(x + r * K + b * BL, qa + r * K + b * BL, s + r * nb + b, ssum + r * nb + b);
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t i = r * nb + b;
+      quantize_block(x + r * K + b * BL, qa + r * K + b * BL, s + i, ssum + i, isum + i);
+    }
 }
 
 // ------------------------------------------------------------------ one tile of 16 columns, M rows
+// Template parameters: M rows (1..8), BITS (4 or 8), CENTRED (no m), S the scales' element type
+// (float, or uint16_t holding float16 bits).
 #if defined(Q41_AVX512VNNI)
-template <int M>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+template <int M, int BITS, bool CENTRED, typename S>
 void tile(const Job& j, int64_t t, int64_t r0) {
+  constexpr int64_t TB = tile_bytes(BITS);
   const int width = (int)std::min<int64_t>(TN, j.N - t * TN);
+  const S* ds = static_cast<const S*>(j.d);
+  const S* ms = static_cast<const S*>(j.m);
   __m512 acc[M];
   for (int r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < j.nb; b++) {
-    const uint8_t* p = j.q + (t * j.nb + b) * kTileBytes;
-    __m512i wv[8];
-    for (int g = 0; g < 4; g++) {
-      __m512i raw = _mm512_loadu_si512(p + 64 * g);
-      wv[g] = _mm512_and_si512(raw, lo4);
-      wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+    const uint8_t* p = j.q + (t * j.nb + b) * TB;
+    __m512i wv[8];  // wv[g]: the levels of k = 4g..4g+3, 4 bytes per column
+    if constexpr (BITS == 4) {
+      const __m512i lo4 = _mm512_set1_epi8(0x0F);
+      for (int g = 0; g < 4; g++) {
+        __m512i raw = _mm512_loadu_si512(p + 64 * g);
+        wv[g] = _mm512_and_si512(raw, lo4);
+        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+      }
+    } else {
+      for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(p + 64 * g);
     }
-    __m512 dv = _mm512_loadu_ps(j.d + (t * j.nb + b) * TN);
-    __m512 mv = _mm512_loadu_ps(j.m + (t * j.nb + b) * TN);
+    const int64_t o = (t * j.nb + b) * TN;
+    const __m512 dv = load16(ds + o);
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (!CENTRED) mv = load16(ms + o);
+    // rows unrolled: each row's acc stays in a register (8 rows at 8 bits: 3.2 -> 2.0 ms on the
+    // lm-head's K 576 x N 49152, one Zen 4 core), not in a stack slot that every block reloads
+#pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
       const int8_t* qa = j.qa + (r0 + r) * j.K + b * BL;
       __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
@@ -188,9 +257,15 @@ void tile(const Job& j, int64_t t, int64_t r0) {
         d1 = _mm512_dpbusd_epi32(d1, wv[g + 1], _mm512_set1_epi32(load_i32(qa + 4 * g + 4)));
       }
       __m512i dot = _mm512_add_epi32(d0, d1);
-      const float s = j.s[(r0 + r) * j.nb + b], sm = j.ssum[(r0 + r) * j.nb + b];
-      __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(s)));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(mv, _mm512_set1_ps(sm), t1));
+      const int64_t rb = (r0 + r) * j.nb + b;
+      const __m512 dsc = _mm512_mul_ps(dv, _mm512_set1_ps(j.s[rb]));
+      if constexpr (CENTRED) {
+        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(j.isum[rb] * (1 << (BITS - 1))));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dsc));
+      } else {
+        __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dsc);
+        acc[r] = _mm512_add_ps(acc[r], _mm512_fmadd_ps(mv, _mm512_set1_ps(j.ssum[rb]), t1));
+      }
     }
   }
   for (int r = 0; r < M; r++) {
@@ -206,33 +281,70 @@ void tile(const Job& j, int64_t t, int64_t r0) {
 }
 
 #elif defined(Q41_AVX2)
-template <int M>
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  alignas(32) float tmp[8];
+  for (int i = 0; i < 8; i++) tmp[i] = half_to_float(p[i]);
+  return _mm256_load_ps(tmp);
+#endif
+}
+
+// The int32 dot of 8 columns' levels (lo: 4 bytes per column per group, 0..15) with the row's 32
+// activations, through int16 sums of vpmaddubsw pairs (at most 8*2*15*127 = 30480: exact).
+inline __m256i dot_nibbles(const __m256i* w, const int8_t* qa, __m256i mul16) {
+  __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(qa)));
+  for (int g = 1; g < 8; g++)
+    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_i32(qa + 4 * g))));
+  return _mm256_madd_epi16(s16, mul16);
+}
+
+template <int M, int BITS, bool CENTRED, typename S>
 void tile(const Job& j, int64_t t, int64_t r0) {
+  constexpr int64_t TB = tile_bytes(BITS);
   const int width = (int)std::min<int64_t>(TN, j.N - t * TN);
+  const S* ds = static_cast<const S*>(j.d);
+  const S* ms = static_cast<const S*>(j.m);
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   for (int h = 0; h < 2 && 8 * h < width; h++) {  // a half wholly past N is not computed
     __m256 acc[M];
     for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < j.nb; b++) {
-      const uint8_t* p = j.q + (t * j.nb + b) * kTileBytes + 32 * h;  // columns 8h..8h+7
-      __m256i wv[8];
-      for (int g = 0; g < 4; g++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-        wv[g] = _mm256_and_si256(raw, lo4);
-        wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      const uint8_t* p = j.q + (t * j.nb + b) * TB + 32 * h;  // columns 8h..8h+7
+      __m256i wv[BITS == 4 ? 8 : 16];  // [g]: k = 4g..4g+3 (8 bits: low nibbles; [8+g]: high ones)
+      if constexpr (BITS == 4) {
+        for (int g = 0; g < 4; g++) {
+          __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
+          wv[g] = _mm256_and_si256(raw, lo4);
+          wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        }
+      } else {
+        for (int g = 0; g < 8; g++) {
+          __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
+          wv[g] = _mm256_and_si256(raw, lo4);
+          wv[g + 8] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        }
       }
-      __m256 dv = _mm256_loadu_ps(j.d + (t * j.nb + b) * TN + 8 * h);
-      __m256 mv = _mm256_loadu_ps(j.m + (t * j.nb + b) * TN + 8 * h);
+      const int64_t o = (t * j.nb + b) * TN + 8 * h;
+      const __m256 dv = load8(ds + o);
+      __m256 mv = _mm256_setzero_ps();
+      if constexpr (!CENTRED) mv = load8(ms + o);
       for (int r = 0; r < M; r++) {
         const int8_t* qa = j.qa + (r0 + r) * j.K + b * BL;
-        __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(load_i32(qa)));
-        for (int g = 1; g < 8; g++)
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[g], _mm256_set1_epi32(load_i32(qa + 4 * g))));
-        __m256i dot = _mm256_madd_epi16(s16, ones);
-        const float s = j.s[(r0 + r) * j.nb + b], sm = j.ssum[(r0 + r) * j.nb + b];
-        __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_set1_ps(s)));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(mv, _mm256_set1_ps(sm), t1));
+        __m256i dot = dot_nibbles(wv, qa, ones);
+        if constexpr (BITS == 8) dot = _mm256_add_epi32(dot, dot_nibbles(wv + 8, qa, sixteen));
+        const int64_t rb = (r0 + r) * j.nb + b;
+        const __m256 dsc = _mm256_mul_ps(dv, _mm256_set1_ps(j.s[rb]));
+        if constexpr (CENTRED) {
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(j.isum[rb] * (1 << (BITS - 1))));
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dsc));
+        } else {
+          __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dsc);
+          acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(mv, _mm256_set1_ps(j.ssum[rb]), t1));
+        }
       }
     }
     const int w = std::min(8, width - 8 * h);
@@ -250,28 +362,45 @@ void tile(const Job& j, int64_t t, int64_t r0) {
 }
 
 #else
-template <int M>
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return half_to_float(*p); }
+
+template <int M, int BITS, bool CENTRED, typename S>
 void tile(const Job& j, int64_t t, int64_t r0) {
+  constexpr int64_t TB = tile_bytes(BITS);
   const int width = (int)std::min<int64_t>(TN, j.N - t * TN);
+  const S* ds = static_cast<const S*>(j.d);
+  const S* ms = static_cast<const S*>(j.m);
   float acc[M][TN];
   for (int r = 0; r < M; r++)
     for (int n = 0; n < TN; n++) acc[r][n] = 0.f;
   for (int64_t b = 0; b < j.nb; b++) {
-    const uint8_t* p = j.q + (t * j.nb + b) * kTileBytes;
-    const float* dp = j.d + (t * j.nb + b) * TN;
-    const float* mp = j.m + (t * j.nb + b) * TN;
+    const uint8_t* p = j.q + (t * j.nb + b) * TB;
+    const int64_t o = (t * j.nb + b) * TN;
     for (int r = 0; r < M; r++) {
       const int8_t* qa = j.qa + (r0 + r) * j.K + b * BL;
-      const float s = j.s[(r0 + r) * j.nb + b], sm = j.ssum[(r0 + r) * j.nb + b];
+      const int64_t rb = (r0 + r) * j.nb + b;
+      const float s = j.s[rb];
       for (int n = 0; n < TN; n++) {
         int32_t dot = 0;
-        for (int g = 0; g < 4; g++)
-          for (int e = 0; e < 4; e++) {
-            const int byte = p[64 * g + 4 * n + e];
-            dot += (byte & 15) * qa[4 * g + e] + (byte >> 4) * qa[16 + 4 * g + e];
-          }
-        const float t1 = (float)dot * (dp[n] * s);
-        acc[r][n] = acc[r][n] + std::fma(mp[n], sm, t1);
+        if constexpr (BITS == 4) {
+          for (int g = 0; g < 4; g++)
+            for (int e = 0; e < 4; e++) {
+              const int byte = p[64 * g + 4 * n + e];
+              dot += (byte & 15) * qa[4 * g + e] + (byte >> 4) * qa[16 + 4 * g + e];
+            }
+        } else {
+          for (int g = 0; g < 8; g++)
+            for (int e = 0; e < 4; e++) dot += (int)p[64 * g + 4 * n + e] * qa[4 * g + e];
+        }
+        const float dsc = load1(ds + o + n) * s;
+        if constexpr (CENTRED) {
+          const int32_t dotc = dot - j.isum[rb] * (1 << (BITS - 1));
+          acc[r][n] = acc[r][n] + (float)dotc * dsc;
+        } else {
+          const float t1 = (float)dot * dsc;
+          acc[r][n] = acc[r][n] + std::fma(load1(ms + o + n), j.ssum[rb], t1);
+        }
       }
     }
   }
@@ -281,26 +410,38 @@ void tile(const Job& j, int64_t t, int64_t r0) {
 
 // Every row of the tile, in groups of up to 8: each row's arithmetic is its own, so the grouping
 // changes the speed only, never a bit.
+template <int BITS, bool CENTRED, typename S>
 void run_tile(void* data, size_t t) {
   const Job& j = *static_cast<const Job*>(data);
   for (int64_t r0 = 0; r0 < j.rows; r0 += 8) {
     switch (std::min<int64_t>(8, j.rows - r0)) {
-      case 1: tile<1>(j, (int64_t)t, r0); break;
-      case 2: tile<2>(j, (int64_t)t, r0); break;
-      case 3: tile<3>(j, (int64_t)t, r0); break;
-      case 4: tile<4>(j, (int64_t)t, r0); break;
-      case 5: tile<5>(j, (int64_t)t, r0); break;
-      case 6: tile<6>(j, (int64_t)t, r0); break;
-      case 7: tile<7>(j, (int64_t)t, r0); break;
-      default: tile<8>(j, (int64_t)t, r0); break;
+      case 1: tile<1, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 2: tile<2, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 3: tile<3, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 4: tile<4, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 5: tile<5, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 6: tile<6, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      case 7: tile<7, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
+      default: tile<8, BITS, CENTRED, S>(j, (int64_t)t, r0); break;
     }
   }
+}
+
+using RunTile = void (*)(void*, size_t);
+
+// The instantiation for a form: bits 4 or 8, centred (no m) or not, float16 scales or float.
+RunTile pick(int bits, bool centred, bool half) {
+  static const RunTile table[2][2][2] = {
+      {{run_tile<4, false, float>, run_tile<4, false, uint16_t>}, {run_tile<4, true, float>, run_tile<4, true, uint16_t>}},
+      {{run_tile<8, false, float>, run_tile<8, false, uint16_t>}, {run_tile<8, true, float>, run_tile<8, true, uint16_t>}},
+  };
+  return table[bits == 8][centred][half];
 }
 
 // ------------------------------------------------------------------ the onnxruntime operator
 struct Kernel {
   const OrtApi* api;
-  int64_t K, N;
+  int64_t K, N, bits;
 };
 
 OrtStatus* invalid(const OrtApi* api, const std::string& what) {
@@ -313,11 +454,13 @@ OrtStatus* invalid(const OrtApi* api, const std::string& what) {
     if (st_ != nullptr) return st_; \
   } while (0)
 
-OrtStatus* shape_of(const OrtApi* api, const OrtValue* v, std::vector<int64_t>& dims) {
+OrtStatus* shape_of(const OrtApi* api, const OrtValue* v, std::vector<int64_t>& dims,
+                    ONNXTensorElementDataType* type) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
   Q41_CHECK(api->GetTensorTypeAndShape(v, &info));
   size_t n = 0;
-  OrtStatus* st = api->GetDimensionsCount(info, &n);
+  OrtStatus* st = api->GetTensorElementType(info, type);
+  if (st == nullptr) st = api->GetDimensionsCount(info, &n);
   if (st == nullptr) {
     dims.assign(n, 0);
     st = api->GetDimensions(info, dims.data(), n);
@@ -326,16 +469,29 @@ OrtStatus* shape_of(const OrtApi* api, const OrtValue* v, std::vector<int64_t>& 
   return st;
 }
 
-OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, const OrtValue** v, std::vector<int64_t>& dims) {
+// Input i, its dimensions and element type; a missing input is refused unless `optional` (then
+// *v is null: onnxruntime gives null for an omitted optional input, an empty name or none at all).
+OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, const OrtValue** v, std::vector<int64_t>& dims,
+                 ONNXTensorElementDataType* type, bool optional = false) {
   Q41_CHECK(api->KernelContext_GetInput(ctx, i, v));
-  if (*v == nullptr) return invalid(api, "input " + std::to_string(i) + " is missing");
-  return shape_of(api, *v, dims);
+  if (*v == nullptr) return optional ? nullptr : invalid(api, "input " + std::to_string(i) + " is missing");
+  return shape_of(api, *v, dims, type);
 }
 
 int64_t count(const std::vector<int64_t>& dims) {
   int64_t c = 1;
   for (int64_t x : dims) c *= x;
   return c;
+}
+
+std::string type_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "double";
+    default: return "element type " + std::to_string((int)t);
+  }
 }
 
 template <typename T>
@@ -350,17 +506,26 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const OrtApi* api = k.api;
   const OrtValue *a = nullptr, *qv = nullptr, *dv = nullptr, *mv = nullptr;
   std::vector<int64_t> ad, qd, dd, md;
-  Q41_CHECK(input(api, ctx, 0, &a, ad));
-  Q41_CHECK(input(api, ctx, 1, &qv, qd));
-  Q41_CHECK(input(api, ctx, 2, &dv, dd));
-  Q41_CHECK(input(api, ctx, 3, &mv, md));
-  const int64_t nb = k.K / BL, tiles = (k.N + TN - 1) / TN;
+  ONNXTensorElementDataType at{}, qt{}, dt{}, mt{};
+  Q41_CHECK(input(api, ctx, 0, &a, ad, &at));
+  Q41_CHECK(input(api, ctx, 1, &qv, qd, &qt));
+  Q41_CHECK(input(api, ctx, 2, &dv, dd, &dt));
+  Q41_CHECK(input(api, ctx, 3, &mv, md, &mt, /*optional=*/true));
+  const bool centred = mv == nullptr;
+  const int64_t nb = k.K / BL, tiles = (k.N + TN - 1) / TN, tb = tile_bytes((int)k.bits);
   if (ad.empty() || ad.back() != k.K)
     return invalid(api, "A's last dimension must be K = " + std::to_string(k.K));
-  if (count(qd) != tiles * nb * kTileBytes)
-    return invalid(api, "packed must hold tiles*nb*256 = " + std::to_string(tiles * nb * kTileBytes) + " bytes");
-  if (count(dd) != tiles * nb * TN || count(md) != tiles * nb * TN)
-    return invalid(api, "d and m must hold tiles*nb*16 = " + std::to_string(tiles * nb * TN) + " floats");
+  if (count(qd) != tiles * nb * tb)
+    return invalid(api, "packed must hold tiles*nb*" + std::to_string(tb) + " = " + std::to_string(tiles * nb * tb) +
+                            " bytes (bits = " + std::to_string(k.bits) + ")");
+  if (dt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && dt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+    return invalid(api, "d must be float or float16, got " + type_name(dt));
+  if (!centred && mt != dt)
+    return invalid(api, "d and m must have the same element type (float or float16), got d " + type_name(dt) +
+                            " and m " + type_name(mt));
+  if (count(dd) != tiles * nb * TN || (!centred && count(md) != tiles * nb * TN))
+    return invalid(api, std::string(centred ? "d" : "d and m") + " must hold tiles*nb*16 = " +
+                            std::to_string(tiles * nb * TN) + " values");
   const int64_t rows = count(ad) / k.K;
   std::vector<int64_t> od = ad;
   od.back() = k.N;
@@ -369,21 +534,39 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   if (rows == 0) return nullptr;
   const float* x = nullptr;
   const uint8_t* q = nullptr;
-  const float *d = nullptr, *m = nullptr;
+  const void *d = nullptr, *m = nullptr;
   float* y = nullptr;
   Q41_CHECK(data(api, a, &x));
   Q41_CHECK(data(api, qv, &q));
   Q41_CHECK(data(api, dv, &d));
-  Q41_CHECK(data(api, mv, &m));
+  if (!centred) Q41_CHECK(data(api, mv, &m));
   Q41_CHECK(data(api, out, &y));
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<float> s, ssum;
+  thread_local std::vector<int32_t> isum;
   qa.resize((size_t)(rows * k.K));
   s.resize((size_t)(rows * nb));
   ssum.resize((size_t)(rows * nb));
-  quantize_rows(x, rows, k.K, qa.data(), s.data(), ssum.data());
-  Job j{q, d, m, qa.data(), s.data(), ssum.data(), y, k.K, k.N, nb, rows};
-  return api->KernelContext_ParallelFor(ctx, run_tile, (size_t)tiles, kBatches, &j);
+  isum.resize((size_t)(rows * nb));
+  quantize_rows(x, rows, k.K, qa.data(), s.data(), ssum.data(), isum.data());
+  Job j{q, d, m, qa.data(), s.data(), ssum.data(), isum.data(), y, k.K, k.N, nb, rows};
+  RunTile run = pick((int)k.bits, centred, dt == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16);
+  return api->KernelContext_ParallelFor(ctx, run, (size_t)tiles, kBatches, &j);
+}
+
+// Whether attribute `name` exists as a float, a string or ints (reading it as one int failed).
+bool other_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
+  float f = 0.f;
+  size_t size = 0;
+  OrtStatus* sts[3] = {api->KernelInfoGetAttribute_float(info, name, &f),
+                       api->KernelInfoGetAttribute_string(info, name, nullptr, &size),
+                       api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size)};
+  bool found = false;
+  for (OrtStatus* st : sts) {
+    if (st == nullptr) found = true;
+    else api->ReleaseStatus(st);
+  }
+  return found;
 }
 
 struct Q41Op : OrtCustomOp {
@@ -393,12 +576,16 @@ struct Q41Op : OrtCustomOp {
     GetName = [](const OrtCustomOp*) { return kOp; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
     GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
+    // d and m: any type here (each input its own constraint), float or float16 checked at Compute
     GetInputType = [](const OrtCustomOp*, size_t i) {
-      return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                    : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // m: omitted is the centred form
+    };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
@@ -408,12 +595,18 @@ struct Q41Op : OrtCustomOp {
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
-      int64_t K = 0, N = 0;
+      int64_t K = 0, N = 0, bits = 4;
       Q41_CHECK(api->KernelInfoGetAttribute_int64(info, "K", &K));
       Q41_CHECK(api->KernelInfoGetAttribute_int64(info, "N", &N));
+      if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "bits", &bits)) {  // absent: 4
+        api->ReleaseStatus(st);
+        if (other_attribute(api, info, "bits")) return invalid(api, "attribute bits must be an int, 4 or 8");
+        bits = 4;
+      }
       if (K <= 0 || K % BL != 0) return invalid(api, "attribute K must be a positive multiple of 32");
       if (N <= 0) return invalid(api, "attribute N must be positive");
-      *kernel = new (std::nothrow) Kernel{api, K, N};
+      if (bits != 4 && bits != 8) return invalid(api, "attribute bits must be 4 or 8, got " + std::to_string(bits));
+      *kernel = new (std::nothrow) Kernel{api, K, N, bits};
       return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "Q41MatMul: out of memory");
     };
     KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
@@ -452,21 +645,39 @@ Negotiated negotiate(const OrtApiBase* base) {
   return {nullptr, 0};
 }
 
+void gemm(const float* A, int64_t rows, const uint8_t* packed, const void* d, const void* m, int64_t K, int64_t N,
+          int bits, bool half, float* Y) {
+  const int64_t nb = K / BL, tiles = (N + TN - 1) / TN;
+  std::vector<int8_t> qa((size_t)(rows * K));
+  std::vector<float> s((size_t)(rows * nb)), ssum((size_t)(rows * nb));
+  std::vector<int32_t> isum((size_t)(rows * nb));
+  quantize_rows(A, rows, K, qa.data(), s.data(), ssum.data(), isum.data());
+  Job j{packed, d, m, qa.data(), s.data(), ssum.data(), isum.data(), Y, K, N, nb, rows};
+  RunTile run = pick(bits, m == nullptr, half);
+  for (int64_t t = 0; t < tiles; t++) run(&j, (size_t)t);
+}
+
 }  // namespace
 
 Q41_EXPORT const char* dejavuu_q41_isa() { return kIsa; }
 
 // The kernel without onnxruntime, single-threaded, for tests and timing (q41.py calls it through
 // ctypes). The caller checks the shapes: K a multiple of 32, packed/d/m as pack() writes them.
+// The original form: 4-bit levels, float d and m.
 Q41_EXPORT void dejavuu_q41_gemm(const float* A, int64_t rows, const uint8_t* packed, const float* d, const float* m,
                                  int64_t K, int64_t N, float* Y) {
-  if (rows <= 0 || K <= 0 || N <= 0) return;
-  const int64_t nb = K / BL, tiles = (N + TN - 1) / TN;
-  std::vector<int8_t> qa((size_t)(rows * K));
-  std::vector<float> s((size_t)(rows * nb)), ssum((size_t)(rows * nb));
-  quantize_rows(A, rows, K, qa.data(), s.data(), ssum.data());
-  Job j{packed, d, m, qa.data(), s.data(), ssum.data(), Y, K, N, nb, rows};
-  for (int64_t t = 0; t < tiles; t++) run_tile(&j, (size_t)t);
+  if (rows <= 0 || K <= 0 || K % BL != 0 || N <= 0 || m == nullptr) return;
+  gemm(A, rows, packed, d, m, K, N, 4, false, Y);
+}
+
+// Every form: bits 4 or 8; m null is the centred form; half != 0: d and m are float16 (uint16
+// bits), else float. Returns 0, or -1 (nothing computed) for bits not 4/8 or K not a positive
+// multiple of 32.
+Q41_EXPORT int dejavuu_q41_gemm2(const float* A, int64_t rows, const uint8_t* packed, const void* d, const void* m,
+                                 int64_t K, int64_t N, int64_t bits, int32_t half, float* Y) {
+  if ((bits != 4 && bits != 8) || K <= 0 || K % BL != 0) return -1;
+  if (rows > 0 && N > 0) gemm(A, rows, packed, d, m, K, N, (int)bits, half != 0, Y);
+  return 0;
 }
 
 Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {

@@ -1,21 +1,35 @@
-"""Q41MatMul: an exact Q4_1 x int8-activation matmul as an onnxruntime custom operator (q41.cpp),
-compiled on first use on this machine (pip install stays pure Python) for the best ISA path it has.
+"""Q41MatMul: an exact matmul of block-quantized weights (4- or 8-bit levels in blocks of 32 along
+K) by int8-rounded activations, as an onnxruntime custom operator (q41.cpp), compiled on first use
+on this machine (pip install stays pure Python) for the best ISA path it has.
 
 The quantizer writes the weights with :func:`pack`; the runtime calls :func:`register` on its
 ``SessionOptions``; :func:`reference` is the operator's arithmetic in numpy, bit for bit, and
 :func:`gemm` runs the compiled kernel without onnxruntime (tests, timing).
 
 Operator (domain ``dejavuu.q41``, opset 1): inputs ``A`` float32 [..., K], ``packed`` uint8
-[tiles*nb*256], ``d`` and ``m`` float32 [tiles*nb*16]; attributes ``K`` (a multiple of 32) and ``N``;
-output float32 [..., N]; ``tiles = ceil(N/16)``, ``nb = K/32``. Weight column n of block b (32
-consecutive k) is ``d[b,n] * q + m[b,n]`` with levels q in 0..15 (GGUF Q4_1; Q4_K and Q4_0 have that
-form per 32 too). Activations are rounded to int8 per row and block of 32; every ISA path does the
-same float operations in the same order, and each row's arithmetic is its own, so a row gives the
-same bits alone as among others (what keeps speculative verification lossless).
+[tiles*nb*64*bits], ``d`` float32 or float16 [tiles*nb*16] and optionally ``m`` (d's type, same
+size); attributes ``K`` (a multiple of 32), ``N`` and ``bits`` (4 or 8; absent: 4); output float32
+[..., N]; ``tiles = ceil(N/16)``, ``nb = K/32``. Weight column n of block b (32 consecutive k), with
+levels q in 0..2^bits-1, is
+
+- with ``m`` (the minimum form): ``d[b,n] * q + m[b,n]`` (GGUF Q4_1; Q4_K and Q4_0 have that form
+  per 32 too);
+- without it (an empty input name, or no 4th input: the centred form): ``d[b,n] * (q - 2^(bits-1))``
+  (GGUF Q4_0 as q and d; Q8_0 as its int8 level + 128 and d), corrected by an exact integer instead
+  of a float term, and no m to stream.
+
+float16 d and m (what the GGUF stores) convert to float32 exactly, so they give the same bits as the
+same values in float32, with fewer bytes streamed per step. Activations are rounded to int8 per row
+and block of 32; every ISA path does the same float operations in the same order, and each row's
+arithmetic is its own, so a row gives the same bits alone as among others (what keeps speculative
+verification lossless). The exact contract (layouts, the operations and their order) heads q41.cpp.
 
 onnxruntime: the operator uses only its C API, functions of API version 17 or lower, and stamps
 itself with the highest version both its vendored headers (25) and the running library have; so it
-needs onnxruntime >= 1.17 (below that, registering fails with a message saying so).
+needs onnxruntime >= 1.17 (below that, registering fails with a message saying so). The optional
+``m`` (OrtCustomOp input characteristics, API 8) and float16 or float32 ``d``/``m`` (an input
+type left undefined: since onnxruntime 1.17 each such input has its own all-types constraint) need
+nothing newer.
 
 Security: the library is only ever built from this package's own source (q41.cpp, include/) into
 the cache's ``.kernels`` folder, under a key over that source, the compiler and the flags; nothing
@@ -36,7 +50,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +65,9 @@ OP = "Q41MatMul"
 OPSET = 1
 BLOCK = 32  # k per block: one scale and one minimum per column and block
 TILE = 16  # columns per tile: N is padded up to a multiple
-TILE_BYTES = TILE * BLOCK // 2  # packed bytes per tile and block (256)
+TILE_BYTES = TILE * BLOCK // 2  # packed bytes per tile and block at 4 bits (256; 512 at 8)
+BITS = (4, 8)  # the levels' widths the operator takes
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # d's and m's element types
 ISAS = ("avx512vnni", "avx2", "scalar")  # the compiled paths, best first (isa_of names one)
 BUILD_ISAS = ("avx2", "scalar")  # what library(isa=...) can force instead of -march=native
 
@@ -66,67 +82,136 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fv
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
+Scales = npt.NDArray[Any]  # float32 or float16 (pack's scale_dtype)
 
 
 # ------------------------------------------------------------------------------------- weights
-def pack(q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike) -> tuple[U8, F32, F32]:
-    """The operator's ``packed``, ``d`` and ``m`` from levels ``q`` [N, nb, 32] (integers 0..15),
-    ``scale`` and ``offset`` [N, nb] (float32; w = scale * q + offset per column and block).
+def tile_bytes(bits: int) -> int:
+    """Packed bytes per tile of 16 columns and block of 32: 256 at 4 bits, 512 at 8."""
+    return TILE * BLOCK * _check_bits(bits) // 8
 
-    Columns are padded up to a multiple of 16 with zero levels, scale 0 and offset 0."""
+
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    return int(bits)
+
+
+def fits_float16(a: npt.ArrayLike) -> bool:
+    """Whether every value of ``a`` (as float32) is exactly a float16: converting it there and
+    back gives the same bits (so -0.0 fits, a NaN only with a payload float16 keeps, values past
+    65504 or under float16's subnormals do not)."""
+    a32 = np.ascontiguousarray(a, np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        back = a32.astype(np.float16).astype(np.float32)
+    return bool(np.array_equal(a32.view(np.uint32), back.view(np.uint32)))
+
+
+@overload
+def pack(
+    q: npt.ArrayLike, scale: npt.ArrayLike, offset: None = None, *, bits: int = 4, scale_dtype: Any = np.float32
+) -> tuple[U8, Scales, None]: ...
+@overload
+def pack(
+    q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike, *, bits: int = 4, scale_dtype: Any = np.float32
+) -> tuple[U8, Scales, Scales]: ...
+def pack(
+    q: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    offset: npt.ArrayLike | None = None,
+    *,
+    bits: int = 4,
+    scale_dtype: Any = np.float32,
+) -> tuple[U8, Scales, Scales | None]:
+    """The operator's ``packed``, ``d`` and ``m`` from levels ``q`` [N, nb, 32] (integers
+    0..2^bits-1), ``scale`` and ``offset`` [N, nb] (floats, taken as float32): w = scale * q +
+    offset per column and block, or, with ``offset`` None (the centred form, ``m`` returned None),
+    w = scale * (q - 2^(bits-1)).
+
+    ``bits`` 4 packs two levels a byte (256 bytes per tile and block), 8 one (512); ``scale_dtype``
+    np.float16 writes d and m as float16, refused (ValueError) unless every float32 value is one
+    exactly (:func:`fits_float16`: the caller decides). Columns are padded up to a multiple of 16
+    with zero levels, scale 0 and offset 0. ``pack(q, scale, offset)`` is the original form."""
+    bits = _check_bits(bits)
+    sdt = np.dtype(scale_dtype)
+    if sdt not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be float32 or float16, got {sdt}")
     q = np.asarray(q)
     if q.ndim != 3 or q.shape[2] != BLOCK or q.shape[0] == 0 or q.shape[1] == 0:
         raise ValueError(f"q must be [N, nb, {BLOCK}] with N, nb > 0, got shape {q.shape}")
     if not np.issubdtype(q.dtype, np.integer):
         raise ValueError(f"q must hold integer levels, got {q.dtype}")
-    if q.min() < 0 or q.max() > 15:
-        raise ValueError(f"q's levels must be 0..15, got {q.min()}..{q.max()}")
+    top = (1 << bits) - 1
+    if q.min() < 0 or q.max() > top:
+        raise ValueError(f"q's levels must be 0..{top} (bits={bits}), got {q.min()}..{q.max()}")
     n, nb, _ = q.shape
     sc, off = _block_params(scale, offset, n, nb)
+    if sdt == np.float16:
+        for name, a in (("scale", sc), ("offset", off)):
+            if a is not None and not fits_float16(a):
+                raise ValueError(f"{name} holds values that are not exactly float16: pack them as float32")
     tiles = -(-n // TILE)
     qp = np.zeros((tiles * TILE, nb, BLOCK), np.uint8)
     qp[:n] = q
-    # [tiles, nb, 8 groups of 4 k, 16 columns, 4]: group g's bytes hold k = 4g..4g+3 (low nibble)
-    # and k = 16+4g..16+4g+3 (high nibble), 16 columns x 4 bytes each
+    # [tiles, nb, 8 groups of 4 k, 16 columns, 4]: group g holds k = 4g..4g+3, 16 columns x 4 each
     qt = qp.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    packed = (qt[:, :, :4] | (qt[:, :, 4:] << 4)).astype(np.uint8).reshape(-1)
+    if bits == 4:  # group g's bytes: k = 4g+e (low nibble) and k = 16+4g+e (high nibble), g < 4
+        packed = (qt[:, :, :4] | (qt[:, :, 4:] << 4)).astype(np.uint8).reshape(-1)
+    else:  # one byte per level, 8 groups of 64 bytes
+        packed = qt.reshape(-1)
 
-    def per_tile(a: F32) -> F32:
+    def per_tile(a: F32) -> Scales:
         ap = np.zeros((tiles * TILE, nb), np.float32)
         ap[:n] = a
-        return np.ascontiguousarray(ap.reshape(tiles, TILE, nb).transpose(0, 2, 1).reshape(-1))
+        return np.ascontiguousarray(ap.reshape(tiles, TILE, nb).transpose(0, 2, 1).reshape(-1).astype(sdt))
 
-    return np.ascontiguousarray(packed), per_tile(sc), per_tile(off)
+    return np.ascontiguousarray(packed), per_tile(sc), None if off is None else per_tile(off)
 
 
-def unpack(packed: npt.ArrayLike, d: npt.ArrayLike, m: npt.ArrayLike, n: int, k: int) -> tuple[U8, F32, F32]:
-    """The inverse of :func:`pack`: levels [n, k/32, 32], scale and offset [n, k/32]."""
+def unpack(
+    packed: npt.ArrayLike, d: npt.ArrayLike, m: npt.ArrayLike | None, n: int, k: int, *, bits: int = 4
+) -> tuple[U8, F32, F32 | None]:
+    """The inverse of :func:`pack`: levels [n, k/32, 32], scale and offset [n, k/32] as float32
+    (float16 d and m convert exactly); offset None where m is (the centred form)."""
+    bits = _check_bits(bits)
     nb, tiles = k // BLOCK, -(-n // TILE)
-    p = np.asarray(packed, np.uint8).reshape(tiles, nb, 4, TILE, 4)
-    qt = np.concatenate([p & 0x0F, p >> 4], axis=2)  # [tiles, nb, 8, 16, 4]
+    if bits == 4:
+        p = np.asarray(packed, np.uint8).reshape(tiles, nb, 4, TILE, 4)
+        qt = np.concatenate([p & 0x0F, p >> 4], axis=2)  # [tiles, nb, 8, 16, 4]
+    else:
+        qt = np.asarray(packed, np.uint8).reshape(tiles, nb, 8, TILE, 4)
     q = qt.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, nb, BLOCK)[:n]
 
     def per_column(a: npt.ArrayLike) -> F32:
-        return np.asarray(a, np.float32).reshape(tiles, nb, TILE).transpose(0, 2, 1).reshape(-1, nb)[:n]
+        arr = np.asarray(a).astype(np.float32)
+        return np.ascontiguousarray(arr.reshape(tiles, nb, TILE).transpose(0, 2, 1).reshape(-1, nb)[:n])
 
-    return np.ascontiguousarray(q), np.ascontiguousarray(per_column(d)), np.ascontiguousarray(per_column(m))
+    return np.ascontiguousarray(q), per_column(d), None if m is None else per_column(m)
 
 
-def _block_params(scale: npt.ArrayLike, offset: npt.ArrayLike, n: int, nb: int) -> tuple[F32, F32]:
-    out = []
+def _block_params(scale: npt.ArrayLike, offset: npt.ArrayLike | None, n: int, nb: int) -> tuple[F32, F32 | None]:
+    out: list[F32 | None] = []
     for name, a in (("scale", scale), ("offset", offset)):
+        if a is None and name == "offset":
+            out.append(None)
+            continue
         arr = np.asarray(a)
         if arr.shape != (n, nb) or not np.issubdtype(arr.dtype, np.floating):
             raise ValueError(f"{name} must be floats of shape {(n, nb)}, got {arr.dtype} {arr.shape}")
         out.append(arr.astype(np.float32))
+    assert out[0] is not None
     return out[0], out[1]
 
 
 # ----------------------------------------------------------------------------------- reference
-def reference(x: npt.ArrayLike, q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike) -> F32:
+def reference(
+    x: npt.ArrayLike, q: npt.ArrayLike, scale: npt.ArrayLike, offset: npt.ArrayLike | None = None, *, bits: int = 4
+) -> F32:
     """The operator's output for activations ``x`` [..., K] and the weights as :func:`pack` takes
-    them, computed in numpy with the kernel's float32 operations in the kernel's order: the same
-    bits for finite inputs (fmaf emulated exactly, see :func:`fmaf`)."""
+    them (``offset`` None: the centred form; float16 scales given as their float32 values, which
+    is exact), computed in numpy with the kernel's float32 operations in the kernel's order: the
+    same bits for finite inputs (fmaf emulated exactly, see :func:`fmaf`)."""
+    bits = _check_bits(bits)
     q = np.asarray(q)
     n, nb, _ = q.shape
     sc_w, off = _block_params(scale, offset, n, nb)
@@ -143,14 +228,20 @@ def reference(x: npt.ArrayLike, q: npt.ArrayLike, scale: npt.ArrayLike, offset: 
     np.divide(np.float32(1), sc, out=inv, where=sc != 0)
     with np.errstate(invalid="ignore"):
         qa = np.rint(xb * inv[..., None]).astype(np.int64)  # ties to even, as cvtps under the default MXCSR
-    ssum = (sc * qa.sum(axis=-1).astype(np.float32)).astype(np.float32)
+    isum = qa.sum(axis=-1)  # [rows, nb], exact integers
+    ssum = (sc * isum.astype(np.float32)).astype(np.float32)
     qi = q.astype(np.int64)
+    half = 1 << (bits - 1)
     acc = np.zeros((rows, n), np.float32)
     for b in range(nb):
-        dot = qa[:, b, :] @ qi[:, b, :].T  # [rows, n], exact integers (|dot| <= 32*15*127)
+        dot = qa[:, b, :] @ qi[:, b, :].T  # [rows, n], exact integers (|dot| <= 32*255*127)
         ds = (sc_w[None, :, b] * sc[:, b, None]).astype(np.float32)
-        t1 = (dot.astype(np.float32) * ds).astype(np.float32)
-        acc = (acc + fmaf(off[None, :, b], ssum[:, b, None], t1)).astype(np.float32)
+        if off is None:  # centred: the exact integer dot - 2^(bits-1) * sum(qa)
+            t1 = ((dot - half * isum[:, b, None]).astype(np.float32) * ds).astype(np.float32)
+            acc = (acc + t1).astype(np.float32)
+        else:
+            t1 = (dot.astype(np.float32) * ds).astype(np.float32)
+            acc = (acc + fmaf(off[None, :, b], ssum[:, b, None], t1)).astype(np.float32)
     return acc.reshape(*lead, n)
 
 
@@ -164,8 +255,9 @@ def fmaf(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> F32:
     c64 = np.asarray(c, np.float32).astype(np.float64)
     p = a64 * b64
     s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
+    with np.errstate(invalid="ignore"):  # non-finite operands: no error term (and no warning)
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
     f = s.astype(np.float32)
     f64 = f.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -313,6 +405,9 @@ def _load(path: Path) -> ctypes.CDLL:
         p = ctypes.c_void_p
         lib.dejavuu_q41_gemm.restype = None
         lib.dejavuu_q41_gemm.argtypes = [p, ctypes.c_int64, p, p, p, ctypes.c_int64, ctypes.c_int64, p]
+        i64 = ctypes.c_int64
+        lib.dejavuu_q41_gemm2.restype = ctypes.c_int
+        lib.dejavuu_q41_gemm2.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int32, p]
         _loaded[path] = lib
     return _loaded[path]
 
@@ -322,21 +417,52 @@ def isa_of(path: Path) -> str:
     return str(_load(path).dejavuu_q41_isa().decode())
 
 
-def gemm(x: npt.ArrayLike, packed: U8, d: F32, m: F32, n: int, *, isa: str | None = None) -> F32:
-    """The compiled kernel on ``x`` [..., K] without onnxruntime, on this thread (tests, timing)."""
+def gemm(
+    x: npt.ArrayLike,
+    packed: U8,
+    d: npt.ArrayLike,
+    m: npt.ArrayLike | None,
+    n: int,
+    *,
+    bits: int = 4,
+    isa: str | None = None,
+) -> F32:
+    """The compiled kernel on ``x`` [..., K] without onnxruntime, on this thread (tests, timing):
+    every form, as the operator would run it (``m`` None: the centred form; ``d`` float16, and
+    ``m`` with it: float16 scales; other float types are taken as float32)."""
+    bits = _check_bits(bits)
     xa = np.ascontiguousarray(x, np.float32)
     if xa.ndim == 0 or xa.shape[-1] % BLOCK or xa.shape[-1] == 0 or n <= 0:
         raise ValueError(f"x must be [..., K] with K a positive multiple of {BLOCK}, and n > 0")
     k = xa.shape[-1]
     nb, tiles = k // BLOCK, -(-n // TILE)
     pk = np.ascontiguousarray(packed, np.uint8)
-    da, ma = np.ascontiguousarray(d, np.float32), np.ascontiguousarray(m, np.float32)
-    if pk.size != tiles * nb * TILE_BYTES or da.size != tiles * nb * TILE or ma.size != da.size:
-        raise ValueError(f"packed/d/m do not match K={k}, N={n} (see pack)")
+    d_arr = np.asarray(d)
+    half = d_arr.dtype == np.float16
+    sdt = np.float16 if half else np.float32
+    if m is not None and (np.asarray(m).dtype == np.float16) != half:
+        mt = np.asarray(m).dtype
+        raise ValueError(f"d and m must be of the same type (float32 or float16), got {d_arr.dtype} and {mt}")
+    da = np.ascontiguousarray(d_arr, sdt)
+    ma = None if m is None else np.ascontiguousarray(m, sdt)
+    sizes_ok = pk.size == tiles * nb * tile_bytes(bits) and da.size == tiles * nb * TILE
+    if not sizes_ok or (ma is not None and ma.size != da.size):
+        raise ValueError(f"packed/d/m do not match K={k}, N={n}, bits={bits} (see pack)")
     y = np.empty((*xa.shape[:-1], n), np.float32)
-    _load(library(isa)).dejavuu_q41_gemm(
-        xa.ctypes.data, xa.size // k, pk.ctypes.data, da.ctypes.data, ma.ctypes.data, k, n, y.ctypes.data
+    rc = _load(library(isa)).dejavuu_q41_gemm2(
+        xa.ctypes.data,
+        xa.size // k,
+        pk.ctypes.data,
+        da.ctypes.data,
+        None if ma is None else ma.ctypes.data,
+        k,
+        n,
+        bits,
+        int(half),
+        y.ctypes.data,
     )
+    if rc != 0:
+        raise ValueError(f"the kernel refused K={k}, bits={bits}")
     return y
 
 

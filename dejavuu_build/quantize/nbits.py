@@ -411,10 +411,12 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     weights loses nothing measurable and needs no offset term), or 5-bit levels with a minimum
     outside the "offset" form."""
     name = src.kind
-    if plan.gguf_min == Q41 and bits == 4 and src.bits == 4 and src.block == BLOCK:
+    if plan.gguf_min == Q41 and bits == 4 and src.block == BLOCK and (src.bits == 4 or not src.centred):
         # Q4_0 / Q4_1 / Q4_K: levels, scale and minimum (a centred type's -8d, exact in float32)
-        # as the file holds them, for our operator: nothing re-rounded, nothing re-centred
-        return Encoded(4, src.q, src.scale, None, f"{name} carried exactly (q41 operator)", src.offset, form=Q41)
+        # as the file holds them, for our operator: nothing re-rounded, nothing re-centred; Q5_1 /
+        # Q5_K likewise in its 8-bit levels (the block minimum needs no offset term there either)
+        w = 4 if src.bits == 4 else 8
+        return Encoded(w, src.q, src.scale, None, f"{name} carried exactly (q41 operator)", src.offset, form=Q41)
     width = 8 if bits == 8 or src.bits > 4 else 4
     shift = 2 ** (width - 1) - 2 ** (src.bits - 1)  # centre the file's levels in the kernel's range
     q = (src.q.astype(np.int16) + shift).astype(np.uint8)
@@ -655,7 +657,10 @@ def q41_rows(w_rows: np.ndarray) -> Encoded:
     d = ((hi - lo) / np.float32(15)).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     q = np.clip(np.floor((w - lo[..., None]) * inv[..., None] + np.float32(0.5)), 0, 15).astype(np.uint8)
-    return Encoded(4, q, d, None, "q4_1 bs32 (q41 operator)", lo.astype(np.float32), form=Q41)
+    # d and m kept as float16, as the file format keeps them: the levels are what llama.cpp (and
+    # the gguf package) would write, and the operator streams half the bytes of float32 scales
+    d16, m16 = (a.astype(np.float16).astype(np.float32) for a in (d, lo))
+    return Encoded(4, q, d16, None, "q4_1 bs32 (q41 operator)", m16, form=Q41)
 
 
 def _head_encoding(q: _Quantizing, w_nk: np.ndarray) -> Encoded:
@@ -667,7 +672,12 @@ def _head_encoding(q: _Quantizing, w_nk: np.ndarray) -> Encoded:
     own = carry(found[1], 8, q.plan) if found is not None else None
     if own is not None and (own.bits != 8 or own.zp is not None or own.offset is not None):
         own = None  # a table with block minima has no exact 8-bit form without an offset term
-    choice = choose_table_block(k, n, q.plan, own.block if own is not None else None)
+    if q.plan.gguf_min == Q41 and q.plan.lm_head_op and k % BLOCK == 0:  # our operator: row-exact at its one block
+        carried = own is not None and own.block == BLOCK
+        why = "our operator's blocks of 32 (rows exact by construction)"
+        choice: dict = {"block": BLOCK, "carried": carried, "why": why + (", the file's own" if carried else "")}
+    else:
+        choice = choose_table_block(k, n, q.plan, own.block if own is not None else None)
     q.report["lm_head_block"] = choice
     logger.info("  lm-head table: %s", choice["why"])
     if own is not None and found is not None and choice["carried"]:
@@ -715,7 +725,8 @@ def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared
 
     after: list = []
     out = node.output[0]
-    if enc is not None and enc.form == Q41:
+    if _op_form(q, enc):
+        assert enc is not None
         return [_q41_node(q, node, enc, prefix)]
     if shared is None:
         if enc is None:
@@ -754,24 +765,45 @@ def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared
     return extra + [mm] + after
 
 
+def _op_form(q: _Quantizing, enc: Encoded | None) -> bool:
+    """Whether ``enc`` runs in our operator (kernels.q41) under this plan: a q41 encoding (4-bit
+    levels with a minimum), or, where the plan runs the lm-head or 8-bit weights there too, a
+    centred one in blocks of 32 (the file's Q8_0 or Q5_0 levels, d * (q - 2^(bits-1)))."""
+    if enc is None:
+        return False
+    if enc.form == Q41:
+        return True
+    return (
+        q.plan.gguf_min == Q41
+        and q.plan.lm_head_op
+        and enc.block == BLOCK
+        and enc.zp is None
+        and enc.offset is None
+        and enc.bits in (4, 8)
+    )
+
+
 def _q41_node(q: _Quantizing, node, enc: Encoded, prefix: str):
-    """``node`` (a MatMul) as our operator (kernels.q41) over ``enc``'s levels, d and m."""
+    """``node`` (a MatMul) as our operator (kernels.q41) over ``enc``'s levels and d, with the
+    blocks' minima m (a q41 encoding) or none (the centred form: exact integer correction). d and
+    m go as float16 where every value is one (the GGUF's Q4_1 and Q8_0 hold float16 scales): the
+    same bits, fewer bytes a step streams."""
     from onnx import helper
 
     from ..kernels import q41 as op
 
-    if enc.offset is None:
+    offset = enc.offset if enc.form == Q41 else None
+    if enc.form == Q41 and offset is None:
         raise ValueError(f"{node.name}: a q41 encoding carries its blocks' minima")
-    packed, d, m = op.pack(enc.q, enc.scales, enc.offset)
+    half = op.fits_float16(enc.scales) and (offset is None or op.fits_float16(offset))
+    packed, d, m = op.pack(enc.q, enc.scales, offset, bits=enc.bits, scale_dtype=np.float16 if half else np.float32)
     n, k = enc.q.shape[0], enc.q.shape[1] * enc.block
-    ins = [
-        node.input[0],
-        q.add_init(packed, prefix + ".q41"),
-        q.add_init(d, prefix + ".q41_d"),
-        q.add_init(m, prefix + ".q41_m"),
-    ]
+    tag = ".q41" if enc.bits == 4 else f".q{enc.bits}op"
+    ins = [node.input[0], q.add_init(packed, prefix + tag), q.add_init(d, prefix + tag + "_d")]
+    ins.append(q.add_init(m, prefix + tag + "_m") if m is not None else "")
     q.operators.add(op.DOMAIN)
-    return helper.make_node(op.OP, ins, list(node.output), name=node.name + "Q41", domain=op.DOMAIN, K=k, N=n)
+    attrs = {"K": k, "N": n} | ({"bits": enc.bits} if enc.bits != 4 else {})
+    return helper.make_node(op.OP, ins, list(node.output), name=node.name + "Q41", domain=op.DOMAIN, **attrs)
 
 
 def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
@@ -837,6 +869,8 @@ def _quantize_embedding(q: _Quantizing, emb, lm) -> bool:
     s_name = q.add_init(enc.scales, "model.embed_tokens.q8_scales")
     q.fp_bytes += table.nbytes
     report["nodes"][EMBED_NODE] = f"float32 {list(table.shape)} --> {enc.note}"
+    head = _q41_node(q, lm, enc, "lm_head") if lm_tied and _op_form(q, enc) else None
+    note = enc.note
     del table, enc
     q.replaced[id(emb)] = [
         helper.make_node(
@@ -851,7 +885,14 @@ def _quantize_embedding(q: _Quantizing, emb, lm) -> bool:
             quantize_axis=1,
         )
     ]
-    if lm_tied:
+    if lm_tied and head is not None:  # the lm-head in our operator: its own copy, in its layout
+        q.replaced[id(lm)] = [head]
+        q.drop_nodes.add(id(q.producers[lm_w]))
+        report["nodes"][LM_HEAD_NODE] = (
+            f"tied to the embedding table --> {note} in our operator (its own copy of the table; "
+            f"{report['lm_head_block']['why']})"
+        )
+    elif lm_tied:
         q.replaced[id(lm)] = _matmul_nbits(q, lm, None, "lm_head", shared=_SharedTable(data_name, s_name, eblock, n, k))
         q.drop_nodes.add(id(q.producers[lm_w]))
         report["nodes"][LM_HEAD_NODE] = (

@@ -1,6 +1,7 @@
-"""Q41MatMul (dejavuu_build/kernels/q41.py, q41.cpp): the weight layout, the operator through
+"""Q41MatMul (dejavuu_build/kernels/q41.py, q41.cpp): the weight layouts, the operator through
 onnxruntime against the numpy reference bit for bit, rows alone and together, every ISA path this
 CPU can run giving the same bits, and the build cache (reuse, concurrent builders, no compiler).
+Every form: 4- or 8-bit levels, with a minimum or centred (no m), float32 or float16 d and m.
 
 The libraries are compiled once per session into a temporary cache root (DEJAVUU_CACHE), never
 into ~/.cache."""
@@ -86,14 +87,19 @@ def awkward(rng: np.random.Generator, rows: int, k: int = K) -> np.ndarray:
     return x
 
 
-def q41_model(packed, d, m, k: int = K, n: int = N) -> bytes:
-    node = helper.make_node(q41.OP, ["A", "packed", "d", "m"], ["Y"], domain=q41.DOMAIN, K=k, N=n)
+def q41_model(packed, d, m, k: int = K, n: int = N, bits: object = None, omit: str = "empty") -> bytes:
+    """A one-node graph; ``m`` None (the centred form) is an empty input name (``omit="empty"``) or
+    no 4th input at all (``"absent"``); ``bits`` None leaves the attribute out (the default, 4)."""
+    attrs = {} if bits is None else {"bits": bits}
+    inputs = ["A", "packed", "d", "m"] if m is not None else ["A", "packed", "d"] + ([""] if omit == "empty" else [])
+    node = helper.make_node(q41.OP, inputs, ["Y"], domain=q41.DOMAIN, K=k, N=n, **attrs)
+    inits = [(packed, "packed"), (d, "d")] + ([(m, "m")] if m is not None else [])
     graph = helper.make_graph(
         [node],
         "q41",
         [helper.make_tensor_value_info("A", TensorProto.FLOAT, None)],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(a, name) for a, name in ((packed, "packed"), (d, "d"), (m, "m"))],
+        initializer=[numpy_helper.from_array(a, name) for a, name in inits],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(q41.DOMAIN, q41.OPSET)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
@@ -107,6 +113,9 @@ def session(model: bytes, isa: str | None = None) -> ort.InferenceSession:
 
 def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+bits_of = bits  # for tests whose parameter is named bits
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -270,6 +279,347 @@ def test_every_path_gives_the_same_bits(libs):
     model = q41_model(packed, d, m, k, n)
     for isa in RUNNABLE:  # and through onnxruntime's thread pool
         assert np.array_equal(bits(session(model, isa).run(None, {"A": x})[0]), want), isa
+
+
+# ------------------------------------------------------------------ the forms: bits, centred, float16
+# every form: (bits, centred (no m), float16 d and m); (4, False, False) is the original one
+FORMS = [(b, c, h) for b in (4, 8) for c in (False, True) for h in (False, True)]
+FORM_IDS = [f"q{b}-{'centred' if c else 'min'}-{'f16' if h else 'f32'}" for b, c, h in FORMS]
+
+
+def form_weights(rng: np.random.Generator, bits: int, centred: bool, half: bool, n: int = N, k: int = K):
+    """Levels over the whole range of ``bits``, scales and (unless centred) offsets; with ``half``
+    values that are exactly float16 (what pack then writes as float16)."""
+    nb = k // q41.BLOCK
+    q = rng.integers(0, 1 << bits, (n, nb, q41.BLOCK), dtype=np.uint16).astype(np.uint8)
+    step = 0.01 if bits == 4 else 0.0006
+    scale = (rng.random((n, nb), dtype=np.float32) * step + step / 2).astype(np.float32)
+    offset = -(rng.random((n, nb), dtype=np.float32) * 0.1 + 0.05).astype(np.float32)
+    if half:
+        scale, offset = (a.astype(np.float16).astype(np.float32) for a in (scale, offset))
+    return q, scale, None if centred else offset
+
+
+def form_pack(q, scale, offset, bits: int, half: bool):
+    return q41.pack(q, scale, offset, bits=bits, scale_dtype=np.float16 if half else np.float32)
+
+
+def form_model(bits: int, centred: bool, half: bool, rng: np.random.Generator, n: int = N, k: int = K):
+    q, scale, offset = form_weights(rng, bits, centred, half, n, k)
+    packed, d, m = form_pack(q, scale, offset, bits, half)
+    return (q, scale, offset), (packed, d, m), q41_model(packed, d, m, k, n, bits=None if bits == 4 else bits)
+
+
+def test_pack_8bit_layout_by_hand():
+    """bits 8: byte g*64 + lane*4 + e of a tile's block holds the level of k = 4g+e (8 groups, 512
+    bytes); float16 d as [tiles][nb][16]; the centred form has no m."""
+    rng = np.random.default_rng(11)
+    n, nb = 20, 2
+    q, scale, _ = form_weights(rng, 8, True, True, n, nb * 32)
+    q[0, 0, 0], q[0, 0, 31] = 255, 0
+    packed, d, m = q41.pack(q, scale, None, bits=8, scale_dtype=np.float16)
+    assert m is None and packed.dtype == np.uint8 and d.dtype == np.float16
+    assert packed.shape == (2 * nb * 512,) and d.shape == (2 * nb * 16,)
+    assert packed[0] == 255 and packed[7 * 64 + 3] == 0
+    for t in range(2):
+        for b in range(nb):
+            base = (t * nb + b) * 512
+            for lane in range(16):
+                col = t * 16 + lane
+                assert d[(t * nb + b) * 16 + lane] == (scale[col, b] if col < n else 0)
+                for g in range(8):
+                    for e in range(4):
+                        want = q[col, b, 4 * g + e] if col < n else 0
+                        assert packed[base + g * 64 + lane * 4 + e] == want, (t, b, lane, g, e)
+
+
+def test_pack_keeps_the_original_form():
+    """pack(q, scale, offset) is bits 4 with float32 d and m, as before; bits=4 and float32 said
+    explicitly give the same arrays; the centred 4-bit form has the same levels and d."""
+    rng = np.random.default_rng(12)
+    q, scale, offset = weights(rng)
+    packed, d, m = q41.pack(q, scale, offset)
+    same = q41.pack(q, scale, offset, bits=4, scale_dtype=np.float32)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip((packed, d, m), same))
+    assert d.dtype == m.dtype == np.float32 and packed.size == q41.tile_bytes(4) * 3 * 3
+    p2, d2, m2 = q41.pack(q, scale)
+    assert m2 is None and np.array_equal(p2, packed) and np.array_equal(d2, d)
+
+
+@pytest.mark.parametrize("bits, centred, half", FORMS, ids=FORM_IDS)
+def test_unpack_inverts_pack_every_form(bits, centred, half):
+    rng = np.random.default_rng(13)
+    for n in (1, 16, 40):
+        q, scale, offset = form_weights(rng, bits, centred, half, n, 64)
+        packed, d, m = form_pack(q, scale, offset, bits, half)
+        assert d.dtype == (np.float16 if half else np.float32) and (m is None) == centred
+        q2, s2, o2 = q41.unpack(packed, d, m, n, 64, bits=bits)
+        assert np.array_equal(q2, q) and np.array_equal(s2, scale) and s2.dtype == np.float32
+        assert (o2 is None) if centred else np.array_equal(o2, offset)
+
+
+def test_fits_float16():
+    f = q41.fits_float16
+    assert f(np.array([0.5, -0.0, 0.0, 65504.0, 2.0**-24, -(2.0**-14), np.inf, -np.inf], np.float32))
+    assert f(np.float16([1.1, 3.3e-5]).astype(np.float32)) and f(np.zeros((0,), np.float32))
+    for bad in (0.1, 65520.0, 1e5, 2.0**-25, 1e-8, 1 + 2.0**-11):
+        assert not f(np.array([0.5, bad], np.float32)), bad
+
+
+@pytest.mark.parametrize(
+    "kwargs, q_top, message",
+    [
+        ({"bits": 3}, 7, "bits must be 4 or 8"),
+        ({"bits": 16}, 7, "bits must be 4 or 8"),
+        ({"bits": 8}, 256, r"0\.\.255"),
+        ({"bits": 4}, 16, r"0\.\.15"),
+        ({"scale_dtype": np.float64}, 7, "scale_dtype must be float32 or float16"),
+    ],
+)
+def test_pack_rejects_bad_forms(kwargs, q_top, message):
+    q = np.zeros((4, 2, 32), np.int32)
+    q[0, 0, 0] = q_top
+    with pytest.raises(ValueError, match=message):
+        q41.pack(q, np.full((4, 2), 0.5, np.float32), None, **kwargs)
+
+
+def test_pack_float16_refuses_values_that_are_not_float16():
+    q = np.zeros((4, 2, 32), np.uint8)
+    ok = np.full((4, 2), 0.5, np.float32)
+    with pytest.raises(ValueError, match="scale holds values that are not exactly float16"):
+        q41.pack(q, np.full((4, 2), 0.1, np.float32), None, scale_dtype=np.float16)
+    with pytest.raises(ValueError, match="offset holds values that are not exactly float16"):
+        q41.pack(q, ok, np.full((4, 2), 1e5, np.float32), scale_dtype=np.float16)
+    assert q41.pack(q, ok, ok, scale_dtype=np.float16)[1].dtype == np.float16
+
+
+def centred_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What the centred form may differ from the float64 matmul x @ w (w [N, nb, 32], exact in
+    float64), provably, for finite x with nb blocks: per activation |x - sc*qa| <= sc/2 + 4u*amax
+    (u = 2^-24: qa = rint(fl(x*inv)) is within 1/2 of fl(x*inv), which is within u|x*inv| of x*inv,
+    and sc*inv = 1 + (at most u)); the float terms t_b = fl(fl(dotc) * fl(d*sc)) are the exact
+    d*sc*dotc within (2u + u^2) (dotc and its conversion are exact), and their float32 sum over nb
+    blocks within (nb-1)u/(1-(nb-1)u) of the sum of their magnitudes, each at most
+    (1+3u) * sc*127 * sum|w| <= (1+4u) * amax * sum|w|. (Assumes no float32 underflow: the
+    test's smallest block, amax ~1e-30, keeps sc and d*sc normal.)"""
+    rows, k = x.shape
+    n, nb, _ = w.shape
+    xb = x.reshape(rows, nb, 32)
+    amax = np.abs(xb).max(-1)  # float32, exact
+    sc = (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+    amax = amax.astype(np.float64)
+    u = 2.0**-24
+    wsum = np.abs(w).sum(-1)  # [N, nb]
+    act = (sc / 2 + 4 * u * amax) @ wsum.T
+    gamma = (nb + 2) * u / (1 - (nb + 2) * u)
+    flt = gamma * (1 + 4 * u) * (amax @ wsum.T)
+    return (act + flt) * (1 + 1e-12) + 1e-300
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_centred_form_is_close_to_the_float64_matmul(bits):
+    rng = np.random.default_rng(14)
+    for k in (K, 576):
+        q, scale, _ = form_weights(rng, bits, True, False, N, k)
+        x = awkward(rng, 7, k)
+        y = q41.reference(x, q, scale, bits=bits).astype(np.float64)
+        w = (q.astype(np.float64) - 2 ** (bits - 1)) * scale[..., None]  # [N, nb, 32]
+        exact = x.astype(np.float64) @ w.reshape(N, k).T
+        err, bound = np.abs(y - exact), centred_bound(x, w)
+        assert np.all(err <= bound), float((err / bound).max())
+        assert float((err / bound).max()) > 1e-3  # the bound is not vacuous: errors reach a part of it
+
+
+@pytest.mark.parametrize("shape", [(1, K), (3, K), (8, K), (13, K), (2, 5, K), (0, K)])
+@pytest.mark.parametrize("bits, centred, half", FORMS, ids=FORM_IDS)
+def test_every_form_through_onnxruntime_is_the_reference(libs, bits, centred, half, shape):
+    rng = np.random.default_rng(15)
+    (q, scale, offset), _, model = form_model(bits, centred, half, rng)
+    s = session(model)
+    rows = int(np.prod(shape[:-1]))
+    x = awkward(rng, rows).reshape(shape) if rows else np.zeros(shape, np.float32)
+    y = s.run(None, {"A": x})[0]
+    assert y.shape == (*shape[:-1], N) and y.dtype == np.float32
+    assert np.array_equal(bits_of(y), bits_of(q41.reference(x, q, scale, offset, bits=bits)))
+
+
+@pytest.mark.parametrize("rows", [8, 13])
+@pytest.mark.parametrize("bits, centred, half", FORMS, ids=FORM_IDS)
+def test_every_form_a_row_alone_is_the_same_row_among_others(libs, bits, centred, half, rows):
+    rng = np.random.default_rng(16)
+    _, _, model = form_model(bits, centred, half, rng)
+    s = session(model)
+    x = awkward(rng, rows)
+    together = s.run(None, {"A": x})[0]
+    for r in range(rows):
+        assert np.array_equal(bits_of(s.run(None, {"A": x[r : r + 1]})[0][0]), bits_of(together[r])), r
+
+
+@pytest.mark.parametrize("bits, centred", [(4, False), (4, True), (8, False), (8, True)])
+def test_float16_scales_are_the_same_bits_as_float32(libs, bits, centred):
+    """The same values as float16 and as float32 d/m: the same bits, through onnxruntime (whose
+    session keeps the float16 initializers as they are: the mixed-type refusal below shows the
+    kernel sees them) and through every path's gemm."""
+    rng = np.random.default_rng(17)
+    q, scale, offset = form_weights(rng, bits, centred, True, 200, 576)
+    x = awkward(rng, 9, 576)
+    p32, d32, m32 = form_pack(q, scale, offset, bits, False)
+    p16, d16, m16 = form_pack(q, scale, offset, bits, True)
+    assert np.array_equal(p32, p16) and d16.dtype == np.float16 and d16.nbytes * 2 == d32.nbytes
+    attr = None if bits == 4 else bits
+    y32 = session(q41_model(p32, d32, m32, 576, 200, bits=attr)).run(None, {"A": x})[0]
+    y16 = session(q41_model(p16, d16, m16, 576, 200, bits=attr)).run(None, {"A": x})[0]
+    assert np.array_equal(bits_of(y16), bits_of(y32))
+    for isa in RUNNABLE:
+        g16 = q41.gemm(x, p16, d16, m16, 200, bits=bits, isa=isa)
+        assert np.array_equal(bits_of(g16), bits_of(y32)), isa
+
+
+@pytest.mark.parametrize("bits, centred, half", FORMS, ids=FORM_IDS)
+def test_every_path_gives_the_same_bits_on_every_form(libs, bits, centred, half):
+    """avx512vnni, avx2 and scalar (those this CPU runs), on every form: the same bits as each
+    other and as the reference, on K 576 with N not a multiple of 16, rows 1..9, directly and
+    through onnxruntime's thread pool."""
+    rng = np.random.default_rng(18)
+    k, n = 576, 200
+    (q, scale, offset), (packed, d, m), model = form_model(bits, centred, half, rng, n, k)
+    x = awkward(rng, 9, k)
+    want = bits_of(q41.reference(x, q, scale, offset, bits=bits))
+    for isa in RUNNABLE:
+        for rows in (1, 2, 7, 8, 9):
+            got = q41.gemm(x[:rows], packed, d, m, n, bits=bits, isa=isa)
+            assert np.array_equal(bits_of(got), want[:rows]), (isa, rows)
+        assert np.array_equal(bits_of(session(model, isa).run(None, {"A": x})[0]), want), isa
+
+
+@pytest.mark.parametrize("centred", [True, False])
+def test_8bit_extremes_do_not_saturate(libs, centred):
+    """A Q8_0-like case at the int16 edge: levels 0 and 255 with activations at +-127 (a block
+    whose amax is 127 has sc = 1, so qa = x): a level-255 pair times 127 is 64770, past int16,
+    which the avx2 path's nibble split must not saturate. Integer activations and power-of-two
+    scales make the float64 matmul exact, so every path must give exactly it."""
+    k, n = 128, 48
+    nb = k // 32
+    q = np.zeros((n, nb, 32), np.uint8)
+    q[0::4] = 255
+    q[1::4] = 0
+    q[2::4, :, 0::2] = 255  # alternating 255, 0
+    q[3::4] = np.arange(32, dtype=np.uint8) * 8 + 7  # 7..255
+    scale = np.full((n, nb), 2.0**-7, np.float32)
+    scale[::3] = 2.0**-10
+    offset = None if centred else np.full((n, nb), -1.0, np.float32)
+    x = np.empty((6, k), np.float32)
+    x[0], x[1] = 127, -127
+    x[2] = np.tile([127, -127], k // 2)
+    x[3] = np.tile([127, 127, -127, -127], k // 4)
+    x[4] = np.where(np.arange(k) % 3 == 0, 127, -127)
+    x[5, : k // 2], x[5, k // 2 :] = 127, -127
+    w = q.astype(np.float64) * scale[..., None].astype(np.float64)
+    w = w - 128 * scale[..., None] if centred else w + offset[..., None]
+    exact = x.astype(np.float64) @ w.reshape(n, k).T
+    ref = q41.reference(x, q, scale, offset, bits=8)
+    assert np.array_equal(ref.astype(np.float64), exact)
+    for half in (False, True):
+        packed, d, m = q41.pack(q, scale, offset, bits=8, scale_dtype=np.float16 if half else np.float32)
+        for isa in RUNNABLE:
+            got = q41.gemm(x, packed, d, m, n, bits=8, isa=isa)
+            assert np.array_equal(got.astype(np.float64), exact), (isa, half)
+        y = session(q41_model(packed, d, m, k, n, bits=8)).run(None, {"A": x})[0]
+        assert np.array_equal(y.astype(np.float64), exact), half
+
+
+def every_half() -> np.ndarray:
+    """Every float16 that is not a NaN (the subnormals, +-0 and +-inf included), as float32."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    return h[~np.isnan(h)].astype(np.float32)
+
+
+@pytest.mark.parametrize("centred", [True, False])
+def test_every_float16_converts_exactly_on_every_path(libs, centred):
+    """d (centred) or m (minimum form) set to every non-NaN float16, one column each, against the
+    reference fed their float32 values: y = fl(127 * d), or fmaf(m, 127, 0) = fl(127 * m), so
+    every half's conversion shows (subnormals, infinities, signed zeros); a NaN half gives NaN."""
+    vals = every_half()
+    n, k = vals.size + 1, 32
+    q = np.full((n, 1, 32), 9, np.uint8)  # centred 4-bit: q - 8 = 1
+    x = np.zeros((1, k), np.float32)
+    x[0, 0] = 127  # sc = 1, qa = [127, 0, ...]: dotc = 127
+    col = np.append(vals, np.float32(0))[:, None]
+    if centred:
+        scale, offset = col, None
+    else:
+        scale, offset = np.zeros((n, 1), np.float32), col
+    want = q41.reference(x, q, scale, offset)
+    packed, d, m = q41.pack(q, scale, offset, scale_dtype=np.float16)
+    nan_bits = np.uint16(0x7E01)  # a NaN float16 in the last (padding-free) column
+    (d if centred else m)[(n - 1) // 16 * 16 + (n - 1) % 16] = nan_bits.view(np.float16)
+    for isa in RUNNABLE:
+        got = q41.gemm(x, packed, d, m, n, isa=isa)
+        assert np.array_equal(bits_of(got[:, :-1]), bits_of(want[:, :-1])), isa
+        assert np.isnan(got[0, -1]), isa
+
+
+@pytest.mark.parametrize("omit", ["empty", "absent"])
+def test_the_centred_form_omits_m_either_way(libs, omit):
+    rng = np.random.default_rng(19)
+    q, scale, _ = form_weights(rng, 8, True, True)
+    packed, d, m = q41.pack(q, scale, bits=8, scale_dtype=np.float16)
+    x = awkward(rng, 5)
+    y = session(q41_model(packed, d, m, bits=8, omit=omit)).run(None, {"A": x})[0]
+    assert np.array_equal(bits_of(y), bits_of(q41.reference(x, q, scale, bits=8)))
+
+
+def test_bits_4_said_is_the_default(libs):
+    rng = np.random.default_rng(20)
+    q, scale, offset = weights(rng)
+    arrays = q41.pack(q, scale, offset)
+    x = awkward(rng, 4)
+    y0 = session(q41_model(*arrays)).run(None, {"A": x})[0]
+    y4 = session(q41_model(*arrays, bits=4)).run(None, {"A": x})[0]
+    assert np.array_equal(bits_of(y0), bits_of(y4))
+
+
+def test_operator_refuses_bad_forms(libs):
+    rng = np.random.default_rng(21)
+    q, scale, offset = form_weights(rng, 8, False, True)
+    p16, d16, m16 = q41.pack(q, scale, offset, bits=8, scale_dtype=np.float16)
+    _, d32, m32 = q41.pack(q, scale, offset, bits=8)
+    x = np.zeros((1, K), np.float32)
+
+    def run(model: bytes) -> None:
+        session(model).run(None, {"A": x})
+
+    with pytest.raises(Exception, match="d and m must have the same element type.*d float16 and m float"):
+        run(q41_model(p16, d16, m32, bits=8))
+    with pytest.raises(Exception, match="d and m must have the same element type.*d float and m float16"):
+        run(q41_model(p16, d32, m16, bits=8))
+    with pytest.raises(Exception, match="d must be float or float16, got double"):
+        run(q41_model(p16, d32.astype(np.float64), None, bits=8))
+    for bad in (3, 16, 0):
+        with pytest.raises(Exception, match=f"attribute bits must be 4 or 8, got {bad}"):
+            run(q41_model(p16, d16, m16, bits=bad))
+    with pytest.raises(Exception, match="attribute bits must be an int"):
+        run(q41_model(p16, d16, m16, bits=8.0))
+    p4, d4, m4 = q41.pack(q & 15, scale, offset)  # 4-bit data, read as 8-bit
+    with pytest.raises(Exception, match=r"packed must hold tiles\*nb\*512 = 4608 bytes \(bits = 8\)"):
+        run(q41_model(p4, d4, m4, bits=8))
+    with pytest.raises(Exception, match=r"packed must hold tiles\*nb\*256 = 2304 bytes \(bits = 4\)"):
+        run(q41_model(p16, d16, m16))
+    with pytest.raises(Exception, match=r"d must hold tiles\*nb\*16 = 144 values"):
+        run(q41_model(p16, d16[:-16], None, bits=8))
+
+
+def test_gemm_refuses_bad_forms(libs):
+    rng = np.random.default_rng(22)
+    q, scale, offset = form_weights(rng, 8, False, True)
+    packed, d, m = q41.pack(q, scale, offset, bits=8, scale_dtype=np.float16)
+    x = np.zeros((1, K), np.float32)
+    with pytest.raises(ValueError, match="same type"):
+        q41.gemm(x, packed, d, m.astype(np.float32), N, bits=8)
+    with pytest.raises(ValueError, match="do not match"):
+        q41.gemm(x, packed, d, m, N)  # 8-bit data as 4-bit
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        q41.gemm(x, packed, d, m, N, bits=2)
 
 
 # ---------------------------------------------------------------------------------------- cache

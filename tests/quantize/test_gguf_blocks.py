@@ -306,62 +306,77 @@ def test_real_gguf_blocks_are_carried_exactly(cache_dir, source, kinds):
     assert seen == kinds
 
 
-Q41_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with a scale and a minimum per 32: the operator's form
+Q41_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")  # levels with a minimum per 32: the operator's q41 form
+OP_CENTRED = ("Q8_0", "Q5_0")  # centred 8-bit levels in blocks of 32: the operator's centred form
 
 
-def test_int4op_carries_the_files_4bit_blocks_into_our_operator(synthetic, tmp_path):
-    """`int4op`: Q4_0 / Q4_1 / Q4_K go into the Q41MatMul operator as the file holds them (levels,
-    scale, minimum; bit for bit, no re-centring); wider levels are int4's (8-bit carry, the
-    block-sum offset for a minimum); the stranger is rounded to Q4_1's form. The session computes
-    exactly the operator's arithmetic (kernels.q41.reference) on the file's own blocks, fused
-    siblings included, and every row gets the same bits alone as among 2..17 rows."""
+def test_int4op_carries_the_files_blocks_into_our_operator(synthetic, tmp_path):
+    """`int4op`: every block of 32 goes into the Q41MatMul operator as the file holds it -- levels
+    with a minimum (Q4_0 / Q4_1 / Q4_K at 4 bits, Q5_1 / Q5_K at 8) with their d and m, centred
+    ones (Q8_0, Q5_0) with d alone; Q6_K's blocks of 16 stay MatMulNBits; the stranger is rounded
+    to Q4_1's form. The session computes exactly the operator's arithmetic (kernels.q41.reference)
+    on the file's own blocks, fused siblings included; d and m travel as float16 where the file
+    holds them so; every row gets the same bits alone as among 2..17 rows."""
+    from onnx import numpy_helper
+
     from dejavuu_build.kernels import q41
     from dejavuu_build.quantize.nbits import Q41, q41_rows
     from dejavuu_build.runtime.session import graph_domains, make_session
 
     path, src, weights = synthetic
     dst = tmp_path / "q.onnx"
-    rep = quantize_model(src, dst, PLANS["int4op"], gguf=path)
+    plan = PLANS["int4op"]
+    rep = quantize_model(src, dst, plan, gguf=path)
     assert rep["operators"] == [q41.DOMAIN] and graph_domains(dst) == {"", "com.microsoft", q41.DOMAIN}
     for kind in WIDTH:
         note = rep["nodes"][f"/model/{kind}/MatMul"]
-        if kind in Q41_KINDS:
-            assert note.endswith(f"{kind} carried exactly (q41 operator)"), note
-        else:
-            assert "q41" not in note and "carried exactly" in note, note
+        assert "carried exactly" in note, note
+        assert note.endswith("(q41 operator)") == (kind in Q41_KINDS), note
     assert rep["nodes"]["/model/stranger/MatMul"].endswith("q4_1 bs32 (q41 operator)")
     m = onnx.load(str(dst))
-    ops = [n for n in m.graph.node if n.op_type == q41.OP]
+    ops = {n.name: n for n in m.graph.node if n.op_type == q41.OP}
     # the 4-bit siblings on x (Q4_0, Q4_1, Q4_1b, the stranger) are one operator and a Split
-    assert sorted(n.name for n in ops) == ["/model/Q4_0_Q4_1_Q4_1b_stranger/MatMulQ41", "/model/Q4_K/MatMulQ41"]
-    assert all(n.domain == q41.DOMAIN for n in ops)
+    assert sorted(ops) == sorted(
+        ["/model/Q4_0_Q4_1_Q4_1b_stranger/MatMulQ41"]
+        + [f"/model/{k}/MatMulQ41" for k in ("Q4_K", "Q5_1", "Q5_K", "Q8_0", "Q5_0")]
+    )
+    assert all(n.domain == q41.DOMAIN for n in ops.values())
+    assert [n.op_type for n in m.graph.node if n.name.startswith("/model/Q6_K/")] == ["MatMulNBits"]
+    inits = {t.name: t for t in m.graph.initializer}
+    fused_d = inits[ops["/model/Q4_0_Q4_1_Q4_1b_stranger/MatMulQ41"].input[2]]
+    assert fused_d.data_type == onnx.TensorProto.FLOAT16  # the file's float16 d (and m), and the stranger's
+    assert ops["/model/Q8_0/MatMulQ41"].input[3] == ""  # centred: no minimum input
+    assert numpy_helper.to_array(inits[ops["/model/Q8_0/MatMulQ41"].input[2]]).dtype == np.float16
     sess = make_session(dst, threads=2)
     names = [o.name for o in sess.get_outputs()]
     feeds = _feeds(np.random.default_rng(4), rows=5)
     ys = dict(zip(names, sess.run(None, feeds)))
     blocks = GGUFBlocks(path)
+    checked = []
     for i, (name, w) in enumerate(weights.items()):
-        if name.removesuffix("b") not in Q41_KINDS and name != "stranger":
+        kind = name.removesuffix("b")
+        if kind not in Q41_KINDS + OP_CENTRED and name != "stranger":
             continue
         x = feeds["x256" if w.shape[1] == 256 else "x"][0]
-        if name == "stranger":
-            enc = q41_rows(w)
-            b_q, b_s, b_o = enc.q, enc.scales, enc.offset
-            assert enc.form == Q41 and np.abs(enc.dequantize() - w).max() <= (w.max() - w.min()) / 15
-        else:
-            _, b = blocks.find(w)
-            b_q, b_s, b_o = b.q, b.scale, b.offset
-        np.testing.assert_array_equal(ys[f"y{i}"][0], q41.reference(x, b_q, b_s, b_o), err_msg=name)
+        enc = q41_rows(w) if name == "stranger" else carry(blocks.find(w)[1], 4, plan)
+        offset = enc.offset if enc.form == Q41 else None
+        np.testing.assert_array_equal(
+            ys[f"y{i}"][0], q41.reference(x, enc.q, enc.scales, offset, bits=enc.bits), err_msg=name
+        )
         ref = x.astype(np.float64) @ w.T.astype(np.float64)
         if name != "stranger":  # the file's weights; activations rounded to int8 per 32: <= half a step each
-            assert np.abs(ys[f"y{i}"][0] - ref).max() < 0.5 * np.abs(x).max() / 127 * np.abs(w).sum(1).max()
-    carried = [f"y{i}" for i, n in enumerate(weights) if n.removesuffix("b") in Q41_KINDS or n == "stranger"]
-    assert _row_mismatches(sess, carried, np.random.default_rng(5), {"x": K, "x256": 256}) == (0, 0)
+            assert np.abs(ys[f"y{i}"][0] - ref).max() < 0.5 * np.abs(x).max() / 127 * np.abs(w).sum(1).max() + 1e-4
+        checked.append(name)
+    assert len(checked) == len(Q41_KINDS) + len(OP_CENTRED) + 2  # and Q4_1b, the stranger
+    assert _row_mismatches(
+        sess, [f"y{i}" for i, n in enumerate(weights) if n in checked], np.random.default_rng(5), {"x": K, "x256": 256}
+    ) == (0, 0)
 
 
 def test_int4op_rounds_a_source_without_blocks_as_llama_cpp_rounds_q4_1(tmp_path):
     """No GGUF: every body weight rounded to Q4_1's form (d = (max - min) / 15, m = min,
-    q = round((w - m) / d), constant blocks exact), as gguf's own Q4_1 quantizer does."""
+    q = round((w - m) / d), d and m kept as float16, constant blocks exact): bit for bit what
+    gguf's own Q4_1 quantizer writes."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -372,8 +387,6 @@ def test_int4op_rounds_a_source_without_blocks_as_llama_cpp_rounds_q4_1(tmp_path
     w[0, :32] = 0.25  # a constant block
     enc = q41_rows(w)
     ref = dequantize(quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1).reshape(N, K)
-    # gguf stores d and m as float16: equal where the float32 values round to the same halves
-    ours = enc.dequantize()
-    assert np.array_equal(ours[0, :32], w[0, :32])
-    assert np.abs(ours - w).max() <= np.abs(ref - w).max() * 1.01 + 1e-6
+    np.testing.assert_array_equal(enc.dequantize(), ref)  # the same levels, d and m (float16) as gguf's
+    assert np.array_equal(enc.dequantize()[0, :32], w[0, :32])
     assert enc.q.max() <= 15 and enc.q.dtype == np.uint8
