@@ -175,15 +175,15 @@ def test_pld_speeds_up_summarization(loaded, spec_prompts):
 
 @pytest.fixture(scope="module")
 def default_model(smollm2):
-    """The variant the build picked on this machine (an int8 trial flavour where it was clearly faster)."""
+    """The variant the build picked on this machine (a trial flavour, int4op or int8, where it was clearly faster)."""
     return load(smollm2)
 
 
 @pytest.mark.parametrize("method", ("pld", "suffix_decoding", "asam", "auto"))
 def test_the_default_this_machine_picked_is_lossless(default_model, spec_prompts, method):
-    """Whatever the picker chose here (int8-static on an AVX-512 VNNI AMD EPYC, an int4 flavour
-    elsewhere), every kind of drafter reproduces its plain decoding, chains and (where its layout
-    verifies them) trees, greedy and sampled."""
+    """Whatever the picker chose here (int4op-static on an AVX-512 VNNI AMD EPYC, where our
+    operator compiles; an int4 or int8 flavour elsewhere), every kind of drafter reproduces its
+    plain decoding, chains and (where its layout verifies them) trees, greedy and sampled."""
     model = default_model
     trees = S.split_variant(model.variant)[1] != S.KV_ROWWISE
     assert (model.tree_period is not None) == trees

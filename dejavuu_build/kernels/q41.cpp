@@ -2,7 +2,7 @@
 // levels, blocks of 32 along K) by int8-rounded activations, as an onnxruntime custom operator,
 // compiled on the user's machine on first use by dejavuu_build/kernels/q41.py (which also writes
 // the weights, pack(), and holds the same arithmetic in numpy, reference()).
-// Grown from docs/spikes/q41_op.cpp and q41_gemm.cpp.
+// Grown from the spike of the twenty-second session (docs/spikes/q41_gemm.cpp; its operator is in the history at 4c95ac3).
 //
 // Inputs   A float [..., K]
 //          packed uint8 [tiles*nb*64*bits] (per tile and block: 256 bytes at 4 bits, 512 at 8)
