@@ -14,7 +14,7 @@ Readers look the table up when they run, so an entry added at run time (``regist
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 FP32, INT8, INT4, INT4OP = "fp32", "int8", "int4", "int4op"
 
@@ -109,6 +109,9 @@ class Precision:
 # an Intel AMX Xeon at K = 640). (Figures: docs/quantization.md, docs/exactness.md.)
 # The auto build makes int4 (in every KV layout), then int4op and int8 only when no int4 keeps the
 # answers (else each as a timed trial, build.trial).
+_INT4_PLAN = QuantPlan(
+    body_bits=4, body_block=32, lm_head_bits=8, lm_head_block=128, embed_bits=8, symmetric=False, gguf_min="offset"
+)
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
@@ -121,40 +124,17 @@ PRECISIONS: dict[str, Precision] = {
             auto_tier=3,
             genai="int8",
         ),
-        Precision(
-            INT4,
-            QuantPlan(
-                body_bits=4,
-                body_block=32,
-                lm_head_bits=8,
-                lm_head_block=128,
-                embed_bits=8,
-                symmetric=False,
-                gguf_min="offset",
-            ),
-            teacher_forced_floor=0.70,
-            quality_floor=0.75,
-            auto_tier=1,
-            genai="int4",
-        ),
-        # int4op: the GGUF's 4-bit blocks (Q4_0 / Q4_1 / Q4_K: levels, scale and minimum per 32) as
-        # the file holds them, in our exact operator (kernels.q41) instead of MatMulNBits plus the
-        # offset term; other weights as int4. One node per projection and no second rounding: the
-        # spike measured one-token steps 0.69-0.81x int8-static's with a better gate (docs/speed.md).
+        Precision(INT4, _INT4_PLAN, teacher_forced_floor=0.70, quality_floor=0.75, auto_tier=1, genai="int4"),
+        # int4op: int4's plan with the GGUF's blocks of 32 as the file holds them (levels, d, and
+        # the minimum m where the type has one; float16 where the file's are) in our exact
+        # operator (kernels.q41) instead of MatMulNBits plus the offset term, the lm-head too. One
+        # node per projection and no second rounding: one-token steps 0.64x int4-static's on the
+        # AMD EPYC with AVX-512 VNNI, with a better gate (docs/speed.md, twenty-third session).
         # A timed trial of the auto build (build.trial), kept only where clearly faster; tried before
         # int8 (faster than it on the CPU measured, so int8's trial then skips its gates).
         Precision(
             INT4OP,
-            QuantPlan(
-                body_bits=4,
-                body_block=32,
-                lm_head_bits=8,
-                lm_head_block=128,
-                embed_bits=8,
-                symmetric=False,
-                gguf_min="q41",
-                lm_head_op=True,
-            ),
+            replace(_INT4_PLAN, gguf_min="q41", lm_head_op=True),
             teacher_forced_floor=0.70,
             quality_floor=0.75,
             auto_tier=2,
