@@ -212,19 +212,17 @@ def quant_only_cmd(name, variants, threads, no_timing):
 
     check_name(name)
     _check_threads(threads)
-    if variants is None:
-        res = quant_only(name, variants=None, threads=threads, timing=not no_timing)
-        click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
-        return
-    vs = tuple(v.strip() for v in variants.split(",") if v.strip())
-    quantized = P.quantized()
-    bad = [v for v in vs if v not in quantized]
-    if not vs:  # nothing to quantize: it would re-validate every variant for nothing
-        raise DejavuuError(
-            f"--variants {variants!r} names no variant: pass {', '.join(quantized)} or {','.join(quantized)}"
-        )
-    if bad:
-        raise DejavuuError(f"quant-only variants are {' and '.join(quantized)} (got {', '.join(bad)})")
+    vs = None  # every quantized precision this machine runs (pipeline.quant_only)
+    if variants is not None:
+        vs = tuple(v.strip() for v in variants.split(",") if v.strip())
+        quantized = P.quantized()
+        bad = [v for v in vs if v not in quantized]
+        if not vs:  # nothing to quantize: it would re-validate every variant for nothing
+            raise DejavuuError(
+                f"--variants {variants!r} names no variant: pass {', '.join(quantized)} or {','.join(quantized)}"
+            )
+        if bad:
+            raise DejavuuError(f"quant-only variants are {' and '.join(quantized)} (got {', '.join(bad)})")
     res = quant_only(name, variants=vs, threads=threads, timing=not no_timing)
     click.echo(f"re-quantized: {res.folder} (default variant: {res.manifest.default_variant})")
 

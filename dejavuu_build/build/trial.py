@@ -66,11 +66,10 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
                 make_session(folder / variant_file(name), threads=g.threads),
                 S.variant_contract(g.contract, manifest.variants[name]),
             )
-            theirs_session = g.sessions.get(against) or (
-                make_session(folder / variant_file(against), threads=g.threads),
-                S.variant_contract(g.contract, manifest.variants[against]),
+            # the preferred candidate's session, or the kept trial's (validate opened it)
+            timed = time_interleaved(
+                {against: g.sessions[against], name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS
             )
-            timed = time_interleaved({against: theirs_session, name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS)
         mine, theirs = timed[name]["round_costs_ms"], timed[against]["round_costs_ms"]
         rec["round_costs_ms"] = {against: theirs, name: mine}
         rec["ratio"] = round(float(np.median(mine)) / float(np.median(theirs)), 3)
