@@ -57,7 +57,7 @@ MS = "com.microsoft"
 
 # The plan of each precision is its entry in precisions.PRECISIONS (PLANS: a view of it).
 GGUF_MIN_FORMS = ("offset", "nearest", "float_zp", "q41")
-Q41 = "q41"  # the form of kernels.q41's operator: w = d * q + m per block of 32, 4-bit levels as the file holds them
+Q41 = "q41"  # kernels.q41's minimum form: w = d * q + m per block of 32, 4- or 8-bit levels as the file holds them
 
 
 @dataclass
