@@ -139,7 +139,7 @@ PRECISIONS: dict[str, Precision] = {
             quality_floor=0.75,
             auto_tier=2,
             genai="int4",
-            operators=("dejavuu.q41",),
+            operators=("dejavuu.q41", "dejavuu.attn"),
         ),
     )
 }

@@ -104,16 +104,18 @@ def add_llama_hparams(w, *, vocab: int, h: int, layers: int, heads: int, kv: int
     w.add_vocab_size(vocab)
 
 
-def tiny_llama_gguf(path: Path, chat: bool = True) -> Path:
-    """Two Llama layers (hidden 64, 2 heads of 32 over 1 KV head) in Q4_1 blocks, an fp32 norm and
-    embedding, a byte-level BPE of the lowercase letters and a few merges, and a chat template
-    (``chat=False``: none, as a base model's GGUF)."""
+def tiny_llama_gguf(path: Path, chat: bool = True, head_size: int = 32) -> Path:
+    """Two Llama layers (2 heads of ``head_size`` over 1 KV head: hidden 64 by default) in Q4_1
+    blocks, an fp32 norm and embedding, a byte-level BPE of the lowercase letters and a few merges,
+    and a chat template (``chat=False``: none, as a base model's GGUF). ``head_size=64``: a head
+    our attention operator takes (kernels.attn.HEAD_SIZES)."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
 
     rng = np.random.default_rng(7)
-    h, ff, heads, kv, layers = 64, 128, 2, 1, 2
+    heads, kv, layers, ff = 2, 1, 2, 128
+    h = heads * head_size
     letters = list("abcdefghijklmnopqrstuvwxyz")
     tokens = ["<unk>", "<|im_start|>", "<|im_end|>", *letters, "Ġ", "he", "ll", "hell", "hello", "Ġw", "Ġwo", "Ġwor"]
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "Ġwo r"]

@@ -82,6 +82,8 @@ def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: i
     when the graph has no such flavour (said once; the build goes on without it)."""
     from ..export.exporter import save_model
     from ..export.fp16_store import load_unpacked
+    from ..export.passes.own_attention import to_own_attention
+    from ..kernels import attn
 
     name = S.variant_name(precision, layout)
     lay = LAYOUTS[layout]
@@ -89,6 +91,8 @@ def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: i
     with step(lay.step.format(p=precision, c=capacity)):
         try:
             proto = lay.graph_pass(load_unpacked(folder / variant_file(precision)), capacity)
+            if layout == S.KV_STATIC and attn.DOMAIN in P.PRECISIONS[precision].operators:
+                proto = to_own_attention(proto)
         except ExportError as e:
             if not lay.optional:
                 raise

@@ -62,6 +62,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -680,6 +681,10 @@ Q41_EXPORT int dejavuu_q41_gemm2(const float* A, int64_t rows, const uint8_t* pa
   return 0;
 }
 
+// attn.cpp: the attention operator, registered here in its own domain (one library, one load)
+OrtCustomOp* dejavuu_attention_op(uint32_t version);
+constexpr const char* kAttnDomain = "dejavuu.attn";
+
 Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   static const Negotiated n = negotiate(base);  // once per process (thread-safe initialisation)
   if (n.api == nullptr) {
@@ -690,12 +695,19 @@ Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     return api1 != nullptr ? api1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   const OrtApi* api = n.api;
-  OrtCustomOpDomain* domain = nullptr;
-  Q41_CHECK(api->CreateCustomOpDomain(kDomain, &domain));
-  OrtStatus* st = api->CustomOpDomain_Add(domain, &q41_op);
-  if (st == nullptr) st = api->AddCustomOpDomain(options, domain);
-  if (st != nullptr) api->ReleaseCustomOpDomain(domain);
-  // else kept: onnxruntime does not own the domain, which must outlive every session made from
-  // these options (a few bytes per registration)
-  return st;
+  const std::pair<const char*, OrtCustomOp*> ops[2] = {{kDomain, &q41_op},
+                                                       {kAttnDomain, dejavuu_attention_op(n.version)}};
+  for (const auto& [name, op] : ops) {
+    OrtCustomOpDomain* domain = nullptr;
+    Q41_CHECK(api->CreateCustomOpDomain(name, &domain));
+    OrtStatus* st = api->CustomOpDomain_Add(domain, op);
+    if (st == nullptr) st = api->AddCustomOpDomain(options, domain);
+    if (st != nullptr) {
+      api->ReleaseCustomOpDomain(domain);
+      return st;
+    }
+    // else kept: onnxruntime does not own the domain, which must outlive every session made from
+    // these options (a few bytes per registration)
+  }
+  return nullptr;
 }

@@ -75,6 +75,9 @@ LIBRARY = "libdejavuu_q41.so"
 
 _HERE = Path(__file__).resolve().parent
 SOURCE = _HERE / "q41.cpp"
+# compiled into one library with q41.cpp, which registers both domains: the attention operator
+# (attn.cpp, kernels.attn) runs in the graphs that run Q41MatMul
+SOURCES = (SOURCE, _HERE / "attn.cpp")
 INCLUDE = _HERE / "include"
 # -ffp-contract=off: no fused multiply-add the source does not write (the float order is the
 # contract); never -ffast-math
@@ -303,7 +306,9 @@ def _compiler() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _key(cxx: tuple[str, ...], flags: tuple[str, ...], isa: str | None, source: Path, include: Path) -> str:
+def _key(
+    cxx: tuple[str, ...], flags: tuple[str, ...], isa: str | None, sources: tuple[Path, ...], include: Path
+) -> str:
     """What the library depends on: the source and headers, the compiler (its --version) and what
     the flags make of this CPU (the predefined macros: -march=native on another CPU, or another
     compiler release, is another key, so a shared cache never loads a foreign build)."""
@@ -312,7 +317,8 @@ def _key(cxx: tuple[str, ...], flags: tuple[str, ...], isa: str | None, source: 
     def part(tag: str, data: bytes) -> None:
         h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
 
-    part("source", source.read_bytes())
+    for source in sources:
+        part(f"source {source.name}", source.read_bytes())
     for f in sorted(include.glob("*.h")):
         part(f"header {f.name}", f.read_bytes())
     part("version", _run([*cxx, "--version"]).encode())
@@ -369,7 +375,7 @@ def library(isa: str | None = None) -> Path:
     :class:`KernelUnavailable` when no compiler is found or compiling fails."""
     flags = (*BASE_FLAGS, *_isa_flags(isa))
     cxx = _compiler()
-    folder = cache_root() / KERNELS_DIR / f"q41-{_key(cxx, flags, isa, SOURCE, INCLUDE)}"
+    folder = cache_root() / KERNELS_DIR / f"q41-{_key(cxx, flags, isa, SOURCES, INCLUDE)}"
     lib = folder / LIBRARY
     if lib.is_file():
         return lib
@@ -382,7 +388,7 @@ def library(isa: str | None = None) -> Path:
         tmp = folder / f".{LIBRARY}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         t0 = time.perf_counter()
         try:
-            _run([*cxx, *flags, "-I", str(INCLUDE), "-o", str(tmp), str(SOURCE)])
+            _run([*cxx, *flags, "-I", str(INCLUDE), "-o", str(tmp), *map(str, SOURCES)])
             os.replace(tmp, lib)
         finally:
             tmp.unlink(missing_ok=True)

@@ -111,11 +111,10 @@ def make_session(path: str | os.PathLike, threads: int | None = None, profile: s
     built from the package's source on this machine; nothing is ever loaded from the entry."""
     import onnxruntime as ort
 
-    from ..kernels import OPERATORS
+    from ..kernels import register
 
     so = ort.SessionOptions()
-    for domain in sorted(graph_domains(path) & OPERATORS.keys()):
-        OPERATORS[domain](so)
+    register(so, graph_domains(path))
     if profile:
         so.enable_profiling = True
         so.profile_file_prefix = str(profile)

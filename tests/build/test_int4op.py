@@ -5,15 +5,19 @@ the operator cannot be built says so in one line instead of building it."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import onnx
 import pytest
 
 from dejavuu_build import schema as S
 from dejavuu_build.build.config import TreeDecoderConfig
 from dejavuu_build.build.pipeline import build_tree_decoder
 from dejavuu_build.errors import KernelUnavailable
-from dejavuu_build.kernels import q41
+from dejavuu_build.kernels import attn, q41
 from dejavuu_build.runtime import load
 from dejavuu_build.runtime.drafters import METHODS
+from dejavuu_build.runtime.session import graph_domains
 
 pytestmark = pytest.mark.slow  # a build (~1 min on 2 cores)
 
@@ -24,7 +28,8 @@ PROMPTS = ["hello hello hello world", "abcabcabcabc abcabc", "the cat the cat th
 def entry(cache_dir, tmp_path_factory):
     from tiny import tiny_llama_gguf
 
-    src = tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf")
+    # heads of 64: the static flavour runs our attention operator too (kernels.attn)
+    src = tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", head_size=64)
     cfg = TreeDecoderConfig(
         model=str(src),
         name="tiny-int4op",
@@ -47,6 +52,14 @@ def test_the_body_is_the_files_blocks_in_our_operator_and_passes_every_gate(entr
         assert rec.quant["operators"] == [q41.DOMAIN]
     body = {k: n for k, n in m.variants["int4op"].quant["nodes"].items() if "/layers." in k}
     assert len(body) == 2 * 7 and all(n.endswith("Q4_1 carried exactly (q41 operator)") for n in body.values()), body
+    # the static flavour's attention is ours (no GroupQueryAttention, no row floor), and the server
+    # does not batch it (no batched form): it serves what `generate` decodes, one request a forward
+    static = entry.folder / m.variants["int4op-static"].file
+    assert graph_domains(static) >= {q41.DOMAIN, attn.DOMAIN}
+    ops = Counter(n.op_type for n in onnx.load(static, load_external_data=False).graph.node)
+    assert ops["GroupAttention"] == 2 and ops["GroupQueryAttention"] == 0 and ops["Pad"] == 0, ops
+    assert graph_domains(entry.folder / m.variants["fp32-static"].file) & {attn.DOMAIN} == set()
+    assert "our attention operator" in m.batched["skipped"]
     # only runtimes that build our operator are pointed at it: the `dejavuu` package's view lists fp32
     assert list(S.manifest_provenance(m)["variants"]) == ["fp32"]
     assert not S.portable("int4op-static") and S.portable("int4-static")

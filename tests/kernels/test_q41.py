@@ -662,7 +662,7 @@ def test_a_compile_error_says_what_failed(monkeypatch, tmp_path):
     bad = tmp_path / "q41.cpp"
     bad.write_text("this is not C++;\n")
     monkeypatch.setenv("DEJAVUU_CACHE", str(tmp_path))
-    monkeypatch.setattr(q41, "SOURCE", bad)
+    monkeypatch.setattr(q41, "SOURCES", (bad, *q41.SOURCES[1:]))
     with pytest.raises(KernelUnavailable, match="compiler failed.*error"):
         q41.library("scalar")
     assert not list((tmp_path / q41.KERNELS_DIR).glob(f"*/{q41.LIBRARY}*"))  # no library, no temp file

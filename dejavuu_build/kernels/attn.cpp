@@ -1,0 +1,528 @@
+// dejavuu.attn.GroupAttention: one decoder layer's attention over an in-place KV buffer, as an
+// onnxruntime custom operator (compiled into the same library as Q41MatMul: q41.py builds both).
+//
+// Why our own: onnxruntime's GroupQueryAttention gives a lone query row other bits than the same
+// row among several (its one-row kernel), so the static graph runs it on two rows at least (a
+// floor), and on a 2-core AMD EPYC (AVX2, Zen 3) it took 28% of a one-token step's kernel time at
+// a past of 256 and 58% at 1024 (docs/speed.md, twenty-fourth session). This operator computes
+// every query row alone, in one fixed order of float operations that depends on nothing but the
+// row's own keys: a row gives the same bits alone as among any number of rows, at any total
+// length (keys it does not see contribute exact zeros), so speculative verification stays
+// lossless without a floor.
+//
+// Inputs (batch 1):
+//   0 qkv      float [1, S, (H + 2*KV) * D]  packed q | k | v of S slots (query heads first)
+//   1 past_key float [1, KV, CAP, D]          the layer's key buffer (bound as present_key too)
+//   2 past_val float [1, KV, CAP, D]          its value buffer (bound as present_value)
+//   3 cos      float [P_max, D/2]             rotary tables (non-interleaved halves)
+//   4 sin      float [P_max, D/2]
+//   5 position_ids int64 [1, S]
+//   6 bias     float [1, 1, S, T]             additive; T = P + S, P the past length
+// Outputs: 0 out float [1, S, H*D]; 1 present_key, 2 present_value [1, KV, CAP, D].
+// Attributes: num_heads H, kv_num_heads KV (H % KV == 0), scale (float).
+//
+// The contract (the scalar and AVX2 paths give the same bits: tests/kernels/test_attn.py):
+//   rotary: for i < D/2, with c = cos[pos][i], s = sin[pos][i]: y[i] = x[i]*c - x[i+D/2]*s,
+//     y[i+D/2] = x[i+D/2]*c + x[i]*s (each product rounded, then the sum); k rotated and v as
+//     given are written at row P + slot of the buffers before any row attends;
+//   a row sees keys 0..n-1, n - 1 the last key whose bias is above -1e30 (beyond it nothing:
+//     their weights would be exact zeros);
+//   score_j = dot(q, k_j) * scale + bias_j, dot over 8 lanes: lane l accumulates
+//     q[8c+l]*k[8c+l] for c = 0.. in order (first a product, then fused multiply-adds), then
+//     ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7));
+//   m = max_j score_j; e_j = exp(score_j - m) by one polynomial (expf below, 0 below -87);
+//   sum = the same lane reduction of 8 lane sums, lane l adding e_j for j = l mod 8 in order;
+//   out[d] = (fma over j in order of e_j * v_j[d], skipping e_j == 0) / sum.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "onnxruntime_c_api.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTN_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr const char* kOp = "GroupAttention";
+constexpr float kUnseen = -1e30f;  // a bias at or below it: a key the row does not see
+constexpr float kExpZero = -87.0f;  // exp below it is 0 (keeps 2^n normal)
+
+// Cephes' expf polynomial, every path the same operations: n = floor(x*log2e + 0.5),
+// r = (x - n*C1) - n*C2, p(r) by Horner with fused multiply-adds, (p*r*r + r) + 1, times 2^n.
+constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+inline float exp1(float x) {
+  if (!(x >= kExpZero)) return 0.f;
+  x = std::min(x, 0.f);
+  const float n = std::floor(x * kLog2e + 0.5f);
+  float r = x - n * kC1;
+  r = r - n * kC2;
+  float p = kP0;
+  p = std::fma(p, r, kP1);
+  p = std::fma(p, r, kP2);
+  p = std::fma(p, r, kP3);
+  p = std::fma(p, r, kP4);
+  p = std::fma(p, r, kP5);
+  const float r2 = r * r;
+  p = std::fma(p, r2, r);
+  p = p + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+inline float hsum8(const float* a) {  // ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))
+  const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+  return (b0 + b2) + (b1 + b3);
+}
+
+#if defined(ATTN_AVX2)
+inline float hsum8(__m256 v) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // b0..b3
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                   // b0+b2, b1+b3
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+inline __m256 exp8(__m256 x) {
+  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(kExpZero), _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpZero)), _mm256_setzero_ps());
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kC1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kC2)));
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), zero_below);
+}
+#endif
+
+struct Job {
+  const float* q;     // [S][H][D] rotated queries
+  const float* kbuf;  // [KV][CAP][D]
+  const float* vbuf;
+  const float* bias;  // [S][T]
+  float* out;         // [S][H*D]
+  int64_t S, H, KV, D, CAP, T;
+  float scale;
+  int64_t hb, rb;     // heads and rows per work item (a block of one kv group's queries)
+  int64_t hblocks, rblocks;
+};
+
+// The keys row r sees: 0..n-1, n - 1 its last key whose bias is above kUnseen (0: none).
+inline int64_t visible(const Job& j, int64_t r) {
+  const float* bias = j.bias + r * j.T;
+  int64_t n = j.T;
+  while (n > 0 && !(bias[n - 1] > kUnseen)) n--;
+  return n;
+}
+
+struct Scratch {
+  std::vector<float> sc, acc;
+  std::vector<int64_t> n;
+  std::vector<float> m;
+};
+
+// A block of queries -- heads h0..h1-1 (one kv group's) of rows r0..r1-1 -- in the contract's
+// order for each query; the block shares each 8 keys' K rows and each 32 keys' V rows among its
+// queries (read once from memory), which changes no query's arithmetic: a row's bits are the
+// same in any block, alone or not.
+template <int DC>
+void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t r1, Scratch& w) {
+  constexpr int D = 8 * DC;
+  const int64_t nh = h1 - h0, nq = nh * (r1 - r0);
+  const float* kb = j.kbuf + g * j.CAP * D;
+  const float* vb = j.vbuf + g * j.CAP * D;
+  w.n.assign((size_t)nq, 0);
+  w.m.assign((size_t)nq, -INFINITY);
+  int64_t nmax = 0;
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t n = visible(j, r);
+    for (int64_t h = 0; h < nh; h++) w.n[(size_t)((r - r0) * nh + h)] = n;
+    nmax = std::max(nmax, n);
+  }
+  const int64_t stride = (nmax + 7) / 8 * 8;  // a query's scores, then its weights
+  w.sc.resize((size_t)(nq * stride));
+  w.acc.assign((size_t)(nq * D), 0.f);
+  auto query = [&](int64_t i) { return j.q + ((r0 + i / nh) * j.H + h0 + i % nh) * D; };
+  auto bias_of = [&](int64_t i) { return j.bias + (r0 + i / nh) * j.T; };
+#if defined(ATTN_AVX2)
+  // scores: 8 keys at a time (8 independent chains), their lane sums reduced together in
+  // hsum8's order
+  alignas(32) float tail[8 * D];
+  const __m256 scale = _mm256_set1_ps(j.scale);
+  for (int64_t k0 = 0; k0 < nmax; k0 += 8) {
+    const float* kr = kb + k0 * D;
+    if (k0 + 8 > j.CAP) {  // the buffer ends inside this group: its last rows from a zeroed copy
+      std::fill(tail, tail + 8 * D, 0.f);
+      std::memcpy(tail, kr, sizeof(float) * (size_t)((j.CAP - k0) * D));
+      kr = tail;
+    }
+    for (int64_t i = 0; i < nq; i++) {
+      const int64_t n = w.n[(size_t)i];
+      if (k0 >= n) continue;
+      const float* q = query(i);
+      __m256 a[8];
+      const __m256 q0 = _mm256_loadu_ps(q);
+      for (int r = 0; r < 8; r++) a[r] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr + r * D));
+      for (int c = 1; c < DC; c++) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + r * D + 8 * c), a[r]);
+      }
+      __m256 bb[4];
+      for (int r = 0; r < 4; r++)  // [b_r | b_{r+4}], b_k[i] = a_k[i] + a_k[i+4], as [b0 b2 b1 b3]
+        bb[r] = _mm256_permute_ps(_mm256_add_ps(_mm256_permute2f128_ps(a[r], a[r + 4], 0x20),
+                                                _mm256_permute2f128_ps(a[r], a[r + 4], 0x31)),
+                                  0xD8);
+      const __m256 dots = _mm256_hadd_ps(_mm256_hadd_ps(bb[0], bb[1]), _mm256_hadd_ps(bb[2], bb[3]));
+      alignas(32) float x[8];
+      _mm256_store_ps(x, _mm256_mul_ps(dots, scale));
+      const float* bias = bias_of(i);
+      float* sc = w.sc.data() + i * stride;
+      float m = w.m[(size_t)i];
+      for (int r = 0; r < 8; r++) {
+        const int64_t k = k0 + r;
+        if (k < n) {
+          const float v = x[r] + bias[k];
+          sc[k] = v;
+          m = std::max(m, v);
+        } else {
+          sc[k] = -INFINITY;
+        }
+      }
+      w.m[(size_t)i] = m;
+    }
+  }
+  std::vector<float> sums((size_t)nq);
+  for (int64_t i = 0; i < nq; i++) {
+    const int64_t n8 = (w.n[(size_t)i] + 7) / 8 * 8;
+    float* sc = w.sc.data() + i * stride;
+    const __m256 mv = _mm256_set1_ps(w.m[(size_t)i]);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n8; k += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
+      _mm256_storeu_ps(sc + k, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    sums[(size_t)i] = hsum8(sum8);
+  }
+  constexpr int64_t VT = 32;  // keys per V tile: 8 KB at D = 64, kept in L1 across the block's queries
+  for (int64_t k0 = 0; k0 < nmax; k0 += VT) {
+    for (int64_t i = 0; i < nq; i++) {
+      const int64_t kend = std::min(k0 + VT, w.n[(size_t)i]);
+      if (k0 >= kend) continue;
+      const float* e = w.sc.data() + i * stride;
+      float* ap = w.acc.data() + i * D;
+      __m256 acc[DC];
+      for (int c = 0; c < DC; c++) acc[c] = _mm256_loadu_ps(ap + 8 * c);
+      for (int64_t k = k0; k < kend; k++) {
+        if (e[k] == 0.f) continue;
+        const __m256 ev = _mm256_set1_ps(e[k]);
+        const float* vr = vb + k * D;
+        for (int c = 0; c < DC; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < DC; c++) _mm256_storeu_ps(ap + 8 * c, acc[c]);
+    }
+  }
+  for (int64_t i = 0; i < nq; i++) {
+    float* out = j.out + (r0 + i / nh) * j.H * D + (h0 + i % nh) * D;
+    const int64_t n = w.n[(size_t)i];
+    const __m256 sv = _mm256_set1_ps(sums[(size_t)i]);
+    for (int c = 0; c < DC; c++)
+      _mm256_storeu_ps(out + 8 * c, n == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(w.acc.data() + i * D + 8 * c), sv));
+  }
+#else
+  for (int64_t i = 0; i < nq; i++) {
+    const float* q = query(i);
+    const float* bias = bias_of(i);
+    float* out = j.out + (r0 + i / nh) * j.H * D + (h0 + i % nh) * D;
+    const int64_t n = w.n[(size_t)i], n8 = (n + 7) / 8 * 8;
+    if (n == 0) {  // a row that sees nothing (a pad slot's): zeros
+      std::fill(out, out + D, 0.f);
+      continue;
+    }
+    float* sc = w.sc.data() + i * stride;
+    float m = -INFINITY;
+    for (int64_t k = 0; k < n; k++) {
+      const float* kr = kb + k * D;
+      float lanes[8];
+      for (int l = 0; l < 8; l++) lanes[l] = q[l] * kr[l];
+      for (int c = 1; c < DC; c++)
+        for (int l = 0; l < 8; l++) lanes[l] = std::fma(q[8 * c + l], kr[8 * c + l], lanes[l]);
+      const float x = hsum8(lanes) * j.scale + bias[k];
+      sc[k] = x;
+      m = std::max(m, x);
+    }
+    for (int64_t k = n; k < n8; k++) sc[k] = -INFINITY;
+    float sum8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < n8; k += 8)
+      for (int l = 0; l < 8; l++) {
+        const float e = exp1(sc[k + l] - m);
+        sc[k + l] = e;
+        sum8[l] = sum8[l] + e;
+      }
+    const float sum = hsum8(sum8);
+    float acc[D];
+    for (int d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t k = 0; k < n; k++) {
+      const float e = sc[k];
+      if (e == 0.f) continue;
+      const float* vr = vb + k * D;
+      for (int d = 0; d < D; d++) acc[d] = std::fma(e, vr[d], acc[d]);
+    }
+    for (int d = 0; d < D; d++) out[d] = acc[d] / sum;
+  }
+#endif
+}
+
+// Work item -> (kv group, head block, row block).
+template <int DC>
+void run_item(void* data, size_t item) {
+  thread_local Scratch w;
+  const Job& j = *static_cast<const Job*>(data);
+  const int64_t per_group = j.hblocks * j.rblocks, G = j.H / j.KV;
+  const int64_t g = (int64_t)item / per_group, rest = (int64_t)item % per_group;
+  const int64_t hb = rest / j.rblocks, rbk = rest % j.rblocks;
+  const int64_t h0 = g * G + hb * j.hb, r0 = rbk * j.rb;
+  attend<DC>(j, g, h0, std::min(h0 + j.hb, (g + 1) * G), r0, std::min(r0 + j.rb, j.S), w);
+}
+
+// How the queries are blocked: rows in blocks of up to 4 and a kv group's heads together, so that
+// a block reads its keys and values once (on a 2-core AMD EPYC, AVX2, a lone row at a past of
+// 1024: 67 us a layer against 89-95 with a head per block); one head per block where a single
+// block would leave every thread but one idle (one kv group and one row block).
+void plan(Job& j) {
+  const int64_t G = j.H / j.KV;
+  j.rb = std::min<int64_t>(4, j.S);
+  j.rblocks = (j.S + j.rb - 1) / j.rb;
+  j.hb = j.KV * j.rblocks >= 2 ? G : 1;
+  j.hblocks = (G + j.hb - 1) / j.hb;
+}
+
+inline size_t items(const Job& j) { return (size_t)(j.KV * j.hblocks * j.rblocks); }
+
+using RunItem = void (*)(void*, size_t);
+
+RunItem pick(int64_t D) {
+  switch (D) {
+    case 64: return run_item<8>;
+    case 128: return run_item<16>;
+    case 256: return run_item<32>;
+    default: return nullptr;
+  }
+}
+
+// y = x rotated at `pos` (non-interleaved halves), the contract's order.
+void rotate(const float* x, const float* cs, const float* sn, int64_t D, float* y) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i++) {
+    const float x1 = x[i], x2 = x[i + half], c = cs[i], s = sn[i];
+    const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+    y[i] = a - b;
+    y[i + half] = e + f;
+  }
+}
+
+// ------------------------------------------------------------------ the onnxruntime operator
+struct Kernel {
+  const OrtApi* api;
+  int64_t H, KV;
+  float scale;
+};
+
+OrtStatus* invalid(const OrtApi* api, const std::string& what) {
+  return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string(kOp) + ": " + what).c_str());
+}
+
+#define ATTN_CHECK(expr)            \
+  do {                              \
+    OrtStatus* st_ = (expr);        \
+    if (st_ != nullptr) return st_; \
+  } while (0)
+
+OrtStatus* dims_of(const OrtApi* api, const OrtValue* v, std::vector<int64_t>& dims) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ATTN_CHECK(api->GetTensorTypeAndShape(v, &info));
+  size_t n = 0;
+  OrtStatus* st = api->GetDimensionsCount(info, &n);
+  if (st == nullptr) {
+    dims.assign(n, 0);
+    st = api->GetDimensions(info, dims.data(), n);
+  }
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+template <typename T>
+OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, std::vector<int64_t>& dims, T** p) {
+  const OrtValue* v = nullptr;
+  ATTN_CHECK(api->KernelContext_GetInput(ctx, i, &v));
+  if (v == nullptr) return invalid(api, "input " + std::to_string(i) + " is missing");
+  ATTN_CHECK(dims_of(api, v, dims));
+  void* raw = nullptr;
+  ATTN_CHECK(api->GetTensorMutableData(const_cast<OrtValue*>(v), &raw));
+  *p = static_cast<T*>(raw);
+  return nullptr;
+}
+
+OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
+  const OrtApi* api = k.api;
+  std::vector<int64_t> xd, kd, vd, cd, sd, pd, bd;
+  const float *x = nullptr, *pk = nullptr, *pv = nullptr, *cs = nullptr, *sn = nullptr, *bias = nullptr;
+  const int64_t* pos = nullptr;
+  ATTN_CHECK(input(api, ctx, 0, xd, &x));
+  ATTN_CHECK(input(api, ctx, 1, kd, &pk));
+  ATTN_CHECK(input(api, ctx, 2, vd, &pv));
+  ATTN_CHECK(input(api, ctx, 3, cd, &cs));
+  ATTN_CHECK(input(api, ctx, 4, sd, &sn));
+  ATTN_CHECK(input(api, ctx, 5, pd, &pos));
+  ATTN_CHECK(input(api, ctx, 6, bd, &bias));
+  const int64_t H = k.H, KV = k.KV;
+  if (xd.size() != 3 || xd[0] != 1 || xd[2] % (H + 2 * KV) != 0)
+    return invalid(api, "qkv must be [1, S, (num_heads + 2*kv_num_heads) * head_size]");
+  const int64_t S = xd[1], D = xd[2] / (H + 2 * KV);
+  RunItem run = pick(D);
+  if (run == nullptr) return invalid(api, "head size must be 64, 128 or 256, got " + std::to_string(D));
+  if (kd.size() != 4 || kd[0] != 1 || kd[1] != KV || kd[3] != D || kd != vd)
+    return invalid(api, "past key and value must both be [1, kv_num_heads, capacity, head_size]");
+  const int64_t CAP = kd[2];
+  if (bd.size() != 4 || bd[0] != 1 || bd[1] != 1 || bd[2] != S)
+    return invalid(api, "bias must be [1, 1, S, past + S]");
+  const int64_t T = bd[3], P = T - S;
+  if (P < 0 || T > CAP)
+    return invalid(api, "past + S = " + std::to_string(T) + " must fit the buffer's " + std::to_string(CAP));
+  if (cd.size() != 2 || cd != sd || cd[1] != D / 2)
+    return invalid(api, "cos and sin must both be [positions, head_size / 2]");
+  if ((int64_t)pd.size() != 2 || pd[0] != 1 || pd[1] != S) return invalid(api, "position_ids must be [1, S]");
+  for (int64_t i = 0; i < S; i++)
+    if (pos[i] < 0 || pos[i] >= cd[0])
+      return invalid(api, "position " + std::to_string(pos[i]) + " is outside the rotary tables");
+  const int64_t od[3] = {1, S, H * D};
+  OrtValue *ov = nullptr, *okv = nullptr, *ovv = nullptr;
+  ATTN_CHECK(api->KernelContext_GetOutput(ctx, 0, od, 3, &ov));
+  ATTN_CHECK(api->KernelContext_GetOutput(ctx, 1, kd.data(), kd.size(), &okv));
+  ATTN_CHECK(api->KernelContext_GetOutput(ctx, 2, vd.data(), vd.size(), &ovv));
+  void *out = nullptr, *kraw = nullptr, *vraw = nullptr;
+  ATTN_CHECK(api->GetTensorMutableData(ov, &out));
+  ATTN_CHECK(api->GetTensorMutableData(okv, &kraw));
+  ATTN_CHECK(api->GetTensorMutableData(ovv, &vraw));
+  float* kb = static_cast<float*>(kraw);
+  float* vb = static_cast<float*>(vraw);
+  if (kb != pk || vb != pv)  // present not bound to past (no I/O binding): carry the past over
+    for (int64_t g = 0; g < KV; g++) {
+      std::memcpy(kb + g * CAP * D, pk + g * CAP * D, sizeof(float) * (size_t)(P * D));
+      std::memcpy(vb + g * CAP * D, pv + g * CAP * D, sizeof(float) * (size_t)(P * D));
+    }
+  if (S == 0) return nullptr;
+  const int64_t W = (H + 2 * KV) * D, half = D / 2;
+  thread_local std::vector<float> qrot;
+  qrot.resize((size_t)(S * H * D));
+  for (int64_t s = 0; s < S; s++) {
+    const float* row = x + s * W;
+    const float* c = cs + pos[s] * half;
+    const float* sv = sn + pos[s] * half;
+    for (int64_t h = 0; h < H; h++) rotate(row + h * D, c, sv, D, qrot.data() + (s * H + h) * D);
+    for (int64_t g = 0; g < KV; g++) {
+      rotate(row + (H + g) * D, c, sv, D, kb + (g * CAP + P + s) * D);
+      std::memcpy(vb + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+    }
+  }
+  Job j{qrot.data(), kb, vb, bias, static_cast<float*>(out), S, H, KV, D, CAP, T, k.scale, 0, 0, 0, 0};
+  plan(j);
+  return api->KernelContext_ParallelFor(ctx, run, items(j), 0, &j);
+}
+
+struct AttnOp : OrtCustomOp {
+  AttnOp() {
+    static_cast<OrtCustomOp&>(*this) = OrtCustomOp{};
+    version = 17;
+    GetName = [](const OrtCustomOp*) { return kOp; };
+    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 7; };
+    GetInputType = [](const OrtCustomOp*, size_t i) {
+      return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+      int64_t H = 0, KV = 0;
+      float scale = 0.f;
+      ATTN_CHECK(api->KernelInfoGetAttribute_int64(info, "num_heads", &H));
+      ATTN_CHECK(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &KV));
+      ATTN_CHECK(api->KernelInfoGetAttribute_float(info, "scale", &scale));
+      if (H <= 0 || KV <= 0 || H % KV != 0)
+        return invalid(api, "num_heads must be a positive multiple of kv_num_heads");
+      if (!(scale > 0.f)) return invalid(api, "scale must be positive");
+      *kernel = new (std::nothrow) Kernel{api, H, KV, scale};
+      return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory");
+    };
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
+      const Kernel& k = *static_cast<const Kernel*>(kernel);
+      try {
+        return compute(k, ctx);
+      } catch (const std::bad_alloc&) {
+        return k.api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory");
+      }
+    };
+    KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
+  }
+};
+
+AttnOp attn_op;
+
+}  // namespace
+
+// q41.cpp's RegisterCustomOps adds this operator in its own domain, at the negotiated version.
+OrtCustomOp* dejavuu_attention_op(uint32_t version) {
+  attn_op.version = version;
+  return &attn_op;
+}
+
+// The operator without onnxruntime, one thread, for tests (attn.py calls it through ctypes): the
+// same arguments as the graph's inputs (kbuf/vbuf updated in place, out [S][H*D]); returns 0, or
+// -1 for a head size other than 64/128/256.
+extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
+    const float* qkv, int64_t S, float* kbuf, float* vbuf, int64_t CAP, const float* cos, const float* sin,
+    const int64_t* pos, const float* bias, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, float* out) {
+  RunItem run = pick(D);
+  if (run == nullptr || T < S || T > CAP) return -1;
+  const int64_t P = T - S, W = (H + 2 * KV) * D, half = D / 2;
+  std::vector<float> qrot((size_t)(S * H * D));
+  for (int64_t s = 0; s < S; s++) {
+    const float* row = qkv + s * W;
+    for (int64_t h = 0; h < H; h++)
+      rotate(row + h * D, cos + pos[s] * half, sin + pos[s] * half, D, qrot.data() + (s * H + h) * D);
+    for (int64_t g = 0; g < KV; g++) {
+      rotate(row + (H + g) * D, cos + pos[s] * half, sin + pos[s] * half, D, kbuf + (g * CAP + P + s) * D);
+      std::memcpy(vbuf + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+    }
+  }
+  Job j{qrot.data(), kbuf, vbuf, bias, out, S, H, KV, D, CAP, T, scale, 0, 0, 0, 0};
+  plan(j);
+  for (size_t i = 0; i < items(j); i++) run(&j, i);
+  return 0;
+}

@@ -1,0 +1,149 @@
+"""``dejavuu.attn.GroupAttention``: a decoder layer's attention over the in-place KV buffer, row
+by row in one fixed order of float operations (attn.cpp heads the contract), so a query row gives
+the same bits alone as among any number of rows: the static graph needs no two-row floor under it.
+
+Why our own operator: onnxruntime's GroupQueryAttention gives a lone row other bits than the
+same row among several, so the static graph ran it on two rows at least, and it was the second
+cost of a step on a 2-core AMD EPYC (AVX2): 28% of a one-token step's kernel time at a past of
+256, 58% at 1024 (docs/speed.md, twenty-fourth session). It is compiled into the Q4_1 operator's
+library (q41.SOURCES: one build, one load registers both domains), so it is available exactly where
+Q41MatMul is and a graph of ours uses it only beside that operator (export.passes.own_attention)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import q41
+
+DOMAIN = "dejavuu.attn"
+OP = "GroupAttention"
+OPSET = 1
+HEAD_SIZES = (64, 128, 256)  # what the kernel is instantiated for
+UNSEEN = -1e30  # a bias at or below it: a key the row does not see (its weight is an exact zero)
+
+F32 = npt.NDArray[np.float32]
+
+
+def register(session_options: Any, isa: str | None = None) -> str:
+    """Register the library that holds this operator (q41.register: one library, both domains)."""
+    return q41.register(session_options, isa)
+
+
+def unavailable() -> str | None:
+    """Why the operator cannot run here, or None (the library's: q41.unavailable)."""
+    return q41.unavailable()
+
+
+def _fn(isa: str | None) -> Any:
+    fn = q41._load(q41.library(isa)).dejavuu_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.restype = ctypes.c_int
+    fn.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float, p]
+    return fn
+
+
+def attend(
+    qkv: npt.ArrayLike,
+    kbuf: F32,
+    vbuf: F32,
+    cos: npt.ArrayLike,
+    sin: npt.ArrayLike,
+    positions: npt.ArrayLike,
+    bias: npt.ArrayLike,
+    *,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    isa: str | None = None,
+) -> F32:
+    """The compiled operator without onnxruntime (one thread), as the graph runs it: ``qkv``
+    [S, (heads + 2*kv_heads)*D], ``kbuf``/``vbuf`` [kv_heads, capacity, D] float32 C-contiguous,
+    written in place at rows past..past+S-1 (past = bias's width - S), ``cos``/``sin`` [positions,
+    D/2], ``positions`` [S], ``bias`` [S, past + S]. Returns the output [S, heads*D]."""
+    x = np.ascontiguousarray(qkv, np.float32)
+    c, s = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+    pos = np.ascontiguousarray(positions, np.int64)
+    b = np.ascontiguousarray(bias, np.float32)
+    for buf in (kbuf, vbuf):
+        if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 3:
+            raise ValueError("kbuf and vbuf must be C-contiguous float32 [kv_heads, capacity, D]")
+    rows, width = x.shape
+    d = width // (heads + 2 * kv_heads)
+    if d * (heads + 2 * kv_heads) != width or kbuf.shape != (kv_heads, kbuf.shape[1], d) or vbuf.shape != kbuf.shape:
+        raise ValueError(f"qkv's width {width} and the buffers {kbuf.shape} disagree with the heads")
+    if b.shape[0] != rows or pos.shape != (rows,) or c.shape != s.shape or c.shape[1] != d // 2:
+        raise ValueError("bias [S, T], positions [S] and cos/sin [positions, D/2] are needed")
+    if pos.min(initial=0) < 0 or pos.max(initial=0) >= c.shape[0]:
+        raise ValueError("a position is outside the rotary tables")
+    out = np.empty((rows, heads * d), np.float32)
+    rc = _fn(isa)(
+        x.ctypes.data,
+        rows,
+        kbuf.ctypes.data,
+        vbuf.ctypes.data,
+        kbuf.shape[1],
+        c.ctypes.data,
+        s.ctypes.data,
+        pos.ctypes.data,
+        b.ctypes.data,
+        b.shape[1],
+        heads,
+        kv_heads,
+        d,
+        scale,
+        out.ctypes.data,
+    )
+    if rc != 0:
+        raise ValueError(f"the kernel refused head size {d} (it takes {HEAD_SIZES}) or past + S > capacity")
+    return out
+
+
+def reference(
+    qkv: npt.ArrayLike,
+    kbuf: F32,
+    vbuf: F32,
+    cos: npt.ArrayLike,
+    sin: npt.ArrayLike,
+    positions: npt.ArrayLike,
+    bias: npt.ArrayLike,
+    *,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> npt.NDArray[np.float64]:
+    """The same attention in float64 numpy (what the operator approximates in float32): rotary
+    halves, K/V written at past.., softmax over the keys the bias does not hide. Updates copies of
+    the buffers, returns [S, heads*D]."""
+    x = np.asarray(qkv, np.float64)
+    rows = x.shape[0]
+    d = x.shape[1] // (heads + 2 * kv_heads)
+    b = np.asarray(bias, np.float64)
+    past = b.shape[1] - rows
+    k, v = np.array(kbuf, np.float64), np.array(vbuf, np.float64)
+    c = np.asarray(cos, np.float64)[np.asarray(positions)]
+    s = np.asarray(sin, np.float64)[np.asarray(positions)]
+
+    def rot(t):  # t [S, n, D]
+        t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+        return np.concatenate([t1 * c[:, None] - t2 * s[:, None], t2 * c[:, None] + t1 * s[:, None]], -1)
+
+    q = rot(x[:, : heads * d].reshape(rows, heads, d))
+    kn = rot(x[:, heads * d : (heads + kv_heads) * d].reshape(rows, kv_heads, d))
+    vn = x[:, (heads + kv_heads) * d :].reshape(rows, kv_heads, d)
+    k[:, past : past + rows] = kn.transpose(1, 0, 2)
+    v[:, past : past + rows] = vn.transpose(1, 0, 2)
+    out = np.zeros((rows, heads, d))
+    group = heads // kv_heads
+    for r in range(rows):
+        seen = b[r] > UNSEEN
+        for h in range(heads):
+            g = h // group
+            sc = k[g, : b.shape[1]] @ q[r, h] * scale + b[r]
+            sc = np.where(seen, sc, -np.inf)
+            e = np.exp(sc - sc.max())
+            out[r, h] = (e / e.sum()) @ v[g, : b.shape[1]]
+    return out.reshape(rows, heads * d)

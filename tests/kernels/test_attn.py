@@ -1,0 +1,239 @@
+"""GroupAttention (dejavuu_build/kernels/attn.py, attn.cpp): a query row's bits alone and among
+any number of rows, keys a row does not see contributing nothing, every ISA path this CPU runs
+giving the same bits, float64 parity, the KV rows written in place, and the operator through
+onnxruntime both with its buffers bound in place and without. Compiled once per session into a
+temporary cache root, never into ~/.cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dejavuu_build.kernels import attn, q41
+
+H, KV = 6, 2  # 3 query heads per kv head
+
+FLAGS: set[str] = set()
+try:
+    for _line in open("/proc/cpuinfo").read().splitlines():
+        if _line.startswith("flags"):
+            FLAGS = set(_line.split(":", 1)[1].split())
+            break
+except OSError:
+    pass
+RUNNABLE: list[str | None] = [None, *(["avx2"] if {"avx2", "fma"} <= FLAGS else []), "scalar"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attn-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEJAVUU_CACHE", str(root))
+        yield root
+
+
+def tables(cap: int, d: int):
+    ang = np.arange(cap)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def case(rng, rows: int, past: int, d: int = 64, cap: int = 400):
+    kb = rng.standard_normal((KV, cap, d)).astype(np.float32)
+    vb = rng.standard_normal((KV, cap, d)).astype(np.float32)
+    qkv = rng.standard_normal((rows, (H + 2 * KV) * d)).astype(np.float32)
+    return qkv, kb, vb
+
+
+def causal(rows: int, past: int) -> np.ndarray:
+    b = np.zeros((rows, past + rows), np.float32)
+    for r in range(rows):
+        b[r, past + r + 1 :] = np.float32(-3.4e38)
+    return b
+
+
+def run(qkv, kb, vb, cos, sin, pos, bias, isa=None):
+    kb, vb = kb.copy(), vb.copy()
+    out = attn.attend(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, isa=isa)
+    return out, kb, vb
+
+
+def bits(a):
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("past", [0, 5, 300])
+def test_a_row_alone_is_the_same_row_among_others(isa, past):
+    rng = np.random.default_rng(past)
+    cos, sin = tables(400, 64)
+    qkv, kb, vb = case(rng, 9, past)
+    full, fk, fv = run(qkv, kb, vb, cos, sin, np.arange(past, past + 9), causal(9, past), isa)
+    for rows in (1, 2, 3, 5, 8):
+        part, pk, pv = run(qkv[:rows], kb, vb, cos, sin, np.arange(past, past + rows), causal(rows, past), isa)
+        assert np.array_equal(bits(part), bits(full[:rows])), (isa, past, rows)
+        assert np.array_equal(pk[:, : past + rows], fk[:, : past + rows])
+        assert np.array_equal(pv[:, : past + rows], fv[:, : past + rows])
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_keys_a_row_does_not_see_contribute_nothing(isa):
+    """A tree row's bits depend on the keys its bias lets it see, never on the others' contents
+    (a sibling branch's K/V): what makes verifying a tree of drafts exact."""
+    rng = np.random.default_rng(3)
+    cos, sin = tables(400, 64)
+    past, rows = 37, 6
+    qkv, kb, vb = case(rng, rows, past)
+    bias = causal(rows, past)
+    bias[4, past + 1 : past + 4] = np.float32(-3.4e38)  # row 4's parent is row 0: rows 1-3 are another branch
+    out, _, _ = run(qkv, kb, vb, cos, sin, np.arange(past, past + rows), bias, isa)
+    other = qkv.copy()
+    other[1:4] = rng.standard_normal(other[1:4].shape).astype(np.float32) * 7
+    kb2 = kb.copy()
+    kb2[:, past + rows :] = np.nan  # never read: beyond every row's keys
+    out2, _, _ = run(other, kb2, vb, cos, sin, np.arange(past, past + rows), bias, isa)
+    assert np.array_equal(bits(out[[0, 4, 5]][:2]), bits(out2[[0, 4]]))
+
+
+def test_every_path_gives_the_same_bits():
+    rng = np.random.default_rng(11)
+    for d in attn.HEAD_SIZES:
+        cos, sin = tables(300, d)
+        for rows, past in ((1, 0), (1, 257), (8, 100), (13, 3)):
+            qkv, kb, vb = case(rng, rows, past, d, cap=300)
+            want = run(qkv, kb, vb, cos, sin, np.arange(past, past + rows), causal(rows, past), "scalar")
+            for isa in RUNNABLE:
+                got = run(qkv, kb, vb, cos, sin, np.arange(past, past + rows), causal(rows, past), isa)
+                for a, b in zip(got, want):
+                    assert np.array_equal(bits(a), bits(b)), (isa, d, rows, past)
+
+
+@pytest.mark.parametrize("d", attn.HEAD_SIZES)
+def test_close_to_float64_and_writes_the_rotated_keys(d):
+    rng = np.random.default_rng(d)
+    cos, sin = tables(300, d)
+    past, rows = 45, 4
+    qkv, kb, vb = case(rng, rows, past, d, cap=300)
+    bias = causal(rows, past)
+    bias[:, :10] += rng.standard_normal((rows, 10)).astype(np.float32)  # a bias that is not only a mask
+    pos = np.array([45, 46, 46, 47])  # two slots at one position: a tree's siblings
+    out, k2, v2 = run(qkv, kb, vb, cos, sin, pos, bias)
+    ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125)
+    assert np.abs(out - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+    new_v = qkv[:, (H + KV) * d :].reshape(rows, KV, d).transpose(1, 0, 2)
+    assert np.array_equal(v2[:, past : past + rows], new_v)
+    assert np.array_equal(k2[:, :past], kb[:, :past]) and np.array_equal(k2[:, past + rows :], kb[:, past + rows :])
+    k = qkv[:, H * d : (H + KV) * d].reshape(rows, KV, d).astype(np.float64)
+    c, s = cos[pos].astype(np.float64)[:, None], sin[pos].astype(np.float64)[:, None]
+    rot = np.concatenate([k[..., : d // 2] * c - k[..., d // 2 :] * s, k[..., d // 2 :] * c + k[..., : d // 2] * s], -1)
+    assert np.abs(k2[:, past : past + rows] - rot.transpose(1, 0, 2)).max() < 1e-5
+
+
+def model(d: int, cap: int) -> bytes:
+    node = helper.make_node(
+        attn.OP,
+        ["qkv", "past_k", "past_v", "cos", "sin", "pos", "bias"],
+        ["out", "present_k", "present_v"],
+        domain=attn.DOMAIN,
+        num_heads=H,
+        kv_num_heads=KV,
+        scale=0.125,
+    )
+    cos, sin = tables(cap, d)
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node],
+        "attn",
+        [
+            helper.make_tensor_value_info("qkv", f, [1, None, (H + 2 * KV) * d]),
+            helper.make_tensor_value_info("past_k", f, [1, KV, cap, d]),
+            helper.make_tensor_value_info("past_v", f, [1, KV, cap, d]),
+            helper.make_tensor_value_info("pos", TensorProto.INT64, [1, None]),
+            helper.make_tensor_value_info("bias", f, [1, 1, None, None]),
+        ],
+        [
+            helper.make_tensor_value_info("out", f, None),
+            helper.make_tensor_value_info("present_k", f, [1, KV, cap, d]),
+            helper.make_tensor_value_info("present_v", f, [1, KV, cap, d]),
+        ],
+        initializer=[numpy_helper.from_array(cos, "cos"), numpy_helper.from_array(sin, "sin")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(attn.DOMAIN, attn.OPSET)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def session(m: bytes, threads: int = 2) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    attn.register(so)
+    return ort.InferenceSession(m, so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_through_onnxruntime_in_place_and_not(rows):
+    rng = np.random.default_rng(rows)
+    d, cap, past = 64, 200, 77
+    cos, sin = tables(cap, d)
+    qkv, kb, vb = case(rng, rows, past, d, cap)
+    pos = np.arange(past, past + rows)
+    want, wk, wv = run(qkv, kb, vb, cos, sin, pos, causal(rows, past))
+    s = session(model(d, cap))
+    feeds = {
+        "qkv": qkv[None],
+        "past_k": kb[None],
+        "past_v": vb[None],
+        "pos": pos[None],
+        "bias": causal(rows, past)[None, None],
+    }
+    out, pk, pv = s.run(None, feeds)  # presents not bound: the past is carried over
+    assert np.array_equal(bits(out[0]), bits(want))
+    assert np.array_equal(pk[0, :, : past + rows], wk[:, : past + rows])
+    assert np.array_equal(pv[0, :, : past + rows], wv[:, : past + rows])
+    k, v = kb[None].copy(), vb[None].copy()  # bound in place, as the runtime binds them
+    io = s.io_binding()
+    io.bind_output("out")
+    for name, arr in (("qkv", feeds["qkv"]), ("pos", feeds["pos"]), ("bias", feeds["bias"])):
+        io.bind_cpu_input(name, arr)
+    for name, arr in (("past_k", k), ("present_k", k), ("past_v", v), ("present_v", v)):
+        (io.bind_input if name.startswith("past") else io.bind_output)(
+            name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data
+        )
+    s.run_with_iobinding(io)
+    assert np.array_equal(bits(io.copy_outputs_to_cpu()[0][0]), bits(want))
+    assert np.array_equal(k[0], wk) and np.array_equal(v[0], wv)
+
+
+def test_refusals_say_what_is_wrong():
+    rng = np.random.default_rng(0)
+    cos, sin = tables(64, 32)
+    qkv, kb, vb = case(rng, 1, 3, 32, 64)
+    with pytest.raises(ValueError, match="head size 32"):
+        attn.attend(qkv, kb, vb, cos, sin, [3], causal(1, 3), heads=H, kv_heads=KV, scale=0.1)
+    s = session(model(64, 16))
+    cos, sin = tables(16, 64)
+    qkv, kb, vb = case(rng, 2, 15, 64, 16)
+    feeds = {
+        "qkv": qkv[None],
+        "past_k": kb[None],
+        "past_v": vb[None],
+        "pos": np.array([[15, 16]]),
+        "bias": causal(2, 15)[None, None],
+    }
+    with pytest.raises(Exception, match="must fit the buffer"):
+        s.run(None, feeds)
+    feeds["bias"] = causal(2, 5)[None, None]
+    feeds["pos"] = np.array([[5, 99]])
+    with pytest.raises(Exception, match="outside the rotary tables"):
+        s.run(None, feeds)
+
+
+def test_one_library_registers_both_operators():
+    """The attention operator lives in the Q4_1 operator's library: registering it once (what the
+    runtime does for a graph that imports both domains) registers both."""
+    from dejavuu_build import kernels
+
+    so = ort.SessionOptions()
+    kernels.register(so, {q41.DOMAIN, attn.DOMAIN})
+    assert kernels.OPERATORS[attn.DOMAIN] is kernels.OPERATORS[q41.DOMAIN]
+    assert kernels.unavailable([attn.DOMAIN]) is None
