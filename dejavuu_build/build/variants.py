@@ -82,7 +82,7 @@ def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: i
     when the graph has no such flavour (said once; the build goes on without it)."""
     from ..export.exporter import save_model
     from ..export.fp16_store import load_unpacked
-    from ..export.passes.own_attention import to_own_attention
+    from ..export.passes.own_operators import to_own_operators
     from ..kernels import attn
 
     name = S.variant_name(precision, layout)
@@ -92,7 +92,7 @@ def layout_variant(folder: Path, manifest: Manifest, precision: str, capacity: i
         try:
             proto = lay.graph_pass(load_unpacked(folder / variant_file(precision)), capacity)
             if layout == S.KV_STATIC and attn.DOMAIN in P.PRECISIONS[precision].operators:
-                proto = to_own_attention(proto)
+                proto = to_own_operators(proto)
         except ExportError as e:
             if not lay.optional:
                 raise

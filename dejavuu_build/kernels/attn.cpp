@@ -53,6 +53,7 @@ namespace {
 constexpr const char* kOp = "GroupAttention";
 constexpr float kUnseen = -1e30f;  // a bias at or below it: a key the row does not see
 constexpr float kExpZero = -87.0f;  // exp below it is 0 (keeps 2^n normal)
+constexpr float kExpTop = 88.0f;    // exp above it is exp(88) (finite: 2^n at most 2^127)
 
 // Cephes' expf polynomial, every path the same operations: n = floor(x*log2e + 0.5),
 // r = (x - n*C1) - n*C2, p(r) by Horner with fused multiply-adds, (p*r*r + r) + 1, times 2^n.
@@ -62,7 +63,7 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
 
 inline float exp1(float x) {
   if (!(x >= kExpZero)) return 0.f;
-  x = std::min(x, 0.f);
+  x = std::min(x, kExpTop);
   const float n = std::floor(x * kLog2e + 0.5f);
   float r = x - n * kC1;
   r = r - n * kC2;
@@ -95,7 +96,7 @@ inline float hsum8(__m256 v) {
 
 inline __m256 exp8(__m256 x) {
   const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(kExpZero), _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpZero)), _mm256_setzero_ps());
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpZero)), _mm256_set1_ps(kExpTop));
   const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kC1)));
   r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kC2)));
@@ -113,20 +114,23 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 struct Job {
-  const float* q;     // [S][H][D] rotated queries
-  const float* kbuf;  // [KV][CAP][D]
+  const float* q;        // [R][H][D] rotated queries, one per output row
+  const int64_t* qslot;  // [R] the slot (bias row) of each output row
+  const float* kbuf;     // [KV][CAP][D]
   const float* vbuf;
   const float* bias;  // [S][T]
-  float* out;         // [S][H*D]
+  float* out;         // [R][H*D]
   int64_t S, H, KV, D, CAP, T;
   float scale;
+  int64_t R;
   int64_t hb, rb;     // heads and rows per work item (a block of one kv group's queries)
   int64_t hblocks, rblocks;
 };
 
-// The keys row r sees: 0..n-1, n - 1 its last key whose bias is above kUnseen (0: none).
+// The keys output row r sees: 0..n-1, n - 1 its last key whose bias (its slot's row) is above
+// kUnseen (0: none).
 inline int64_t visible(const Job& j, int64_t r) {
-  const float* bias = j.bias + r * j.T;
+  const float* bias = j.bias + j.qslot[r] * j.T;
   int64_t n = j.T;
   while (n > 0 && !(bias[n - 1] > kUnseen)) n--;
   return n;
@@ -160,7 +164,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
   w.sc.resize((size_t)(nq * stride));
   w.acc.assign((size_t)(nq * D), 0.f);
   auto query = [&](int64_t i) { return j.q + ((r0 + i / nh) * j.H + h0 + i % nh) * D; };
-  auto bias_of = [&](int64_t i) { return j.bias + (r0 + i / nh) * j.T; };
+  auto bias_of = [&](int64_t i) { return j.bias + j.qslot[r0 + i / nh] * j.T; };
 #if defined(ATTN_AVX2)
   // scores: 8 keys at a time (8 independent chains), their lane sums reduced together in
   // hsum8's order
@@ -299,7 +303,7 @@ void run_item(void* data, size_t item) {
   const int64_t g = (int64_t)item / per_group, rest = (int64_t)item % per_group;
   const int64_t hb = rest / j.rblocks, rbk = rest % j.rblocks;
   const int64_t h0 = g * G + hb * j.hb, r0 = rbk * j.rb;
-  attend<DC>(j, g, h0, std::min(h0 + j.hb, (g + 1) * G), r0, std::min(r0 + j.rb, j.S), w);
+  attend<DC>(j, g, h0, std::min(h0 + j.hb, (g + 1) * G), r0, std::min(r0 + j.rb, j.R), w);
 }
 
 // How the queries are blocked: rows in blocks of up to 4 and a kv group's heads together, so that
@@ -308,8 +312,8 @@ void run_item(void* data, size_t item) {
 // block would leave every thread but one idle (one kv group and one row block).
 void plan(Job& j) {
   const int64_t G = j.H / j.KV;
-  j.rb = std::min<int64_t>(4, j.S);
-  j.rblocks = (j.S + j.rb - 1) / j.rb;
+  j.rb = std::max<int64_t>(1, std::min<int64_t>(4, j.R));
+  j.rblocks = (j.R + j.rb - 1) / j.rb;
   j.hb = j.KV * j.rblocks >= 2 ? G : 1;
   j.hblocks = (G + j.hb - 1) / j.hb;
 }
@@ -380,11 +384,42 @@ OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, std::vector
   return nullptr;
 }
 
+// Rotary and the KV write of every slot (slot s reads row slot_rows[s]: null, row s) at P + s,
+// then each output row's rotated queries (row r is the query of slot row_slots[r]: null, slot r).
+// Returns the Job; qrot and qslot are its storage.
+Job prepare(const float* x, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kb,
+            float* vb, int64_t CAP, int64_t T, const float* cs, const float* sn, const int64_t* pos, const float* bias,
+            int64_t H, int64_t KV, int64_t D, float scale, float* out, std::vector<float>& qrot,
+            std::vector<int64_t>& qslot) {
+  const int64_t P = T - S, W = (H + 2 * KV) * D, half = D / 2;
+  for (int64_t s = 0; s < S; s++) {
+    const float* row = x + (slot_rows ? slot_rows[s] : s) * W;
+    const float* c = cs + pos[s] * half;
+    const float* sv = sn + pos[s] * half;
+    for (int64_t g = 0; g < KV; g++) {
+      rotate(row + (H + g) * D, c, sv, D, kb + (g * CAP + P + s) * D);
+      std::memcpy(vb + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+    }
+  }
+  qrot.resize((size_t)(R * H * D));
+  qslot.resize((size_t)R);
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t s = row_slots ? row_slots[r] : r;
+    qslot[(size_t)r] = s;
+    const float* row = x + (slot_rows ? slot_rows[s] : s) * W;
+    for (int64_t h = 0; h < H; h++)
+      rotate(row + h * D, cs + pos[s] * half, sn + pos[s] * half, D, qrot.data() + (r * H + h) * D);
+  }
+  Job j{qrot.data(), qslot.data(), kb, vb, bias, out, S, H, KV, D, CAP, T, scale, R, 0, 0, 0, 0};
+  plan(j);
+  return j;
+}
+
 OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const OrtApi* api = k.api;
-  std::vector<int64_t> xd, kd, vd, cd, sd, pd, bd;
+  std::vector<int64_t> xd, kd, vd, cd, sd, pd, bd, srd, rsd;
   const float *x = nullptr, *pk = nullptr, *pv = nullptr, *cs = nullptr, *sn = nullptr, *bias = nullptr;
-  const int64_t* pos = nullptr;
+  const int64_t *pos = nullptr, *slot_rows = nullptr, *row_slots = nullptr;
   ATTN_CHECK(input(api, ctx, 0, xd, &x));
   ATTN_CHECK(input(api, ctx, 1, kd, &pk));
   ATTN_CHECK(input(api, ctx, 2, vd, &pv));
@@ -392,27 +427,46 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(input(api, ctx, 4, sd, &sn));
   ATTN_CHECK(input(api, ctx, 5, pd, &pos));
   ATTN_CHECK(input(api, ctx, 6, bd, &bias));
+  size_t n_in = 0;
+  ATTN_CHECK(api->KernelContext_GetInputCount(ctx, &n_in));
+  const OrtValue* probe = nullptr;
+  if (n_in > 7) ATTN_CHECK(api->KernelContext_GetInput(ctx, 7, &probe));
+  const bool slots = probe != nullptr;
+  if (slots) {
+    ATTN_CHECK(input(api, ctx, 7, srd, &slot_rows));
+    ATTN_CHECK(input(api, ctx, 8, rsd, &row_slots));
+  }
   const int64_t H = k.H, KV = k.KV;
   if (xd.size() != 3 || xd[0] != 1 || xd[2] % (H + 2 * KV) != 0)
-    return invalid(api, "qkv must be [1, S, (num_heads + 2*kv_num_heads) * head_size]");
-  const int64_t S = xd[1], D = xd[2] / (H + 2 * KV);
+    return invalid(api, "qkv must be [1, rows, (num_heads + 2*kv_num_heads) * head_size]");
+  const int64_t rows = xd[1], D = xd[2] / (H + 2 * KV);
   RunItem run = pick(D);
   if (run == nullptr) return invalid(api, "head size must be 64, 128 or 256, got " + std::to_string(D));
   if (kd.size() != 4 || kd[0] != 1 || kd[1] != KV || kd[3] != D || kd != vd)
     return invalid(api, "past key and value must both be [1, kv_num_heads, capacity, head_size]");
   const int64_t CAP = kd[2];
-  if (bd.size() != 4 || bd[0] != 1 || bd[1] != 1 || bd[2] != S)
-    return invalid(api, "bias must be [1, 1, S, past + S]");
+  if (bd.size() != 4 || bd[0] != 1 || bd[1] != 1) return invalid(api, "bias must be [1, 1, slots, past + slots]");
+  const int64_t S = bd[2], R = rows;
+  if (slots) {
+    if (srd.size() != 1 || srd[0] != S) return invalid(api, "slot_rows must be [slots] (the bias's rows)");
+    if (rsd.size() != 1 || rsd[0] != R) return invalid(api, "row_slots must be [rows] (qkv's rows)");
+    for (int64_t s = 0; s < S; s++)
+      if (slot_rows[s] < 0 || slot_rows[s] >= R) return invalid(api, "slot_rows holds a row outside qkv");
+    for (int64_t r = 0; r < R; r++)
+      if (row_slots[r] < 0 || row_slots[r] >= S) return invalid(api, "row_slots holds a slot outside the bias");
+  } else if (S != R) {
+    return invalid(api, "bias must be [1, 1, S, past + S] for qkv's S rows");
+  }
   const int64_t T = bd[3], P = T - S;
   if (P < 0 || T > CAP)
     return invalid(api, "past + S = " + std::to_string(T) + " must fit the buffer's " + std::to_string(CAP));
   if (cd.size() != 2 || cd != sd || cd[1] != D / 2)
     return invalid(api, "cos and sin must both be [positions, head_size / 2]");
-  if ((int64_t)pd.size() != 2 || pd[0] != 1 || pd[1] != S) return invalid(api, "position_ids must be [1, S]");
+  if ((int64_t)pd.size() != 2 || pd[0] != 1 || pd[1] != S) return invalid(api, "position_ids must be [1, slots]");
   for (int64_t i = 0; i < S; i++)
     if (pos[i] < 0 || pos[i] >= cd[0])
       return invalid(api, "position " + std::to_string(pos[i]) + " is outside the rotary tables");
-  const int64_t od[3] = {1, S, H * D};
+  const int64_t od[3] = {1, R, H * D};
   OrtValue *ov = nullptr, *okv = nullptr, *ovv = nullptr;
   ATTN_CHECK(api->KernelContext_GetOutput(ctx, 0, od, 3, &ov));
   ATTN_CHECK(api->KernelContext_GetOutput(ctx, 1, kd.data(), kd.size(), &okv));
@@ -428,22 +482,11 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
       std::memcpy(kb + g * CAP * D, pk + g * CAP * D, sizeof(float) * (size_t)(P * D));
       std::memcpy(vb + g * CAP * D, pv + g * CAP * D, sizeof(float) * (size_t)(P * D));
     }
-  if (S == 0) return nullptr;
-  const int64_t W = (H + 2 * KV) * D, half = D / 2;
+  if (S == 0 || R == 0) return nullptr;
   thread_local std::vector<float> qrot;
-  qrot.resize((size_t)(S * H * D));
-  for (int64_t s = 0; s < S; s++) {
-    const float* row = x + s * W;
-    const float* c = cs + pos[s] * half;
-    const float* sv = sn + pos[s] * half;
-    for (int64_t h = 0; h < H; h++) rotate(row + h * D, c, sv, D, qrot.data() + (s * H + h) * D);
-    for (int64_t g = 0; g < KV; g++) {
-      rotate(row + (H + g) * D, c, sv, D, kb + (g * CAP + P + s) * D);
-      std::memcpy(vb + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
-    }
-  }
-  Job j{qrot.data(), kb, vb, bias, static_cast<float*>(out), S, H, KV, D, CAP, T, k.scale, 0, 0, 0, 0};
-  plan(j);
+  thread_local std::vector<int64_t> qslot;
+  Job j = prepare(x, R, S, slot_rows, row_slots, kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
+                  static_cast<float*>(out), qrot, qslot);
   return api->KernelContext_ParallelFor(ctx, run, items(j), 0, &j);
 }
 
@@ -453,13 +496,15 @@ struct AttnOp : OrtCustomOp {
     version = 17;
     GetName = [](const OrtCustomOp*) { return kOp; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 7; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 9; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
-      return i == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      return i == 5 || i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // slot_rows, row_slots
+    };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
@@ -494,7 +539,106 @@ struct AttnOp : OrtCustomOp {
 
 AttnOp attn_op;
 
+// ------------------------------------------------------------------ SwiGLU
+// y = silu(g) * u for x = [g | u] along the last axis (each half F wide): silu(g) = g / (1 + e),
+// e = exp(-g) by the polynomial above; each element on its own, so a row's bits never depend on
+// the others. It replaces the MLP's Split, Sigmoid, Mul, Mul (four nodes a layer: one).
+constexpr const char* kSwiGLU = "SwiGLU";
+
+void swiglu(const float* x, int64_t rows, int64_t F, float* y) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* g = x + r * 2 * F;
+    const float* u = g + F;
+    float* o = y + r * F;
+    int64_t i = 0;
+#if defined(ATTN_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= F; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < F; i++) {
+      const float e = exp1(0.f - g[i]);
+      o[i] = (g[i] / (1.f + e)) * u[i];
+    }
+  }
+}
+
+struct SwiGLUKernel {
+  const OrtApi* api;
+};
+
+OrtStatus* swiglu_compute(const SwiGLUKernel& k, OrtKernelContext* ctx) {
+  const OrtApi* api = k.api;
+  std::vector<int64_t> xd;
+  const float* x = nullptr;
+  ATTN_CHECK(input(api, ctx, 0, xd, &x));
+  if (xd.empty() || xd.back() % 2 != 0)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SwiGLU: the last dimension must be even ([gate | up])");
+  const int64_t F = xd.back() / 2;
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < xd.size(); i++) rows *= xd[i];
+  std::vector<int64_t> od = xd;
+  od.back() = F;
+  OrtValue* ov = nullptr;
+  ATTN_CHECK(api->KernelContext_GetOutput(ctx, 0, od.data(), od.size(), &ov));
+  void* out = nullptr;
+  ATTN_CHECK(api->GetTensorMutableData(ov, &out));
+  swiglu(x, rows, F, static_cast<float*>(out));
+  return nullptr;
+}
+
+struct SwiGLUOp : OrtCustomOp {
+  SwiGLUOp() {
+    static_cast<OrtCustomOp&>(*this) = OrtCustomOp{};
+    version = 17;
+    GetName = [](const OrtCustomOp*) { return kSwiGLU; };
+    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
+      *kernel = new (std::nothrow) SwiGLUKernel{api};
+      return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "SwiGLU: out of memory");
+    };
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
+      const SwiGLUKernel& k = *static_cast<const SwiGLUKernel*>(kernel);
+      try {
+        return swiglu_compute(k, ctx);
+      } catch (const std::bad_alloc&) {
+        return k.api->CreateStatus(ORT_FAIL, "SwiGLU: out of memory");
+      }
+    };
+    KernelDestroy = [](void* kernel) { delete static_cast<SwiGLUKernel*>(kernel); };
+  }
+};
+
+SwiGLUOp swiglu_op;
+
 }  // namespace
+
+// q41.cpp registers this in the Q4_1 operators' domain (the int4op graphs' MLP activation).
+OrtCustomOp* dejavuu_swiglu_op(uint32_t version) {
+  swiglu_op.version = version;
+  return &swiglu_op;
+}
+
+extern "C" __attribute__((visibility("default"))) void dejavuu_swiglu(const float* x, int64_t rows, int64_t F,
+                                                                      float* y) {
+  swiglu(x, rows, F, y);
+}
 
 // q41.cpp's RegisterCustomOps adds this operator in its own domain, at the negotiated version.
 OrtCustomOp* dejavuu_attention_op(uint32_t version) {
@@ -503,26 +647,19 @@ OrtCustomOp* dejavuu_attention_op(uint32_t version) {
 }
 
 // The operator without onnxruntime, one thread, for tests (attn.py calls it through ctypes): the
-// same arguments as the graph's inputs (kbuf/vbuf updated in place, out [S][H*D]); returns 0, or
-// -1 for a head size other than 64/128/256.
+// same arguments as the graph's inputs (kbuf/vbuf updated in place, out [R][H*D]; slot_rows and
+// row_slots null: rows are slots); returns 0, or -1 for a head size other than 64/128/256 or
+// past + S beyond the buffer.
 extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
-    const float* qkv, int64_t S, float* kbuf, float* vbuf, int64_t CAP, const float* cos, const float* sin,
-    const int64_t* pos, const float* bias, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, float* out) {
+    const float* qkv, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kbuf,
+    float* vbuf, int64_t CAP, const float* cos, const float* sin, const int64_t* pos, const float* bias, int64_t T,
+    int64_t H, int64_t KV, int64_t D, float scale, float* out) {
   RunItem run = pick(D);
   if (run == nullptr || T < S || T > CAP) return -1;
-  const int64_t P = T - S, W = (H + 2 * KV) * D, half = D / 2;
-  std::vector<float> qrot((size_t)(S * H * D));
-  for (int64_t s = 0; s < S; s++) {
-    const float* row = qkv + s * W;
-    for (int64_t h = 0; h < H; h++)
-      rotate(row + h * D, cos + pos[s] * half, sin + pos[s] * half, D, qrot.data() + (s * H + h) * D);
-    for (int64_t g = 0; g < KV; g++) {
-      rotate(row + (H + g) * D, cos + pos[s] * half, sin + pos[s] * half, D, kbuf + (g * CAP + P + s) * D);
-      std::memcpy(vbuf + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
-    }
-  }
-  Job j{qrot.data(), kbuf, vbuf, bias, out, S, H, KV, D, CAP, T, scale, 0, 0, 0, 0};
-  plan(j);
+  std::vector<float> qrot;
+  std::vector<int64_t> qslot;
+  Job j = prepare(qkv, R, S, slot_rows, row_slots, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
+                  qrot, qslot);
   for (size_t i = 0; i < items(j); i++) run(&j, i);
   return 0;
 }

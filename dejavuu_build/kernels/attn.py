@@ -7,7 +7,7 @@ same row among several, so the static graph ran it on two rows at least, and it 
 cost of a step on a 2-core AMD EPYC (AVX2): 28% of a one-token step's kernel time at a past of
 256, 58% at 1024 (docs/speed.md, twenty-fourth session). It is compiled into the Q4_1 operator's
 library (q41.SOURCES: one build, one load registers both domains), so it is available exactly where
-Q41MatMul is and a graph of ours uses it only beside that operator (export.passes.own_attention)."""
+Q41MatMul is and a graph of ours uses it only beside that operator (export.passes.own_operators)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _fn(isa: str | None) -> Any:
     fn = q41._load(q41.library(isa)).dejavuu_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.restype = ctypes.c_int
-    fn.argtypes = [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float, p]
+    fn.argtypes = [p, i64, i64, p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float, p]
     return fn
 
 
@@ -58,12 +58,16 @@ def attend(
     heads: int,
     kv_heads: int,
     scale: float,
+    slot_rows: npt.ArrayLike | None = None,
+    row_slots: npt.ArrayLike | None = None,
     isa: str | None = None,
 ) -> F32:
     """The compiled operator without onnxruntime (one thread), as the graph runs it: ``qkv``
-    [S, (heads + 2*kv_heads)*D], ``kbuf``/``vbuf`` [kv_heads, capacity, D] float32 C-contiguous,
+    [R, (heads + 2*kv_heads)*D], ``kbuf``/``vbuf`` [kv_heads, capacity, D] float32 C-contiguous,
     written in place at rows past..past+S-1 (past = bias's width - S), ``cos``/``sin`` [positions,
-    D/2], ``positions`` [S], ``bias`` [S, past + S]. Returns the output [S, heads*D]."""
+    D/2], ``positions`` [S], ``bias`` [S, past + S]. ``slot_rows`` [S] (the row each slot reads)
+    and ``row_slots`` [R] (each row's slot) decouple rows from slots (a tree's aligned layout);
+    None: S = R, slot i is row i. Returns the output [R, heads*D]."""
     x = np.ascontiguousarray(qkv, np.float32)
     c, s = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
     pos = np.ascontiguousarray(positions, np.int64)
@@ -72,10 +76,27 @@ def attend(
         if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 3:
             raise ValueError("kbuf and vbuf must be C-contiguous float32 [kv_heads, capacity, D]")
     rows, width = x.shape
+    slots = b.shape[0]
+    if (slot_rows is None) != (row_slots is None):
+        raise ValueError("slot_rows and row_slots come together")
+    sr = None if slot_rows is None else np.ascontiguousarray(slot_rows, np.int64)
+    rs = None if row_slots is None else np.ascontiguousarray(row_slots, np.int64)
+    if sr is not None and rs is not None:
+        if (
+            sr.shape != (slots,)
+            or rs.shape != (rows,)
+            or sr.min() < 0
+            or sr.max() >= rows
+            or rs.min() < 0
+            or rs.max() >= slots
+        ):
+            raise ValueError("slot_rows [S] must name rows of qkv and row_slots [R] slots of the bias")
+    elif slots != rows:
+        raise ValueError("without slot_rows and row_slots the bias has one row per qkv row")
     d = width // (heads + 2 * kv_heads)
     if d * (heads + 2 * kv_heads) != width or kbuf.shape != (kv_heads, kbuf.shape[1], d) or vbuf.shape != kbuf.shape:
         raise ValueError(f"qkv's width {width} and the buffers {kbuf.shape} disagree with the heads")
-    if b.shape[0] != rows or pos.shape != (rows,) or c.shape != s.shape or c.shape[1] != d // 2:
+    if pos.shape != (slots,) or c.shape != s.shape or c.shape[1] != d // 2:
         raise ValueError("bias [S, T], positions [S] and cos/sin [positions, D/2] are needed")
     if pos.min(initial=0) < 0 or pos.max(initial=0) >= c.shape[0]:
         raise ValueError("a position is outside the rotary tables")
@@ -83,6 +104,9 @@ def attend(
     rc = _fn(isa)(
         x.ctypes.data,
         rows,
+        slots,
+        None if sr is None else sr.ctypes.data,
+        None if rs is None else rs.ctypes.data,
         kbuf.ctypes.data,
         vbuf.ctypes.data,
         kbuf.shape[1],
@@ -147,3 +171,17 @@ def reference(
             e = np.exp(sc - sc.max())
             out[r, h] = (e / e.sum()) @ v[g, : b.shape[1]]
     return out.reshape(rows, heads * d)
+
+
+def swiglu(x: npt.ArrayLike, isa: str | None = None) -> F32:
+    """The compiled ``dejavuu.q41.SwiGLU`` (attn.cpp) without onnxruntime: ``x`` [rows, 2F] =
+    [gate | up] -> silu(gate) * up, [rows, F]."""
+    a = np.ascontiguousarray(x, np.float32)
+    if a.ndim != 2 or a.shape[1] % 2:
+        raise ValueError("x must be [rows, 2F]")
+    fn = q41._load(q41.library(isa)).dejavuu_swiglu
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    out = np.empty((a.shape[0], a.shape[1] // 2), np.float32)
+    fn(a.ctypes.data, a.shape[0], a.shape[1] // 2, out.ctypes.data)
+    return out

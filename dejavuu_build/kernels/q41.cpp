@@ -683,6 +683,7 @@ Q41_EXPORT int dejavuu_q41_gemm2(const float* A, int64_t rows, const uint8_t* pa
 
 // attn.cpp: the attention operator, registered here in its own domain (one library, one load)
 OrtCustomOp* dejavuu_attention_op(uint32_t version);
+OrtCustomOp* dejavuu_swiglu_op(uint32_t version);  // attn.cpp too, in this domain: the MLP's activation
 constexpr const char* kAttnDomain = "dejavuu.attn";
 
 Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -695,12 +696,14 @@ Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     return api1 != nullptr ? api1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   const OrtApi* api = n.api;
-  const std::pair<const char*, OrtCustomOp*> ops[2] = {{kDomain, &q41_op},
-                                                       {kAttnDomain, dejavuu_attention_op(n.version)}};
-  for (const auto& [name, op] : ops) {
+  const std::pair<const char*, std::vector<OrtCustomOp*>> domains[2] = {
+      {kDomain, {&q41_op, dejavuu_swiglu_op(n.version)}}, {kAttnDomain, {dejavuu_attention_op(n.version)}}};
+  for (const auto& [name, ops] : domains) {
     OrtCustomOpDomain* domain = nullptr;
     Q41_CHECK(api->CreateCustomOpDomain(name, &domain));
-    OrtStatus* st = api->CustomOpDomain_Add(domain, op);
+    OrtStatus* st = nullptr;
+    for (OrtCustomOp* op : ops)
+      if (st == nullptr) st = api->CustomOpDomain_Add(domain, op);
     if (st == nullptr) st = api->AddCustomOpDomain(options, domain);
     if (st != nullptr) {
       api->ReleaseCustomOpDomain(domain);

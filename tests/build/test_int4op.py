@@ -57,7 +57,8 @@ def test_the_body_is_the_files_blocks_in_our_operator_and_passes_every_gate(entr
     static = entry.folder / m.variants["int4op-static"].file
     assert graph_domains(static) >= {q41.DOMAIN, attn.DOMAIN}
     ops = Counter(n.op_type for n in onnx.load(static, load_external_data=False).graph.node)
-    assert ops["GroupAttention"] == 2 and ops["GroupQueryAttention"] == 0 and ops["Pad"] == 0, ops
+    assert ops["GroupAttention"] == 2 and ops["SwiGLU"] == 2, ops
+    assert not {"GroupQueryAttention", "Pad", "Split", "Sigmoid"} & set(ops), ops  # no floor, no unfused MLP
     assert graph_domains(entry.folder / m.variants["fp32-static"].file) & {attn.DOMAIN} == set()
     assert "our attention operator" in m.batched["skipped"]
     # only runtimes that build our operator are pointed at it: the `dejavuu` package's view lists fp32
@@ -99,3 +100,27 @@ def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatc
     with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
         load(entry.folder, variant="int4op-static")
     assert load(entry.folder, variant="fp32").variant == "fp32"  # a graph without it never asks for it
+
+
+def test_the_server_serves_the_operator_default_with_generates_answer(entry, tmp_path):
+    """One model, one answer where the default runs our attention operator: the server has no
+    batched form of it, serves it one request per forward, and a real HTTP client gets the tokens
+    `generate` gives."""
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from dejavuu_build.serve.bench import start_server
+
+    model = load(entry.folder)
+    assert model.variant == entry.manifest.default_variant == "int4op-static"
+    proc, url = start_server("tiny-int4op", "--method", "pld", log_path=str(tmp_path / "server.log"))
+    try:
+        assert httpx.get(url + "/health").json()["batched"] is False
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for text in PROMPTS:
+            ref = model.generate(text, max_new_tokens=12, method="baseline", temperature=0.0)
+            got = client.completions.create(model="tiny-int4op", prompt=text, max_tokens=12, temperature=0.0)
+            assert got.choices[0].text == ref.text, text
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -204,6 +204,55 @@ def test_through_onnxruntime_in_place_and_not(rows):
     assert np.array_equal(k[0], wk) and np.array_equal(v[0], wv)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_rows_decoupled_from_slots_are_the_gathered_rows(isa):
+    """``slot_rows``/``row_slots`` (a tree in its aligned slot layout: pad slots between branches)
+    give each row the bits of the same graph with its q/k/v gathered into slots and its output
+    gathered back -- the two Gathers the operator replaces -- and pad slots still write keys."""
+    rng = np.random.default_rng(5)
+    cos, sin = tables(400, 64)
+    past, rows = 40, 4
+    qkv, kb, vb = case(rng, rows, past)
+    slot_rows = np.array([0, 1, 1, 2, 3, 0])  # slots 2 and 5: pads (they read a row again)
+    row_slots = np.array([0, 1, 3, 4])
+    bias = causal(6, past)
+    bias[:, past + 2] = np.float32(-3.4e38)  # nobody sees the pads' keys
+    bias[:, past + 5] = np.float32(-3.4e38)
+    pos = past + np.array([0, 1, 1, 2, 3, 3])
+    gk, gv = kb.copy(), vb.copy()
+    got = attn.attend(
+        qkv,
+        gk,
+        gv,
+        cos,
+        sin,
+        pos,
+        bias,
+        heads=H,
+        kv_heads=KV,
+        scale=0.125,
+        slot_rows=slot_rows,
+        row_slots=row_slots,
+        isa=isa,
+    )
+    full, fk, fv = run(qkv[slot_rows], kb, vb, cos, sin, pos, bias, isa)
+    assert np.array_equal(bits(got), bits(full[row_slots]))
+    assert np.array_equal(gk, fk) and np.array_equal(gv, fv)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_swiglu_is_silu_times_up_the_same_bits_on_every_path(isa):
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((5, 2 * 100)) * 6).astype(np.float32)  # F = 100: a tail past the 8-lane loop
+    x[0, :4] = [0.0, -120.0, 120.0, -0.0]
+    y = attn.swiglu(x, isa=isa)
+    g, u = x[:, :100].astype(np.float64), x[:, 100:].astype(np.float64)
+    want = g / (1 + np.exp(np.minimum(-g, 88.0))) * u
+    assert np.abs(y - want).max() <= 2e-6 * np.abs(want).max()
+    assert np.array_equal(bits(y), bits(attn.swiglu(x, isa="scalar")))
+    assert np.array_equal(bits(y[2:3]), bits(attn.swiglu(x[2:3], isa=isa)))  # a row alone
+
+
 def test_refusals_say_what_is_wrong():
     rng = np.random.default_rng(0)
     cos, sin = tables(64, 32)

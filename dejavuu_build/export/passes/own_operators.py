@@ -1,21 +1,27 @@
-"""The static graph's attention in our own operator: each ``GroupQueryAttention`` of a static KV
-graph (export.passes.static_kv) becomes ``dejavuu.attn.GroupAttention`` (kernels/attn.cpp) on the
-same packed q/k/v, buffers, rotary tables, positions and bias, and the two-row floor that
-GroupQueryAttention needed goes: our operator gives a row the same bits alone as among any
-number of rows, so a lone token runs one attention row.
+"""The static graph of an operator precision (int4op) on our own operators beyond the matmuls:
+
+- each ``GroupQueryAttention`` of the static KV graph (export.passes.static_kv) becomes
+  ``dejavuu.attn.GroupAttention`` (kernels/attn.cpp) on the same packed q/k/v, buffers, rotary
+  tables, positions and bias, and the two-row floor that GroupQueryAttention needed goes: our
+  operator gives a row the same bits alone as among any number of rows, so a lone token runs one
+  attention row;
+- each MLP's ``Split -> Sigmoid -> Mul -> Mul`` after its fused gate/up projection becomes one
+  ``dejavuu.q41.SwiGLU`` (four nodes a layer: one; elementwise, so row-invariant).
 
 Why a pass after static_kv and not a flavour of it: everything else about the in-place graph
 (slots, fused projections, the buffer binding, the runtime's driver) is the static layout's
-unchanged; only the attention node and the floor's pads differ. Applied to the variants of a
-precision that runs our operators (precisions.Precision.operators names kernels.attn.DOMAIN): the
-library that holds Q41MatMul holds this operator too. A GroupQueryAttention this operator cannot
-take (q/k/v unpacked, no or interleaved rotary, a softcap or a window, another head size) stays
-as it was, and the log says so."""
+unchanged. Applied to the variants of a precision that runs our operators
+(precisions.Precision.operators names kernels.attn.DOMAIN): one library holds them all
+(kernels.q41.SOURCES). A GroupQueryAttention our operator cannot take (q/k/v unpacked, no or
+interleaved rotary, a softcap or a window, another head size) stays as it was, and the log says
+so; so does an MLP of another shape.
+"""
 
 from __future__ import annotations
 
+from ... import schema as S
 from ...errors import ExportError
-from ...kernels import attn
+from ...kernels import attn, q41
 from ...log import logger
 from .common import MS_DOMAIN
 from .static_kv import FLOOR_PREFIXES
@@ -23,9 +29,10 @@ from .static_kv import FLOOR_PREFIXES
 _UNSUPPORTED_ATTRS = ("softcap", "local_window_size", "smooth_softmax", "qk_output")
 
 
-def to_own_attention(model):
+def to_own_operators(model):
     """``model`` (an ``onnx.ModelProto`` of the static KV flavour) with its GroupQueryAttention
-    nodes in our operator where it takes them; returns the new proto (the input is not changed)."""
+    nodes and SwiGLU activations in our operators where they take them; returns the new proto (the
+    input is not changed), or ``model`` itself where nothing was for them."""
     import onnx_ir as ir
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -46,40 +53,105 @@ def to_own_attention(model):
         heads = int(gqa.attributes["num_heads"].value)
         kv_heads = int(gqa.attributes["kv_num_heads"].value)
         scale = float(gqa.attributes["scale"].value)
+        ins = [qkv, past_k, past_v, cos, sin, _unfloor(positions), _unfloor(bias)]
+        # rows decoupled from slots (static_kv): the operator reads its slots' rows and writes its
+        # rows' outputs itself, in place of the two Gathers around it (and computes no pad slot's
+        # query: pad slots only write their keys)
+        to_slots, to_rows = qkv.producer(), _sole_user(gqa.outputs[0], "Gather")
+        slotted = (
+            to_slots is not None
+            and to_slots.op_type == "Gather"
+            and to_slots.inputs[1] is not None
+            and to_slots.inputs[1].name == S.SLOT_ROWS
+            and to_rows is not None
+            and len(list(gqa.outputs[0].uses())) == 1
+            and to_rows.inputs[1] is not None
+            and to_rows.inputs[1].name == S.ROW_SLOTS
+        )
+        if slotted:
+            ins = [to_slots.inputs[0], *ins[1:], to_slots.inputs[1], to_rows.inputs[1]]
         nd = ir.node(
             attn.OP,
-            [qkv, past_k, past_v, cos, sin, _unfloor(positions), _unfloor(bias)],
+            ins,
             attributes={"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale},
             domain=attn.DOMAIN,
             num_outputs=3,
             name=gqa.name.replace("GroupQueryAttention", "GroupAttention"),
         )
         g.insert_before(gqa, nd)
-        for old, new in zip(gqa.outputs, nd.outputs):
+        outs = list(gqa.outputs)
+        if slotted:  # the output Gather's value is ours now
+            outs[0] = to_rows.outputs[0]
+        for old, new in zip(outs, nd.outputs):
             name, shape, typ = old.name, old.shape, old.type
             for i in [i for i, o in enumerate(g.outputs) if o is old]:
                 g.outputs[i] = new
             old.replace_all_uses_with(new)
             old.name = f"{name}__gqa"
             new.name, new.shape, new.type = name, shape, typ
+        if slotted:
+            g.remove(to_rows, safe=True)
         g.remove(gqa, safe=True)
         done += 1
     if not done:  # nothing for our operator: the static graph as it was
         logger.info("  our attention operator: none of %d GroupQueryAttention (%s)", len(gqas), "; ".join(kept[:1]))
         return model
     m.opset_imports[attn.DOMAIN] = attn.OPSET
+    act = _fuse_swiglu(g)
     RemoveUnusedNodesPass()(m)
     if not any(n.domain == MS_DOMAIN for n in g):
         m.opset_imports.pop(MS_DOMAIN, None)
     out = _finish(m)
     logger.info(
-        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor, %d nodes%s",
+        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor; %d SwiGLU; %d nodes%s",
         done,
         len(gqas),
+        act,
         len(out.graph.node),
         "" if not kept else f" (kept: {'; '.join(kept)})",
     )
     return out
+
+
+def _fuse_swiglu(g) -> int:
+    """Each ``Split(fused gate|up) -> Sigmoid(gate) -> Mul(gate, sigmoid) -> Mul(silu, up)`` as one
+    SwiGLU over the fused output (gate first; the Split's two halves equal); returns how many."""
+    import onnx_ir as ir
+
+    n = 0
+    for sp in [nd for nd in g if nd.op_type == "Split" and len(nd.outputs) == 2]:
+        gate, up = sp.outputs
+        sig = _sole_user(gate, "Sigmoid")
+        if sig is None:
+            continue
+        muls = [u.node for u in gate.uses() if u.node.op_type == "Mul"]
+        if len(muls) != 1 or len(list(gate.uses())) != 2 or set(muls[0].inputs) != {gate, sig.outputs[0]}:
+            continue
+        silu = muls[0]
+        out = _sole_user(silu.outputs[0], "Mul")
+        if out is None or set(out.inputs) != {silu.outputs[0], up} or len(list(up.uses())) != 1:
+            continue
+        sizes = sp.inputs[1].const_value.numpy() if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
+        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+            continue
+        axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
+        if axis != -1 and (sp.inputs[0].shape is None or axis != len(sp.inputs[0].shape) - 1):
+            continue
+        nd = ir.node(q41.SWIGLU_OP, [sp.inputs[0]], domain=q41.DOMAIN, name=sp.name.rsplit("/", 2)[0] + "/SwiGLU")
+        g.insert_before(sp, nd)
+        out.outputs[0].replace_all_uses_with(nd.outputs[0])
+        name = out.outputs[0].name
+        out.outputs[0].name = f"{name}__mul"
+        nd.outputs[0].name = name
+        for dead in (out, silu, sig, sp):
+            g.remove(dead, safe=True)
+        n += 1
+    return n
+
+
+def _sole_user(v, op: str):
+    uses = [u.node for u in v.uses() if u.node.op_type == op]
+    return uses[0] if len(uses) == 1 else None
 
 
 def _refusal(gqa) -> str | None:
