@@ -34,6 +34,7 @@
 //   sum = the same lane reduction of 8 lane sums, lane l adding e_j for j = l mod 8 in order;
 //   out[d] = (fma over j in order of e_j * v_j[d], skipping e_j == 0) / sum.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -123,6 +124,7 @@ struct Job {
   int64_t S, H, KV, D, CAP, T;
   float scale;
   int64_t R;
+  std::atomic<bool>* failed;  // a work item ran out of memory
   int64_t hb, rb;     // heads and rows per work item (a block of one kv group's queries)
   int64_t hblocks, rblocks;
 };
@@ -299,11 +301,15 @@ template <int DC>
 void run_item(void* data, size_t item) {
   thread_local Scratch w;
   const Job& j = *static_cast<const Job*>(data);
+  try {
   const int64_t per_group = j.hblocks * j.rblocks, G = j.H / j.KV;
   const int64_t g = (int64_t)item / per_group, rest = (int64_t)item % per_group;
   const int64_t hb = rest / j.rblocks, rbk = rest % j.rblocks;
   const int64_t h0 = g * G + hb * j.hb, r0 = rbk * j.rb;
   attend<DC>(j, g, h0, std::min(h0 + j.hb, (g + 1) * G), r0, std::min(r0 + j.rb, j.R), w);
+  } catch (const std::bad_alloc&) {  // on a pool thread: said after ParallelFor, never thrown through it
+    j.failed->store(true);
+  }
 }
 
 // How the queries are blocked: rows in blocks of up to 4 and a kv group's heads together, so that
@@ -410,7 +416,7 @@ Job prepare(const float* x, int64_t R, int64_t S, const int64_t* slot_rows, cons
     for (int64_t h = 0; h < H; h++)
       rotate(row + h * D, cs + pos[s] * half, sn + pos[s] * half, D, qrot.data() + (r * H + h) * D);
   }
-  Job j{qrot.data(), qslot.data(), kb, vb, bias, out, S, H, KV, D, CAP, T, scale, R, 0, 0, 0, 0};
+  Job j{qrot.data(), qslot.data(), kb, vb, bias, out, S, H, KV, D, CAP, T, scale, R, nullptr, 0, 0, 0, 0};
   plan(j);
   return j;
 }
@@ -429,9 +435,11 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(input(api, ctx, 6, bd, &bias));
   size_t n_in = 0;
   ATTN_CHECK(api->KernelContext_GetInputCount(ctx, &n_in));
-  const OrtValue* probe = nullptr;
-  if (n_in > 7) ATTN_CHECK(api->KernelContext_GetInput(ctx, 7, &probe));
-  const bool slots = probe != nullptr;
+  const OrtValue *probe7 = nullptr, *probe8 = nullptr;
+  if (n_in > 7) ATTN_CHECK(api->KernelContext_GetInput(ctx, 7, &probe7));
+  if (n_in > 8) ATTN_CHECK(api->KernelContext_GetInput(ctx, 8, &probe8));
+  if ((probe7 == nullptr) != (probe8 == nullptr)) return invalid(api, "slot_rows and row_slots come together");
+  const bool slots = probe7 != nullptr;
   if (slots) {
     ATTN_CHECK(input(api, ctx, 7, srd, &slot_rows));
     ATTN_CHECK(input(api, ctx, 8, rsd, &row_slots));
@@ -477,17 +485,19 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(api->GetTensorMutableData(ovv, &vraw));
   float* kb = static_cast<float*>(kraw);
   float* vb = static_cast<float*>(vraw);
-  if (kb != pk || vb != pv)  // present not bound to past (no I/O binding): carry the past over
-    for (int64_t g = 0; g < KV; g++) {
-      std::memcpy(kb + g * CAP * D, pk + g * CAP * D, sizeof(float) * (size_t)(P * D));
-      std::memcpy(vb + g * CAP * D, pv + g * CAP * D, sizeof(float) * (size_t)(P * D));
-    }
+  // a present not bound to its past (no I/O binding): the whole buffer carried over, so no row of
+  // the output is left undefined
+  if (kb != pk) std::memcpy(kb, pk, sizeof(float) * (size_t)(KV * CAP * D));
+  if (vb != pv) std::memcpy(vb, pv, sizeof(float) * (size_t)(KV * CAP * D));
   if (S == 0 || R == 0) return nullptr;
   thread_local std::vector<float> qrot;
   thread_local std::vector<int64_t> qslot;
   Job j = prepare(x, R, S, slot_rows, row_slots, kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
                   static_cast<float*>(out), qrot, qslot);
-  return api->KernelContext_ParallelFor(ctx, run, items(j), 0, &j);
+  std::atomic<bool> failed{false};
+  j.failed = &failed;
+  ATTN_CHECK(api->KernelContext_ParallelFor(ctx, run, items(j), 0, &j));
+  return failed.load() ? api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory") : nullptr;
 }
 
 struct AttnOp : OrtCustomOp {
@@ -630,8 +640,8 @@ SwiGLUOp swiglu_op;
 }  // namespace
 
 // q41.cpp registers this in the Q4_1 operators' domain (the int4op graphs' MLP activation).
-OrtCustomOp* dejavuu_swiglu_op(uint32_t version) {
-  swiglu_op.version = version;
+OrtCustomOp* dejavuu_swiglu_op(uint32_t version) {  // version 0: the op as stamped
+  if (version != 0) swiglu_op.version = version;
   return &swiglu_op;
 }
 
@@ -641,25 +651,28 @@ extern "C" __attribute__((visibility("default"))) void dejavuu_swiglu(const floa
 }
 
 // q41.cpp's RegisterCustomOps adds this operator in its own domain, at the negotiated version.
-OrtCustomOp* dejavuu_attention_op(uint32_t version) {
-  attn_op.version = version;
+OrtCustomOp* dejavuu_attention_op(uint32_t version) {  // version 0: the op as stamped
+  if (version != 0) attn_op.version = version;
   return &attn_op;
 }
 
 // The operator without onnxruntime, one thread, for tests (attn.py calls it through ctypes): the
 // same arguments as the graph's inputs (kbuf/vbuf updated in place, out [R][H*D]; slot_rows and
-// row_slots null: rows are slots); returns 0, or -1 for a head size other than 64/128/256 or
-// past + S beyond the buffer.
+// row_slots null: rows are slots); returns 0, -1 for a head size other than 64/128/256, -2 for
+// heads that are not a positive multiple of kv heads or past + S outside the buffer, -3 out of memory.
 extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
     const float* qkv, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kbuf,
     float* vbuf, int64_t CAP, const float* cos, const float* sin, const int64_t* pos, const float* bias, int64_t T,
     int64_t H, int64_t KV, int64_t D, float scale, float* out) {
   RunItem run = pick(D);
-  if (run == nullptr || T < S || T > CAP) return -1;
+  if (run == nullptr) return -1;
+  if (H <= 0 || KV <= 0 || H % KV != 0 || T < S || T > CAP) return -2;
   std::vector<float> qrot;
   std::vector<int64_t> qslot;
   Job j = prepare(qkv, R, S, slot_rows, row_slots, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
                   qrot, qslot);
+  std::atomic<bool> failed{false};
+  j.failed = &failed;
   for (size_t i = 0; i < items(j); i++) run(&j, i);
-  return 0;
+  return failed.load() ? -3 : 0;
 }

@@ -75,8 +75,14 @@ def attend(
     for buf in (kbuf, vbuf):
         if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 3:
             raise ValueError("kbuf and vbuf must be C-contiguous float32 [kv_heads, capacity, D]")
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    if x.ndim != 2 or b.ndim != 2:
+        raise ValueError("qkv must be [R, width] and bias [S, past + S]")
     rows, width = x.shape
     slots = b.shape[0]
+    if b.shape[1] < slots or b.shape[1] > kbuf.shape[1]:
+        raise ValueError(f"past + S = {b.shape[1]} must be at least S = {slots} and fit the buffer's {kbuf.shape[1]}")
     if (slot_rows is None) != (row_slots is None):
         raise ValueError("slot_rows and row_slots come together")
     sr = None if slot_rows is None else np.ascontiguousarray(slot_rows, np.int64)
@@ -121,8 +127,10 @@ def attend(
         scale,
         out.ctypes.data,
     )
+    if rc == -1:
+        raise ValueError(f"the kernel refused head size {d} (it takes {HEAD_SIZES})")
     if rc != 0:
-        raise ValueError(f"the kernel refused head size {d} (it takes {HEAD_SIZES}) or past + S > capacity")
+        raise ValueError(f"the kernel refused its arguments (code {rc})")
     return out
 
 

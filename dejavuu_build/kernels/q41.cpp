@@ -75,6 +75,11 @@
 
 #define Q41_EXPORT extern "C" __attribute__((visibility("default")))
 
+// attn.cpp: the attention operator, registered here in its own domain (one library, one load),
+// and SwiGLU in this one (the MLP's activation); version 0 returns the op as last stamped
+OrtCustomOp* dejavuu_attention_op(uint32_t version);
+OrtCustomOp* dejavuu_swiglu_op(uint32_t version);
+
 namespace {
 
 constexpr int BL = 32;            // block length along K
@@ -640,7 +645,9 @@ Negotiated negotiate(const OrtApiBase* base) {
     start = std::min<uint32_t>(start, (uint32_t)minor);
   for (uint32_t v = start; v >= kMinApi; v--)
     if (const OrtApi* api = base->GetApi(v)) {
-      q41_op.version = v;
+      q41_op.version = v;  // every op's version, stamped once (negotiate runs once per process)
+      dejavuu_attention_op(v);
+      dejavuu_swiglu_op(v);
       return {api, v};
     }
   return {nullptr, 0};
@@ -681,9 +688,6 @@ Q41_EXPORT int dejavuu_q41_gemm2(const float* A, int64_t rows, const uint8_t* pa
   return 0;
 }
 
-// attn.cpp: the attention operator, registered here in its own domain (one library, one load)
-OrtCustomOp* dejavuu_attention_op(uint32_t version);
-OrtCustomOp* dejavuu_swiglu_op(uint32_t version);  // attn.cpp too, in this domain: the MLP's activation
 constexpr const char* kAttnDomain = "dejavuu.attn";
 
 Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -697,7 +701,7 @@ Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   }
   const OrtApi* api = n.api;
   const std::pair<const char*, std::vector<OrtCustomOp*>> domains[2] = {
-      {kDomain, {&q41_op, dejavuu_swiglu_op(n.version)}}, {kAttnDomain, {dejavuu_attention_op(n.version)}}};
+      {kDomain, {&q41_op, dejavuu_swiglu_op(0)}}, {kAttnDomain, {dejavuu_attention_op(0)}}};
   for (const auto& [name, ops] : domains) {
     OrtCustomOpDomain* domain = nullptr;
     Q41_CHECK(api->CreateCustomOpDomain(name, &domain));

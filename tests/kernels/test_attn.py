@@ -7,6 +7,7 @@ temporary cache root, never into ~/.cache."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -91,9 +92,40 @@ def test_keys_a_row_does_not_see_contribute_nothing(isa):
     other = qkv.copy()
     other[1:4] = rng.standard_normal(other[1:4].shape).astype(np.float32) * 7
     kb2 = kb.copy()
-    kb2[:, past + rows :] = np.nan  # never read: beyond every row's keys
+    kb2[:, past + rows :] = np.nan  # beyond every row's keys: read at most into discarded lanes
     out2, _, _ = run(other, kb2, vb, cos, sin, np.arange(past, past + rows), bias, isa)
     assert np.array_equal(bits(out[[0, 4, 5]][:2]), bits(out2[[0, 4]]))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_the_buffers_last_keys_and_hidden_keys_inside_the_range(isa):
+    """A context that ends at the buffer's end (capacity not a multiple of 8: the last 8-key group
+    is read from a zeroed copy), keys hidden in the middle of a row's range, weights that are
+    exactly zero (scores more than 87 below the row's maximum), one kv head (one head a block):
+    the paths agree bit for bit, and a row alone is the row among others."""
+    rng = np.random.default_rng(21)
+    global H, KV
+    saved = H, KV
+    try:
+        for H, KV in ((6, 2), (4, 1)):
+            cap, rows = 301, 4
+            past = cap - rows
+            cos, sin = tables(cap, 64)
+            qkv, kb, vb = case(rng, rows, past, 64, cap)
+            qkv[:, :64] *= 40  # head 0's scores spread far: some weights are exact zeros
+            bias = causal(rows, past)
+            bias[:, 100:140] = np.float32(-3.4e38)
+            pos = np.arange(past, past + rows)
+            want = run(qkv, kb, vb, cos, sin, pos, bias, "scalar")
+            got = run(qkv, kb, vb, cos, sin, pos, bias, isa)
+            for a, b in zip(got, want):
+                assert np.array_equal(bits(a), bits(b)), (isa, H, KV)
+            ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125)
+            assert np.abs(got[0] - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+            alone = run(qkv[:1], kb, vb, cos, sin, pos[:1], bias[:1, : past + 1], isa)[0]
+            assert np.array_equal(bits(alone), bits(got[0][:1]))
+    finally:
+        H, KV = saved
 
 
 def test_every_path_gives_the_same_bits():
@@ -130,10 +162,11 @@ def test_close_to_float64_and_writes_the_rotated_keys(d):
     assert np.abs(k2[:, past : past + rows] - rot.transpose(1, 0, 2)).max() < 1e-5
 
 
-def model(d: int, cap: int) -> bytes:
+def model(d: int, cap: int, slots: bool = False) -> bytes:
+    extra = ["slot_rows", "row_slots"] if slots else []
     node = helper.make_node(
         attn.OP,
-        ["qkv", "past_k", "past_v", "cos", "sin", "pos", "bias"],
+        ["qkv", "past_k", "past_v", "cos", "sin", "pos", "bias", *extra],
         ["out", "present_k", "present_v"],
         domain=attn.DOMAIN,
         num_heads=H,
@@ -151,6 +184,7 @@ def model(d: int, cap: int) -> bytes:
             helper.make_tensor_value_info("past_v", f, [1, KV, cap, d]),
             helper.make_tensor_value_info("pos", TensorProto.INT64, [1, None]),
             helper.make_tensor_value_info("bias", f, [1, 1, None, None]),
+            *[helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in extra],
         ],
         [
             helper.make_tensor_value_info("out", f, None),
@@ -259,6 +293,8 @@ def test_refusals_say_what_is_wrong():
     qkv, kb, vb = case(rng, 1, 3, 32, 64)
     with pytest.raises(ValueError, match="head size 32"):
         attn.attend(qkv, kb, vb, cos, sin, [3], causal(1, 3), heads=H, kv_heads=KV, scale=0.1)
+    with pytest.raises(ValueError, match="positive multiple of kv_heads"):
+        attn.attend(qkv, kb, vb, cos, sin, [3], causal(1, 3), heads=5, kv_heads=2, scale=0.1)
     s = session(model(64, 16))
     cos, sin = tables(16, 64)
     qkv, kb, vb = case(rng, 2, 15, 64, 16)
@@ -275,14 +311,41 @@ def test_refusals_say_what_is_wrong():
     feeds["pos"] = np.array([[5, 99]])
     with pytest.raises(Exception, match="outside the rotary tables"):
         s.run(None, feeds)
+    feeds["pos"] = np.array([[5, 6]])
+    slotted = session(model(64, 16, slots=True))
+    for sr, rs, match in (
+        ([0, 7], [0, 1], "slot_rows holds a row outside"),
+        ([0, 1], [0, 2], "row_slots holds a slot"),
+    ):
+        with pytest.raises(Exception, match=match):
+            slotted.run(None, {**feeds, "slot_rows": np.array(sr), "row_slots": np.array(rs)})
 
 
 def test_one_library_registers_both_operators():
     """The attention operator lives in the Q4_1 operator's library: registering it once (what the
-    runtime does for a graph that imports both domains) registers both."""
+    runtime does for a graph that imports both domains) registers both, and a graph with a node of
+    each domain runs."""
     from dejavuu_build import kernels
 
     so = ort.SessionOptions()
     kernels.register(so, {q41.DOMAIN, attn.DOMAIN})
     assert kernels.OPERATORS[attn.DOMAIN] is kernels.OPERATORS[q41.DOMAIN]
     assert kernels.unavailable([attn.DOMAIN]) is None
+    m = onnx.load_from_string(model(64, 32))
+    sw = helper.make_node(q41.SWIGLU_OP, ["out"], ["act"], domain=q41.DOMAIN)
+    m.graph.node.append(sw)
+    m.graph.output.append(helper.make_tensor_value_info("act", TensorProto.FLOAT, None))
+    m.opset_import.append(helper.make_opsetid(q41.DOMAIN, q41.OPSET))
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    cos, sin = tables(32, 64)
+    qkv, kb, vb = case(rng, 2, 3, 64, 32)
+    feeds = {
+        "qkv": qkv[None],
+        "past_k": kb[None],
+        "past_v": vb[None],
+        "pos": np.array([[3, 4]]),
+        "bias": causal(2, 3)[None, None],
+    }
+    out, _, _, act = sess.run(None, feeds)
+    assert np.array_equal(bits(act[0]), bits(attn.swiglu(out[0])))

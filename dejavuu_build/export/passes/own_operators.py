@@ -59,14 +59,11 @@ def to_own_operators(model):
         # query: pad slots only write their keys)
         to_slots, to_rows = qkv.producer(), _sole_user(gqa.outputs[0], "Gather")
         slotted = (
-            to_slots is not None
-            and to_slots.op_type == "Gather"
-            and to_slots.inputs[1] is not None
-            and to_slots.inputs[1].name == S.SLOT_ROWS
+            _gather_of(to_slots, S.SLOT_ROWS)
             and to_rows is not None
             and len(list(gqa.outputs[0].uses())) == 1
-            and to_rows.inputs[1] is not None
-            and to_rows.inputs[1].name == S.ROW_SLOTS
+            and to_rows.inputs[0] is gqa.outputs[0]
+            and _gather_of(to_rows, S.ROW_SLOTS)
         )
         if slotted:
             ins = [to_slots.inputs[0], *ins[1:], to_slots.inputs[1], to_rows.inputs[1]]
@@ -76,7 +73,7 @@ def to_own_operators(model):
             attributes={"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale},
             domain=attn.DOMAIN,
             num_outputs=3,
-            name=gqa.name.replace("GroupQueryAttention", "GroupAttention"),
+            name=(gqa.name or "/GroupQueryAttention").replace("GroupQueryAttention", "GroupAttention"),
         )
         g.insert_before(gqa, nd)
         outs = list(gqa.outputs)
@@ -98,6 +95,8 @@ def to_own_operators(model):
         return model
     m.opset_imports[attn.DOMAIN] = attn.OPSET
     act = _fuse_swiglu(g)
+    if act:
+        m.opset_imports.setdefault(q41.DOMAIN, q41.OPSET)
     RemoveUnusedNodesPass()(m)
     if not any(n.domain == MS_DOMAIN for n in g):
         m.opset_imports.pop(MS_DOMAIN, None)
@@ -131,7 +130,13 @@ def _fuse_swiglu(g) -> int:
         out = _sole_user(silu.outputs[0], "Mul")
         if out is None or set(out.inputs) != {silu.outputs[0], up} or len(list(up.uses())) != 1:
             continue
-        sizes = sp.inputs[1].const_value.numpy() if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
+        inner = (sig.outputs[0], silu.outputs[0], gate, up)  # all go: each read by the pattern alone
+        if any(v in g.outputs for v in inner) or len(list(sig.outputs[0].uses())) != 1:
+            continue
+        if len(list(silu.outputs[0].uses())) != 1:
+            continue
+        const = sp.inputs[1].const_value if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
+        sizes = const.numpy() if const is not None else None
         if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
             continue
         axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
@@ -147,6 +152,18 @@ def _fuse_swiglu(g) -> int:
             g.remove(dead, safe=True)
         n += 1
     return n
+
+
+def _gather_of(nd, index: str) -> bool:
+    """Whether ``nd`` is a Gather along axis 1 by the graph input named ``index``."""
+    return (
+        nd is not None
+        and nd.op_type == "Gather"
+        and len(nd.inputs) > 1
+        and nd.inputs[1] is not None
+        and nd.inputs[1].name == index
+        and ("axis" in nd.attributes and int(nd.attributes["axis"].value) == 1)
+    )
 
 
 def _sole_user(v, op: str):
