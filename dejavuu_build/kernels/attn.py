@@ -28,16 +28,6 @@ UNSEEN = -1e30  # a bias at or below it: a key the row does not see (its weight 
 F32 = npt.NDArray[np.float32]
 
 
-def register(session_options: Any, isa: str | None = None) -> str:
-    """Register the library that holds this operator (q41.register: one library, both domains)."""
-    return q41.register(session_options, isa)
-
-
-def unavailable() -> str | None:
-    """Why the operator cannot run here, or None (the library's: q41.unavailable)."""
-    return q41.unavailable()
-
-
 def _fn(isa: str | None) -> Any:
     fn = q41._load(q41.library(isa)).dejavuu_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
