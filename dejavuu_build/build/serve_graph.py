@@ -30,27 +30,21 @@ def write_serve_batch(
     machine and onnxruntime."""
     from ..export.fp16_store import load_unpacked
     from ..export.shared_weights import save_sharing
-    from ..kernels import attn
     from ..runtime.decoder import Decoder
-    from ..runtime.session import graph_domains, make_session
+    from ..runtime.session import make_session
     from .gates import gate_serve_batch
 
     old, default = manifest.batched, manifest.default_variant
     layout = LAYOUTS[S.split_variant(default)[1]].batch if default else S.KV_STATIC
     target = S.variant_name(S.split_variant(default)[0], layout) if default else None
     rec = manifest.variants.get(target) if target else None
-    own_attention = rec is not None and attn.DOMAIN in graph_domains(folder / rec.file)
-    if target is None or rec is None or not rec.passed or own_attention:
+    if target is None or rec is None or not rec.passed:
         why = (
             "no variant passed its gates"
             if target is None
             else f"no {target} variant (--kv-layouts)"
             if rec is None
             else f"{target} did not pass its gates"
-            if not rec.passed
-            # the batched graph gives each request its own buffer inside GroupQueryAttention's
-            # ragged batch (export.passes.serve_batch); our attention operator has no such form
-            else f"{target} runs our attention operator (kernels.attn), which has no batched form yet"
         )
         manifest.batched = {"skipped": why}
         logger.info("  no batched serving graph: %s; `serve` decodes one request per forward", why)

@@ -10,7 +10,7 @@
 // length (keys it does not see contribute exact zeros), so speculative verification stays
 // lossless without a floor.
 //
-// Inputs (batch 1):
+// Inputs (one request):
 //   0 qkv      float [1, S, (H + 2*KV) * D]  packed q | k | v of S slots (query heads first)
 //   1 past_key float [1, KV, CAP, D]          the layer's key buffer (bound as present_key too)
 //   2 past_val float [1, KV, CAP, D]          its value buffer (bound as present_value)
@@ -18,7 +18,15 @@
 //   4 sin      float [P_max, D/2]
 //   5 position_ids int64 [1, S]
 //   6 bias     float [1, 1, S, T]             additive; T = P + S, P the past length
-// Outputs: 0 out float [1, S, H*D]; 1 present_key, 2 present_value [1, KV, CAP, D].
+//   7 slot_rows int64 [S], 8 row_slots int64 [R] (optional, together): slot s reads qkv row
+//     slot_rows[s] and qkv holds R rows, output row r being slot row_slots[r]'s query
+// A batch of B requests (the serving graph, export.passes.serve_batch) adds
+//   9 seqlens_k int32 [B] (P_b + w_b - 1), 10 query_seqlens int32 [B] (w_b, the slots request b
+//     writes; 0: idle, nothing written) and takes past_key/past_val [B, KV, CAP, D], position_ids
+//     [B, S], bias [B, 1, S, T] (T >= every P_b + w_b), slot_rows [B, S] (rows of qkv) and
+//     row_slots [R] (flat b*S + s, qkv's rows grouped by request in order): each request's rows
+//     get exactly the bits they get alone.
+// Outputs: 0 out float [1, R, H*D]; 1 present_key, 2 present_value as the pasts.
 // Attributes: num_heads H, kv_num_heads KV (H % KV == 0), scale (float).
 //
 // The contract (the scalar and AVX2 paths give the same bits: tests/kernels/test_attn.py):
@@ -390,42 +398,83 @@ OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, std::vector
   return nullptr;
 }
 
-// Rotary and the KV write of every slot (slot s reads row slot_rows[s]: null, row s) at P + s,
-// then each output row's rotated queries (row r is the query of slot row_slots[r]: null, slot r).
-// Returns the Job; qrot and qslot are its storage.
-Job prepare(const float* x, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kb,
-            float* vb, int64_t CAP, int64_t T, const float* cs, const float* sn, const int64_t* pos, const float* bias,
-            int64_t H, int64_t KV, int64_t D, float scale, float* out, std::vector<float>& qrot,
-            std::vector<int64_t>& qslot) {
-  const int64_t P = T - S, W = (H + 2 * KV) * D, half = D / 2;
-  for (int64_t s = 0; s < S; s++) {
-    const float* row = x + (slot_rows ? slot_rows[s] : s) * W;
-    const float* c = cs + pos[s] * half;
-    const float* sv = sn + pos[s] * half;
-    for (int64_t g = 0; g < KV; g++) {
-      rotate(row + (H + g) * D, c, sv, D, kb + (g * CAP + P + s) * D);
-      std::memcpy(vb + (g * CAP + P + s) * D, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+// Rotary and the KV write of every written slot (request b's slots s < w[b], slot s reading qkv
+// row slot_rows[b*S + s] -- null: row s -- written at P[b] + s of its buffers), then every output
+// row's rotated queries (row r is flat slot row_slots[r] -- null: r --, b*S + s); the rows of each
+// request (contiguous: checked by the caller) become one Job over its own buffers and bias block.
+// qrot and qslot are the Jobs' storage.
+void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slot_rows, const int64_t* row_slots,
+             const int64_t* P, const int64_t* w, float* kb, float* vb, int64_t CAP, int64_t T, const float* cs,
+             const float* sn, const int64_t* pos, const float* bias, int64_t H, int64_t KV, int64_t D, float scale,
+             float* out, std::vector<float>& qrot, std::vector<int64_t>& qslot, std::vector<Job>& jobs) {
+  const int64_t W = (H + 2 * KV) * D, half = D / 2;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t s = 0; s < w[b]; s++) {
+      const int64_t f = b * S + s;
+      const float* row = x + (slot_rows ? slot_rows[f] : s) * W;
+      const float* c = cs + pos[f] * half;
+      const float* sv = sn + pos[f] * half;
+      for (int64_t g = 0; g < KV; g++) {
+        const int64_t at = ((b * KV + g) * CAP + P[b] + s) * D;
+        rotate(row + (H + g) * D, c, sv, D, kb + at);
+        std::memcpy(vb + at, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
+      }
     }
-  }
   qrot.resize((size_t)(R * H * D));
   qslot.resize((size_t)R);
+  jobs.clear();
   for (int64_t r = 0; r < R; r++) {
-    const int64_t s = row_slots ? row_slots[r] : r;
-    qslot[(size_t)r] = s;
-    const float* row = x + (slot_rows ? slot_rows[s] : s) * W;
+    const int64_t f = row_slots ? row_slots[r] : r, b = f / S;
+    qslot[(size_t)r] = f % S;
+    const float* row = x + (slot_rows ? slot_rows[f] : f) * W;
     for (int64_t h = 0; h < H; h++)
-      rotate(row + h * D, cs + pos[s] * half, sn + pos[s] * half, D, qrot.data() + (r * H + h) * D);
+      rotate(row + h * D, cs + pos[f] * half, sn + pos[f] * half, D, qrot.data() + (r * H + h) * D);
+    if (jobs.empty() || (int64_t)(jobs.back().kbuf - kb) != b * KV * CAP * D) {  // request b's first row
+      const int64_t kv0 = b * KV * CAP * D;
+      jobs.push_back(Job{qrot.data() + r * H * D, qslot.data() + r, kb + kv0, vb + kv0, bias + b * S * T,
+                         out + r * H * D, S, H, KV, D, CAP, T, scale, 0, nullptr, 0, 0, 0, 0});
+    }
+    jobs.back().R++;
   }
-  Job j{qrot.data(), qslot.data(), kb, vb, bias, out, S, H, KV, D, CAP, T, scale, R, nullptr, 0, 0, 0, 0};
-  plan(j);
-  return j;
+  for (Job& j : jobs) plan(j);
+}
+
+// Every request's work items in one ParallelFor: item -> (its request's Job, that Job's item).
+struct Batch {
+  std::vector<Job>* jobs;
+  std::vector<size_t> first;  // the first item of each Job, then the total
+  RunItem run;
+};
+
+void run_batch(void* data, size_t item) {
+  const Batch& bt = *static_cast<const Batch*>(data);
+  const size_t k = (size_t)(std::upper_bound(bt.first.begin(), bt.first.end(), item) - bt.first.begin()) - 1;
+  bt.run(&(*bt.jobs)[k], item - bt.first[k]);
+}
+
+// Runs every Job: one thread (ctx null) or onnxruntime's pool. Returns false when a work item ran
+// out of memory.
+template <typename ParallelFor>
+bool run_jobs(std::vector<Job>& jobs, RunItem run, ParallelFor&& parallel_for) {
+  std::atomic<bool> failed{false};
+  Batch bt{&jobs, {}, run};
+  size_t total = 0;
+  for (Job& j : jobs) {
+    j.failed = &failed;
+    bt.first.push_back(total);
+    total += items(j);
+  }
+  bt.first.push_back(total);
+  parallel_for(run_batch, total, &bt);
+  return !failed.load();
 }
 
 OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const OrtApi* api = k.api;
-  std::vector<int64_t> xd, kd, vd, cd, sd, pd, bd, srd, rsd;
+  std::vector<int64_t> xd, kd, vd, cd, sd, pd, bd, srd, rsd, skd, qsd;
   const float *x = nullptr, *pk = nullptr, *pv = nullptr, *cs = nullptr, *sn = nullptr, *bias = nullptr;
   const int64_t *pos = nullptr, *slot_rows = nullptr, *row_slots = nullptr;
+  const int32_t *seqlens = nullptr, *qlens = nullptr;
   ATTN_CHECK(input(api, ctx, 0, xd, &x));
   ATTN_CHECK(input(api, ctx, 1, kd, &pk));
   ATTN_CHECK(input(api, ctx, 2, vd, &pv));
@@ -435,14 +484,19 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(input(api, ctx, 6, bd, &bias));
   size_t n_in = 0;
   ATTN_CHECK(api->KernelContext_GetInputCount(ctx, &n_in));
-  const OrtValue *probe7 = nullptr, *probe8 = nullptr;
-  if (n_in > 7) ATTN_CHECK(api->KernelContext_GetInput(ctx, 7, &probe7));
-  if (n_in > 8) ATTN_CHECK(api->KernelContext_GetInput(ctx, 8, &probe8));
-  if ((probe7 == nullptr) != (probe8 == nullptr)) return invalid(api, "slot_rows and row_slots come together");
-  const bool slots = probe7 != nullptr;
+  const OrtValue* probe[11] = {};
+  for (size_t i = 7; i < 11 && i < n_in; i++) ATTN_CHECK(api->KernelContext_GetInput(ctx, i, &probe[i]));
+  if ((probe[7] == nullptr) != (probe[8] == nullptr)) return invalid(api, "slot_rows and row_slots come together");
+  if ((probe[9] == nullptr) != (probe[10] == nullptr)) return invalid(api, "seqlens_k and query_seqlens come together");
+  const bool slots = probe[7] != nullptr, batched = probe[9] != nullptr;
+  if (batched && !slots) return invalid(api, "a batch (seqlens_k, query_seqlens) needs slot_rows and row_slots");
   if (slots) {
     ATTN_CHECK(input(api, ctx, 7, srd, &slot_rows));
     ATTN_CHECK(input(api, ctx, 8, rsd, &row_slots));
+  }
+  if (batched) {
+    ATTN_CHECK(input(api, ctx, 9, skd, &seqlens));
+    ATTN_CHECK(input(api, ctx, 10, qsd, &qlens));
   }
   const int64_t H = k.H, KV = k.KV;
   if (xd.size() != 3 || xd[0] != 1 || xd[2] % (H + 2 * KV) != 0)
@@ -450,30 +504,54 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const int64_t rows = xd[1], D = xd[2] / (H + 2 * KV);
   RunItem run = pick(D);
   if (run == nullptr) return invalid(api, "head size must be 64, 128 or 256, got " + std::to_string(D));
-  if (kd.size() != 4 || kd[0] != 1 || kd[1] != KV || kd[3] != D || kd != vd)
-    return invalid(api, "past key and value must both be [1, kv_num_heads, capacity, head_size]");
-  const int64_t CAP = kd[2];
-  if (bd.size() != 4 || bd[0] != 1 || bd[1] != 1) return invalid(api, "bias must be [1, 1, slots, past + slots]");
-  const int64_t S = bd[2], R = rows;
+  if (kd.size() != 4 || kd[0] < 1 || (!batched && kd[0] != 1) || kd[1] != KV || kd[3] != D || kd != vd)
+    return invalid(api, std::string("past key and value must both be [") + (batched ? "batch" : "1") +
+                            ", kv_num_heads, capacity, head_size]");
+  const int64_t B = kd[0], CAP = kd[2];
+  if (bd.size() != 4 || bd[0] != B || bd[1] != 1) return invalid(api, "bias must be [batch, 1, slots, width]");
+  const int64_t S = bd[2], R = rows, T = bd[3];
+  if (T > CAP)
+    return invalid(api, "the bias's width (past + slots) " + std::to_string(T) + " must fit the buffer's " +
+                            std::to_string(CAP));
+  if ((int64_t)pd.size() != 2 || pd[0] != B || pd[1] != S) return invalid(api, "position_ids must be [batch, slots]");
+  std::vector<int64_t> P((size_t)B), w((size_t)B);
+  if (batched) {
+    if (skd.size() != 1 || skd[0] != B || qsd != skd) return invalid(api, "seqlens_k and query_seqlens must be [batch]");
+    for (int64_t b = 0; b < B; b++) {
+      w[b] = qlens[b];
+      P[b] = w[b] > 0 ? (int64_t)seqlens[b] + 1 - w[b] : 0;
+      if (w[b] < 0 || w[b] > S || P[b] < 0 || P[b] + w[b] > T)
+        return invalid(api, "request " + std::to_string(b) + ": query_seqlens must be 0..slots and seqlens_k + 1 - "
+                            "query_seqlens a past whose slots fit the bias's width");
+    }
+  } else {
+    P[0] = T - S;
+    w[0] = S;
+    if (P[0] < 0) return invalid(api, "bias must be [1, 1, S, past + S]");
+  }
   if (slots) {
-    if (srd.size() != 1 || srd[0] != S) return invalid(api, "slot_rows must be [slots] (the bias's rows)");
+    if (srd.size() != (batched ? 2u : 1u) || srd[0] != (batched ? B : S) || (batched && srd[1] != S))
+      return invalid(api, batched ? "slot_rows must be [batch, slots]" : "slot_rows must be [slots] (the bias's rows)");
     if (rsd.size() != 1 || rsd[0] != R) return invalid(api, "row_slots must be [rows] (qkv's rows)");
-    for (int64_t s = 0; s < S; s++)
-      if (slot_rows[s] < 0 || slot_rows[s] >= R) return invalid(api, "slot_rows holds a row outside qkv");
-    for (int64_t r = 0; r < R; r++)
-      if (row_slots[r] < 0 || row_slots[r] >= S) return invalid(api, "row_slots holds a slot outside the bias");
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t s = 0; s < w[b]; s++)
+        if (slot_rows[b * S + s] < 0 || slot_rows[b * S + s] >= R) return invalid(api, "slot_rows holds a row outside qkv");
+    int64_t last = 0;
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t f = row_slots[r], b = f / S;
+      if (f < 0 || f >= B * S || f % S >= w[b]) return invalid(api, "row_slots holds a slot outside the written ones");
+      if (b < last) return invalid(api, "qkv's rows must be grouped by request, in request order");
+      last = b;
+    }
   } else if (S != R) {
     return invalid(api, "bias must be [1, 1, S, past + S] for qkv's S rows");
   }
-  const int64_t T = bd[3], P = T - S;
-  if (P < 0 || T > CAP)
-    return invalid(api, "past + S = " + std::to_string(T) + " must fit the buffer's " + std::to_string(CAP));
   if (cd.size() != 2 || cd != sd || cd[1] != D / 2)
     return invalid(api, "cos and sin must both be [positions, head_size / 2]");
-  if ((int64_t)pd.size() != 2 || pd[0] != 1 || pd[1] != S) return invalid(api, "position_ids must be [1, slots]");
-  for (int64_t i = 0; i < S; i++)
-    if (pos[i] < 0 || pos[i] >= cd[0])
-      return invalid(api, "position " + std::to_string(pos[i]) + " is outside the rotary tables");
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t s = 0; s < w[b]; s++)
+      if (pos[b * S + s] < 0 || pos[b * S + s] >= cd[0])
+        return invalid(api, "position " + std::to_string(pos[b * S + s]) + " is outside the rotary tables");
   const int64_t od[3] = {1, R, H * D};
   OrtValue *ov = nullptr, *okv = nullptr, *ovv = nullptr;
   ATTN_CHECK(api->KernelContext_GetOutput(ctx, 0, od, 3, &ov));
@@ -487,17 +565,20 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   float* vb = static_cast<float*>(vraw);
   // a present not bound to its past (no I/O binding): the whole buffer carried over, so no row of
   // the output is left undefined
-  if (kb != pk) std::memcpy(kb, pk, sizeof(float) * (size_t)(KV * CAP * D));
-  if (vb != pv) std::memcpy(vb, pv, sizeof(float) * (size_t)(KV * CAP * D));
-  if (S == 0 || R == 0) return nullptr;
+  if (kb != pk) std::memcpy(kb, pk, sizeof(float) * (size_t)(B * KV * CAP * D));
+  if (vb != pv) std::memcpy(vb, pv, sizeof(float) * (size_t)(B * KV * CAP * D));
+  if (S == 0) return nullptr;
   thread_local std::vector<float> qrot;
   thread_local std::vector<int64_t> qslot;
-  Job j = prepare(x, R, S, slot_rows, row_slots, kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
-                  static_cast<float*>(out), qrot, qslot);
-  std::atomic<bool> failed{false};
-  j.failed = &failed;
-  ATTN_CHECK(api->KernelContext_ParallelFor(ctx, run, items(j), 0, &j));
-  return failed.load() ? api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory") : nullptr;
+  thread_local std::vector<Job> jobs;
+  prepare(x, R, S, B, slot_rows, row_slots, P.data(), w.data(), kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
+          static_cast<float*>(out), qrot, qslot, jobs);
+  OrtStatus* st = nullptr;
+  const bool ok = run_jobs(jobs, run, [&](RunItem f, size_t n, void* data) {
+    if (n > 0) st = api->KernelContext_ParallelFor(ctx, f, n, 0, data);
+  });
+  if (st != nullptr) return st;
+  return ok ? nullptr : api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory");
 }
 
 struct AttnOp : OrtCustomOp {
@@ -506,14 +587,16 @@ struct AttnOp : OrtCustomOp {
     version = 17;
     GetName = [](const OrtCustomOp*) { return kOp; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 9; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 11; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
-      return i == 5 || i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      return i >= 9       ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32   // seqlens_k, query_seqlens
+             : i == 5 || i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-      return i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // slot_rows, row_slots
+      return i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // slots, then a batch's lengths
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -669,10 +752,12 @@ extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
   if (H <= 0 || KV <= 0 || H % KV != 0 || T < S || T > CAP) return -2;
   std::vector<float> qrot;
   std::vector<int64_t> qslot;
-  Job j = prepare(qkv, R, S, slot_rows, row_slots, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
-                  qrot, qslot);
-  std::atomic<bool> failed{false};
-  j.failed = &failed;
-  for (size_t i = 0; i < items(j); i++) run(&j, i);
-  return failed.load() ? -3 : 0;
+  std::vector<Job> jobs;
+  const int64_t P = T - S, w = S;
+  prepare(qkv, R, S, 1, slot_rows, row_slots, &P, &w, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
+          qrot, qslot, jobs);
+  const bool ok = run_jobs(jobs, run, [](RunItem f, size_t n, void* data) {
+    for (size_t i = 0; i < n; i++) f(data, i);
+  });
+  return ok ? 0 : -3;
 }

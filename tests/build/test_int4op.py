@@ -52,15 +52,21 @@ def test_the_body_is_the_files_blocks_in_our_operator_and_passes_every_gate(entr
         assert rec.quant["operators"] == [q41.DOMAIN]
     body = {k: n for k, n in m.variants["int4op"].quant["nodes"].items() if "/layers." in k}
     assert len(body) == 2 * 7 and all(n.endswith("Q4_1 carried exactly (q41 operator)") for n in body.values()), body
-    # the static flavour's attention is ours (no GroupQueryAttention, no row floor), and the server
-    # does not batch it (no batched form): it serves what `generate` decodes, one request a forward
+    # the static flavour's attention is ours (no GroupQueryAttention, no row floor)
     static = entry.folder / m.variants["int4op-static"].file
     assert graph_domains(static) >= {q41.DOMAIN, attn.DOMAIN}
     ops = Counter(n.op_type for n in onnx.load(static, load_external_data=False).graph.node)
     assert ops["GroupAttention"] == 2 and ops["SwiGLU"] == 2, ops
     assert not {"GroupQueryAttention", "Pad", "Split", "Sigmoid"} & set(ops), ops  # no floor, no unfused MLP
     assert graph_domains(entry.folder / m.variants["fp32-static"].file) & {attn.DOMAIN} == set()
-    assert "our attention operator" in m.batched["skipped"]
+    # and the server batches it: the operator takes the batch itself (no gathers around it), gated
+    # bit-identical to each request alone
+    assert m.batched["variant"] == "int4op-static" and m.batched["passed"], m.batched
+    assert m.batched["gate"]["mismatches"] == 0 and m.batched["gate"]["steps_checked"] > 0
+    batched = onnx.load(entry.folder / m.batched["file"], load_external_data=False).graph
+    ops = Counter(n.op_type for n in batched.node)
+    assert ops["GroupAttention"] == 2 and "GroupQueryAttention" not in ops and ops["Gather"] <= 1, ops
+    assert all(len(n.input) == 11 and n.input[9] == S.SEQLENS_K for n in batched.node if n.op_type == "GroupAttention")
     # only runtimes that build our operator are pointed at it: the `dejavuu` package's view lists fp32
     assert list(S.manifest_provenance(m)["variants"]) == ["fp32"]
     assert not S.portable("int4op-static") and S.portable("int4-static")
@@ -102,25 +108,85 @@ def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatc
     assert load(entry.folder, variant="fp32").variant == "fp32"  # a graph without it never asks for it
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_requests_on_the_operator_equal_each_alone(entry, temperature):
+    """Requests side by side in the operator's batched graph (every method, chains and trees,
+    different prompt lengths) get the tokens each gets alone."""
+    import threading
+
+    from dejavuu_build.runtime.settings import DecodeSettings
+    from dejavuu_build.serve.scheduler import Request, Result, Scheduler
+
+    model = load(entry.folder)
+    sched = Scheduler(model, max_batch=8)
+    try:
+        assert sched.batched, sched.why_sequential
+        jobs = []
+        for i, method in enumerate(METHODS):
+            prm = DecodeSettings(
+                max_new_tokens=20 + 3 * i, temperature=temperature, seed=3 + i, method=method, tree=i % 2 == 1
+            )
+            jobs.append((model.encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), prm))
+        out: list = [None] * len(jobs)
+        left, done = [len(jobs)], threading.Event()
+
+        def finish(i):
+            def on_done(r):
+                out[i] = r
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+            return on_done
+
+        for i, (ids, prm) in enumerate(jobs):
+            sched.submit(Request(ids, prm, lambda t: None, finish(i)))
+        assert done.wait(300)
+        for (ids, prm), r in zip(jobs, out):
+            assert isinstance(r, Result) and r.batched, r
+            alone = model.generate(
+                ids, method="baseline", max_new_tokens=prm.max_new_tokens, temperature=temperature, seed=prm.seed
+            )
+            assert r.tokens == alone.tokens, (prm.method, prm.tree)
+        assert sched.metrics.shared_forwards > 0  # requests really shared forwards
+    finally:
+        sched.close()
+
+
 def test_the_server_serves_the_operator_default_with_generates_answer(entry, tmp_path):
-    """One model, one answer where the default runs our attention operator: the server has no
-    batched form of it, serves it one request per forward, and a real HTTP client gets the tokens
-    `generate` gives."""
+    """One model, one answer where the default runs our attention operator: the server batches it
+    and concurrent clients of a real HTTP server get the tokens `generate` gives."""
     openai = pytest.importorskip("openai")
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     from dejavuu_build.serve.bench import start_server
+
+    def shared_forwards() -> float:
+        found = re.search(r"^dejavuu_shared_forwards(?:_total)?\s+(\S+)$", httpx.get(url + "/metrics").text, re.M)
+        assert found
+        return float(found.group(1))
 
     model = load(entry.folder)
     assert model.variant == entry.manifest.default_variant == "int4op-static"
     proc, url = start_server("tiny-int4op", "--method", "pld", log_path=str(tmp_path / "server.log"))
     try:
-        assert httpx.get(url + "/health").json()["batched"] is False
+        assert httpx.get(url + "/health").json()["batched"] is True
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        for text in PROMPTS:
-            ref = model.generate(text, max_new_tokens=12, method="baseline", temperature=0.0)
-            got = client.completions.create(model="tiny-int4op", prompt=text, max_tokens=12, temperature=0.0)
-            assert got.choices[0].text == ref.text, text
+        texts = [p * k for k in (1, 2) for p in PROMPTS]
+
+        def ask(text):
+            return client.completions.create(model="tiny-int4op", prompt=text, max_tokens=16, temperature=0.0)
+
+        before = shared_forwards()
+        with ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(ask, texts))
+        for text, g in zip(texts, got):
+            ref = model.generate(text, max_new_tokens=16, method="baseline", temperature=0.0)
+            assert g.choices[0].text == ref.text, text
+        assert shared_forwards() > before  # really side by side
     finally:
         proc.terminate()
         proc.wait(30)

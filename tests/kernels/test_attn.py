@@ -275,6 +275,109 @@ def test_rows_decoupled_from_slots_are_the_gathered_rows(isa):
     assert np.array_equal(gk, fk) and np.array_equal(gv, fv)
 
 
+def batched_model(d: int, cap: int, batch: int) -> bytes:
+    """The operator over a batch of requests (the serving graph's form: export.passes.serve_batch)."""
+    names = ["qkv", "past_k", "past_v", "cos", "sin", "pos", "bias", "slot_rows", "row_slots", "seqlens_k", "qlens"]
+    node = helper.make_node(
+        attn.OP, names, ["out", "present_k", "present_v"], domain=attn.DOMAIN, num_heads=H, kv_num_heads=KV, scale=0.125
+    )
+    cos, sin = tables(cap, d)
+    f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    graph = helper.make_graph(
+        [node],
+        "attn_batch",
+        [
+            helper.make_tensor_value_info("qkv", f, [1, None, (H + 2 * KV) * d]),
+            helper.make_tensor_value_info("past_k", f, [batch, KV, cap, d]),
+            helper.make_tensor_value_info("past_v", f, [batch, KV, cap, d]),
+            helper.make_tensor_value_info("pos", i64, [batch, None]),
+            helper.make_tensor_value_info("bias", f, [batch, 1, None, None]),
+            helper.make_tensor_value_info("slot_rows", i64, [batch, None]),
+            helper.make_tensor_value_info("row_slots", i64, [None]),
+            helper.make_tensor_value_info("seqlens_k", i32, [batch]),
+            helper.make_tensor_value_info("qlens", i32, [batch]),
+        ],
+        [
+            helper.make_tensor_value_info("out", f, None),
+            helper.make_tensor_value_info("present_k", f, [batch, KV, cap, d]),
+            helper.make_tensor_value_info("present_v", f, [batch, KV, cap, d]),
+        ],
+        initializer=[numpy_helper.from_array(cos, "cos"), numpy_helper.from_array(sin, "sin")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(attn.DOMAIN, attn.OPSET)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def test_a_batch_gives_each_request_the_bits_it_gets_alone():
+    """The serving graph's form: requests side by side (a lone token with its pad slot, an idle
+    entry, a chain, a tree with pad slots between its branches, at different pasts) get the bits
+    each gets alone, and each writes its own buffer only (the idle one none)."""
+    rng = np.random.default_rng(11)
+    d, cap = 64, 200
+    cos, sin = tables(cap, d)
+    # (past, rows, slot_rows, row_slots, pad slots) of each request alone; None: idle
+    reqs = [
+        (10, 1, [0, 0], [0], [1]),
+        None,
+        (77, 3, [0, 1, 2], [0, 1, 2], []),
+        (0, 4, [0, 1, 1, 2, 3, 0], [0, 1, 3, 4], [2, 5]),
+    ]
+    B, S = len(reqs), 6
+    kb = rng.standard_normal((B, KV, cap, d)).astype(np.float32)
+    vb = rng.standard_normal((B, KV, cap, d)).astype(np.float32)
+    T = max(r[0] + len(r[2]) for r in reqs if r)
+    bias = np.full((B, 1, S, T), np.float32(-3.4e38))
+    pos = np.zeros((B, S), np.int64)
+    slot_rows = np.zeros((B, S), np.int64)
+    seqlens, qlens = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    qkvs, row_slots, want, wk, wv = [], [], [], kb.copy(), vb.copy()
+    o = 0
+    for b, r in enumerate(reqs):
+        if r is None:
+            continue
+        past, rows, sr, rs, pads = r
+        w = len(sr)
+        qkv = rng.standard_normal((rows, (H + 2 * KV) * d)).astype(np.float32)
+        bb = causal(w, past)
+        for p in pads:  # nobody sees a pad slot's key
+            bb[:, past + p] = np.float32(-3.4e38)
+        p = past + np.arange(w)
+        alone = attn.attend(
+            qkv, wk[b], wv[b], cos, sin, p, bb, heads=H, kv_heads=KV, scale=0.125, slot_rows=sr, row_slots=rs
+        )
+        want.append(alone)
+        qkvs.append(qkv)
+        bias[b, 0, :w, : past + w] = bb
+        pos[b, :w] = p
+        slot_rows[b, :w] = o + np.asarray(sr)
+        row_slots += [b * S + s for s in rs]
+        seqlens[b], qlens[b] = past + w - 1, w
+        o += rows
+    s = session(batched_model(d, cap, B))
+    feeds = {
+        "qkv": np.concatenate(qkvs)[None],
+        "past_k": kb,
+        "past_v": vb,
+        "pos": pos,
+        "bias": bias,
+        "slot_rows": slot_rows,
+        "row_slots": np.array(row_slots),
+        "seqlens_k": seqlens,
+        "qlens": qlens,
+    }
+    out, pk, pv = s.run(None, feeds)
+    assert np.array_equal(bits(out[0]), bits(np.concatenate(want)))
+    assert np.array_equal(pk, wk) and np.array_equal(pv, wv)
+    assert np.array_equal(pk[1], kb[1]) and np.array_equal(pv[1], vb[1])  # the idle entry: untouched
+    for change, match in (
+        ({"qlens": np.array([2, 0, 3, 7], np.int32)}, "query_seqlens must be"),  # more slots than the bias has
+        ({"row_slots": np.array(row_slots[::-1])}, "grouped by request"),
+        ({"row_slots": np.array([*row_slots[:-1], 1 * S])}, "outside the written ones"),  # the idle entry's slot
+    ):
+        with pytest.raises(Exception, match=match):
+            s.run(None, {**feeds, **change})
+
+
 @pytest.mark.parametrize("isa", RUNNABLE)
 def test_swiglu_is_silu_times_up_the_same_bits_on_every_path(isa):
     rng = np.random.default_rng(9)

@@ -13,6 +13,11 @@ the cache and real rows never attend to them; ``query_seqlens = 0`` leaves an id
 Everything else (MatMulNBits, norms, the lm-head) works row by row, and rows are bit-identical
 for any row count >= 2, which is what keeps each request's tokens equal to decoding it alone
 (gated at build and checked per serving machine by serve.batch.check_exact, and by the tests).
+
+A graph on our attention operator (export.passes.own_operators: the int4op default) gets the same
+inputs, but the operator takes the batch itself (kernels/attn.cpp: per-request buffers, positions,
+bias block and lengths; slot_rows = pad_index, row_slots = unpad_index), so no gathers are added
+and q/k/v stay packed: _batch_own_attention.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ContractError
+from ...kernels import attn
 from ...schema import (
     ATTENTION_BIAS,
     GQA_POSITIONS,
@@ -54,11 +60,16 @@ def to_serve_batch(m, source: str = "the decoder"):
     q/k/v rows into the padded ``[B, S]`` layout it needs (``pad_index``), and its output is
     gathered back (``unpad_index``). The bias becomes ``[B, 1, S, W]``, one block per request."""
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     g = m.graph
     drop_logits_slice(g)  # every request's rows get logits
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    own = [n for n in g.node if n.op_type == attn.OP and n.domain == attn.DOMAIN]
+    if own and gqa:
+        raise ContractError(f"{source} mixes GroupQueryAttention and our attention operator: no batched form")
+    if own:
+        return _batch_own_attention(m, own, source)
     if not gqa:
         raise ContractError(
             f"{source} has no GroupQueryAttention: batched serving needs a static-KV variant (`--kv-layouts static`)"
@@ -69,32 +80,7 @@ def to_serve_batch(m, source: str = "the decoder"):
             f"which the batched serving graph does not carry over per request"
         )
     _strip_row_floor(g)
-    names = {i.name for i in g.input}
-    new_inputs = (SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX, GQA_POSITIONS)
-    if any(n in names for n in new_inputs):
-        raise ContractError(f"{source} already has batched inputs")
-    bias = next((i for i in g.input if i.name == ATTENTION_BIAS), None)
-    if bias is None:
-        raise ContractError(f"{source} has no {ATTENTION_BIAS} input")
-    for v in (
-        [bias]
-        + [i for i in g.input if i.name.startswith("past_")]
-        + [o for o in g.output if o.name.startswith("present")]
-    ):
-        d0 = v.type.tensor_type.shape.dim[0]
-        d0.ClearField("dim_value")
-        d0.dim_param = BATCH_DIM
-    del g.value_info[:]  # shapes inferred at batch 1 would contradict the new layout
-    g.input.extend(
-        [
-            helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [BATCH_DIM]),
-            helper.make_tensor_value_info(QUERY_SEQLENS, TensorProto.INT32, [BATCH_DIM]),
-            helper.make_tensor_value_info(PAD_INDEX, TensorProto.INT64, [BATCH_DIM, "S"]),
-            helper.make_tensor_value_info(UNPAD_INDEX, TensorProto.INT64, [1, "N"]),
-            helper.make_tensor_value_info(GQA_POSITIONS, TensorProto.INT64, [BATCH_DIM, "S"]),
-        ]
-    )
-    g.initializer.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "batched.axis0"))
+    _batched_inputs(g, source)
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
     row_shapes: dict[int, str] = {}
     # The static graph's own row/slot gathers (export.passes.static_kv) do for one request what
@@ -152,9 +138,79 @@ def to_serve_batch(m, source: str = "the decoder"):
     del g.node[:]
     g.node.extend(body)
     _prune(g)
+    _drop_unused_inputs(g)  # e.g. position_ids, now read by GQA only
+    return m
+
+
+def _batched_inputs(g, source: str) -> None:
+    """The batch's inputs (the same for both attention forms: one driver, layouts.static.StaticBatch,
+    feeds them) and a batch dimension on the bias, the pasts and the presents."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    names = {i.name for i in g.input}
+    new_inputs = (SEQLENS_K, QUERY_SEQLENS, PAD_INDEX, UNPAD_INDEX, GQA_POSITIONS)
+    if any(n in names for n in new_inputs):
+        raise ContractError(f"{source} already has batched inputs")
+    bias = next((i for i in g.input if i.name == ATTENTION_BIAS), None)
+    if bias is None:
+        raise ContractError(f"{source} has no {ATTENTION_BIAS} input")
+    for v in (
+        [bias]
+        + [i for i in g.input if i.name.startswith("past_")]
+        + [o for o in g.output if o.name.startswith("present")]
+    ):
+        d0 = v.type.tensor_type.shape.dim[0]
+        d0.ClearField("dim_value")
+        d0.dim_param = BATCH_DIM
+    del g.value_info[:]  # shapes inferred at batch 1 would contradict the new layout
+    g.input.extend(
+        [
+            helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [BATCH_DIM]),
+            helper.make_tensor_value_info(QUERY_SEQLENS, TensorProto.INT32, [BATCH_DIM]),
+            helper.make_tensor_value_info(PAD_INDEX, TensorProto.INT64, [BATCH_DIM, "S"]),
+            helper.make_tensor_value_info(UNPAD_INDEX, TensorProto.INT64, [1, "N"]),
+            helper.make_tensor_value_info(GQA_POSITIONS, TensorProto.INT64, [BATCH_DIM, "S"]),
+        ]
+    )
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "batched.axis0"))
+
+
+def _drop_unused_inputs(g) -> None:
     used = {i for nd in g.node for i in nd.input}
-    for v in [i for i in g.input if i.name not in used]:  # e.g. position_ids, now read by GQA only
+    for v in [i for i in g.input if i.name not in used]:
         g.input.remove(v)
+
+
+# dejavuu.attn.GroupAttention's inputs, by position (kernels/attn.cpp)
+OWN_POSITIONS, OWN_BIAS, OWN_SLOT_ROWS, OWN_ROW_SLOTS = 5, 6, 7, 8
+
+
+def _batch_own_attention(m, nodes: list, source: str):
+    """The batched flavour of a graph on our attention operator: the operator takes the batch
+    itself (kernels/attn.cpp: seqlens_k and query_seqlens per request, buffers, positions and bias
+    per request, slot_rows = pad_index, row_slots = unpad_index), so q/k/v stay packed ``[1, T]``
+    and its output is already in row order: no gathers around it. A request's rows get the bits
+    they get alone (the operator computes every row alone, in one order)."""
+    from onnx import helper
+
+    g = m.graph
+    _batched_inputs(g, source)
+    rows = "batched/unpad_rows"  # unpad_index [1, T] as the operator's row_slots [T]
+    g.node.insert(0, helper.make_node("Squeeze", [UNPAD_INDEX, "batched.axis0"], [rows], name=rows))
+    for n in nodes:
+        ins = list(n.input)
+        if len(ins) != OWN_ROW_SLOTS + 1 or ins[OWN_SLOT_ROWS] != SLOT_ROWS or ins[OWN_ROW_SLOTS] != ROW_SLOTS:
+            raise ContractError(
+                f"{n.name} does not read its slots' rows itself (slot_rows, row_slots): no batched form"
+            )
+        if ins[OWN_BIAS] != ATTENTION_BIAS:
+            raise ContractError(f"{n.name} takes a bias other than the {ATTENTION_BIAS} input")
+        ins[OWN_POSITIONS], ins[OWN_SLOT_ROWS], ins[OWN_ROW_SLOTS] = GQA_POSITIONS, PAD_INDEX, rows
+        del n.input[:]
+        n.input.extend([*ins, SEQLENS_K, QUERY_SEQLENS])
+    _prune(g)
+    _drop_unused_inputs(g)  # position_ids, slot_rows, row_slots
     return m
 
 
