@@ -323,6 +323,15 @@ inline void prefetch(const Job& j, const uint8_t* p, int64_t tb) {
   }
 }
 
+// Group g's 64 bytes (16 columns x 4) as the low and high nibbles of each 8-column half.
+inline void nibbles(const uint8_t* p, __m256i lo4, __m256i& lo0, __m256i& hi0, __m256i& lo1, __m256i& hi1) {
+  const __m256i raw0 = _mm256_loadu_si256((const __m256i*)p), raw1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+  lo0 = _mm256_and_si256(raw0, lo4);
+  hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
+  lo1 = _mm256_and_si256(raw1, lo4);
+  hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+}
+
 // One or two rows: both 8-column halves of the tile in one pass over its bytes (each row's
 // activations broadcast once for 16 columns), rows innermost over one group of 4 k at a time: the
 // int16 sums of a block stay in registers.
@@ -346,10 +355,8 @@ void tile_pass(const Job& j, int64_t t, int64_t r0) {
     __m256i s16[M][2], s16h[BITS == 8 ? M : 1][2];  // [row][half]; 8 bits: low and high nibbles
     if constexpr (BITS == 4) {  // group g: low nibbles k = 4g+e, high ones k = 16+4g+e
       for (int g = 0; g < 4; g++) {
-        __m256i raw0 = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-        __m256i raw1 = _mm256_loadu_si256((const __m256i*)(p + 64 * g + 32));
-        __m256i lo0 = _mm256_and_si256(raw0, lo4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
-        __m256i lo1 = _mm256_and_si256(raw1, lo4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+        __m256i lo0, hi0, lo1, hi1;
+        nibbles(p + 64 * g, lo4, lo0, hi0, lo1, hi1);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++) {
           const int8_t* a = qa + r * j.K + 4 * g;
@@ -362,10 +369,8 @@ void tile_pass(const Job& j, int64_t t, int64_t r0) {
       }
     } else {  // group g: both nibbles of k = 4g+e, dot = dot(low) + 16 * dot(high)
       for (int g = 0; g < 8; g++) {
-        __m256i raw0 = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-        __m256i raw1 = _mm256_loadu_si256((const __m256i*)(p + 64 * g + 32));
-        __m256i lo0 = _mm256_and_si256(raw0, lo4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
-        __m256i lo1 = _mm256_and_si256(raw1, lo4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+        __m256i lo0, hi0, lo1, hi1;
+        nibbles(p + 64 * g, lo4, lo0, hi0, lo1, hi1);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++) {
           const __m256i av = _mm256_set1_epi32(load_i32(qa + r * j.K + 4 * g));

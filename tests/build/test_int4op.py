@@ -112,10 +112,10 @@ def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatc
 def test_batched_requests_on_the_operator_equal_each_alone(entry, temperature):
     """Requests side by side in the operator's batched graph (every method, chains and trees,
     different prompt lengths) get the tokens each gets alone."""
-    import threading
+    from scheduling import run_all
 
     from dejavuu_build.runtime.settings import DecodeSettings
-    from dejavuu_build.serve.scheduler import Request, Result, Scheduler
+    from dejavuu_build.serve.scheduler import Result, Scheduler
 
     model = load(entry.folder)
     sched = Scheduler(model, max_batch=8)
@@ -127,21 +127,7 @@ def test_batched_requests_on_the_operator_equal_each_alone(entry, temperature):
                 max_new_tokens=20 + 3 * i, temperature=temperature, seed=3 + i, method=method, tree=i % 2 == 1
             )
             jobs.append((model.encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), prm))
-        out: list = [None] * len(jobs)
-        left, done = [len(jobs)], threading.Event()
-
-        def finish(i):
-            def on_done(r):
-                out[i] = r
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
-            return on_done
-
-        for i, (ids, prm) in enumerate(jobs):
-            sched.submit(Request(ids, prm, lambda t: None, finish(i)))
-        assert done.wait(300)
+        out = run_all(sched, jobs, timeout=300)
         for (ids, prm), r in zip(jobs, out):
             assert isinstance(r, Result) and r.batched, r
             alone = model.generate(

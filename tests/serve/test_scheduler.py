@@ -8,6 +8,7 @@ import threading
 
 import onnx
 import pytest
+from scheduling import run_all
 
 from dejavuu_build import schema as S
 from dejavuu_build.runtime import load
@@ -33,28 +34,6 @@ def model(tiny_llama):
     m = load(tiny_llama)
     assert m.variant == S.read_manifest(tiny_llama).default_variant == "int4-static"
     return m
-
-
-def run_all(sched, jobs):
-    """Submit every (ids, DecodeSettings) at once; wait for all; return the results in order."""
-    out, done = [None] * len(jobs), threading.Event()
-    left = [len(jobs)]
-    lock = threading.Lock()
-
-    def finish(i):
-        def on_done(r):
-            out[i] = r
-            with lock:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
-        return on_done
-
-    for i, (ids, prm) in enumerate(jobs):
-        sched.submit(Request(ids, prm, lambda t: None, finish(i)))
-    assert done.wait(120)
-    return out
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
