@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..schema import INT4, INT8
+from ..precisions import INT4, INT4OP, INT8
 
 # The tensors written in Q4_1 (a Llama layer's seven projections): what our quantizer carries
 # exactly, block for block, into MatMulNBits (q4 + block-sum offset), as for SmolLM2's file.
@@ -324,6 +324,9 @@ def cost_probe_main(argv: list[str]) -> int:
     return 0
 
 
+# int4op: the GGUF's blocks in our own operators (the default where they build: docs/quantization.md)
+SPEED_PRECISIONS = (INT4, INT8, INT4OP)
+
 SPEED_ONLY = (
     "speed-only build of a random-weight model (bench.synthetic.speed_build): no torch references, no "
     "gates, no quality; its quantized files are what a full build would write, timed, never answered from"
@@ -335,8 +338,8 @@ def speed_build(
 ) -> Path:
     """Build ``model`` (a random-weight GGUF of :func:`write_llama_gguf`) into the cache as ``name``
     with only what a speed row times: the fp32 export (what the quantizer reads, deleted after it),
-    ``precision`` (int4, or int8: what a full build picks on CPUs where its step is faster,
-    docs/speed.md) and its static in-place flavour (the default), row-guarded as a full build would
+    ``precision`` (int4; int8, what a full build picks on CPUs where its step is faster,
+    docs/speed.md; or int4op, the file's blocks in our own operators, the default where they build) and its static in-place flavour (the default), row-guarded as a full build would
     write them, and the default's exactness calibration. A full build also computes torch references and holds
     the fp32 graph's and every variant's sessions for its gates: for a ~1B model that peaked at
     18.4 GB (docs/sizes.md, Memory), and on random weights the gates measure nothing (no answers to
@@ -358,8 +361,8 @@ def speed_build(
     from ..runtime.session import make_session
     from ..schema import read_contract
 
-    if precision not in (INT4, INT8):
-        raise ExportError(f"a speed-only build quantizes to int4 or int8, not {precision!r}")
+    if precision not in SPEED_PRECISIONS:
+        raise ExportError(f"a speed-only build quantizes to {', '.join(SPEED_PRECISIONS)}, not {precision!r}")
     cfg = TreeDecoderConfig(
         model=str(model),
         name=name,
@@ -423,7 +426,7 @@ def speed_build_main(argv: list[str]) -> int:
     ap.add_argument("--name", required=True, help="the cache name")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-context", type=int, default=None)
-    ap.add_argument("--precision", choices=(INT4, INT8), default=INT4, help=f"the quantized variant [{INT4}]")
+    ap.add_argument("--precision", choices=SPEED_PRECISIONS, default=INT4, help=f"the quantized variant [{INT4}]")
     a = ap.parse_args(argv)
     setup_logging()
     print(speed_build(a.model, a.name, threads=a.threads, max_context=a.max_context, precision=a.precision))

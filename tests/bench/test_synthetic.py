@@ -156,8 +156,10 @@ def test_speed_build_writes_only_what_a_speed_row_times(tmp_path, template, cach
     from dejavuu_build import schema as S
     from dejavuu_build.bench.synthetic import SPEED_ONLY, speed_build
     from dejavuu_build.errors import CacheError, ExportError
+    from dejavuu_build.kernels import attn, q41
     from dejavuu_build.runtime import load
     from dejavuu_build.runtime.model import read_checked_manifest
+    from dejavuu_build.runtime.session import graph_domains
 
     gguf_path = tmp_path / "s.gguf"
     write_llama_gguf(gguf_path, LlamaShapes(hidden=64, layers=1, heads=4, kv_heads=2, ffn=96, context=128), template)
@@ -181,8 +183,19 @@ def test_speed_build_writes_only_what_a_speed_row_times(tmp_path, template, cach
     assert m8.variants["int8-static"].calibration["key"] and m8.variants["int8-static"].row_guard
     model8 = load("synth-speed8", threads=1)
     assert model8.variant == "int8-static" and len(model8.generate("hello", max_new_tokens=4).tokens) >= 1
-    with pytest.raises(ExportError, match="int4 or int8"):
+    with pytest.raises(ExportError, match="int4, int8, int4op"):
         speed_build(gguf_path, "synth-speed2", threads=1, precision="fp16")
+    # int4op (the file's blocks in our own operators): heads of 64, so the attention is ours too
+    gguf_op = tmp_path / "op.gguf"
+    write_llama_gguf(gguf_op, LlamaShapes(hidden=128, layers=1, heads=2, kv_heads=1, ffn=96, context=128), template)
+    folder_op = speed_build(gguf_op, "synth-speed-op", threads=1, precision="int4op")
+    mo = read_checked_manifest(folder_op)
+    assert set(mo.variants) == {"int4op", "int4op-static"} and mo.default_variant == "int4op-static"
+    assert {q41.DOMAIN, attn.DOMAIN} <= graph_domains(folder_op / mo.variants["int4op-static"].file)
+    model_op = load("synth-speed-op", threads=1)
+    assert model_op.variant == "int4op-static"
+    plain = model_op.generate("hello", max_new_tokens=6).tokens
+    assert len(plain) >= 1 and model_op.generate("hello", max_new_tokens=6, method="pld").tokens == plain
     # a full build of a name is never replaced by a speed-only one
     full = cache_dir / "synth-full"
     full.mkdir()
