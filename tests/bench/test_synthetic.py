@@ -72,6 +72,12 @@ def test_bad_shapes_and_cli(tmp_path, template, capsys):
     assert main(["--out", str(tmp_path / "c.gguf"), "--template", str(template), *args]) == 0
     assert '"parameters"' in capsys.readouterr().out
     assert gguf.GGUFReader(str(tmp_path / "c.gguf")).fields["llama.block_count"].contents() == 1
+    # a bad shape or no template: one line and exit 2, no traceback
+    bad = ["--hidden", "64", "--heads", "3", "--kv-heads", "1"]
+    assert main(["--out", str(tmp_path / "d.gguf"), "--template", str(template), *bad]) == 2
+    assert capsys.readouterr().err.strip() == "error: hidden 64 / heads 3 / kv heads 1 do not divide"
+    assert main(["--out", str(tmp_path / "d.gguf"), "--template", str(tmp_path / "none.gguf"), *args]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_size_row_projects_from_row_costs():
