@@ -159,3 +159,23 @@ def test_a_registered_layout_drives_the_decoder_the_gates_and_the_server(monkeyp
     monkeypatch.setitem(LAYOUTS, "fake", Layout("fake", rank=len(LAYOUTS), in_place=False, driver=_Driver))
     with pytest.raises(BatchUnavailable, match="no batched serving for the fake KV layout"):
         batch_decoder(dec, Path("batched.onnx"), 2, 1)
+
+
+def test_kv_buffers_are_touched_page_by_page():
+    """The in-place KV buffers (layouts.base.kv_zeros) are zeros, writable, and cost memory only
+    where a context writes: a first token in every layer's kv head of a capacity-8192 buffer
+    (SmolLM2-135M's shape) adds 4 KiB pages, not a 2 MiB transparent huge page each."""
+    from dejavuu_build.layouts.base import kv_zeros
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    small = kv_zeros((2, 3), np.float32)
+    assert small.dtype == np.float32 and not small.any()
+    buf = kv_zeros((60, 1, 3, 8192, 64), np.float32)  # 377 MB
+    assert buf.shape == (60, 1, 3, 8192, 64) and buf.flags.writeable
+    before = resident()
+    buf[:, 0, :, 0] = 1.0  # one position of each of the 180 (layer, kv head) regions
+    grew = resident() - before
+    assert grew < 32 << 20, f"{grew >> 20} MiB resident for 180 touched positions"
+    assert buf[:, 0, :, 0].all() and not buf[:, 0, :, 1:].any()

@@ -33,6 +33,7 @@ from .base import (
     bind_kv,
     check_room,
     kv_dtype,
+    kv_zeros,
 )
 from .static import StaticKV
 
@@ -78,7 +79,7 @@ class GrowingKV(StaticKV):
     def __init__(self, driver: Any, binding: Any, *, tile: int, capacity: int, mem: np.ndarray | None = None):
         c = driver.c
         if mem is None:
-            mem = np.zeros((len(driver.kv_in), c.num_kv_heads * capacity * c.head_dim), dtype=kv_dtype(c))
+            mem = kv_zeros((len(driver.kv_in), c.num_kv_heads * capacity * c.head_dim), kv_dtype(c))
         self.mem = mem
         self.dec = driver
         super().__init__(driver, self._view(0), binding)
@@ -310,9 +311,9 @@ class RowwiseBatch(BatchDriver[Owner]):
         self.tile = TILE
         self.dtype = kv_dtype(c)
         self.heads, self.head_dim = c.num_kv_heads, c.head_dim
-        # room for the capacity plus a tile of pad rows per slot; np.zeros maps pages lazily
+        # room for the capacity plus a tile of pad rows per slot; pages touched lazily (base.kv_zeros)
         self.room = round_up(self.capacity, self.tile) + self.tile
-        self.mem = np.zeros((len(self.kv_in), max_batch * self.heads * self.room * self.head_dim), self.dtype)
+        self.mem = kv_zeros((len(self.kv_in), max_batch * self.heads * self.room * self.head_dim), self.dtype)
         self.size = 0  # L, the bound buffer's positions (a multiple of the tile)
         self.buf = self._view(0)
 
@@ -333,7 +334,7 @@ class RowwiseBatch(BatchDriver[Owner]):
         old, mem = self.buf, self.mem
         if size > self.room:  # more pad rows than a tile past the capacity: room for them
             self.room = round_up(size, self.tile) + self.tile
-            mem = np.zeros((len(self.mem), self.max_batch * self.heads * self.room * self.head_dim), self.dtype)
+            mem = kv_zeros((len(self.mem), self.max_batch * self.heads * self.room * self.head_dim), self.dtype)
         new = self._view(size, mem)
         blocks = [(b, h) for b in range(self.active) for h in range(self.heads)]
         for b, h in reversed(blocks) if size > self.size else blocks:

@@ -23,7 +23,19 @@ import numpy as np
 from .. import schema as S
 from ..errors import GenerationError
 from ..runtime.tree import NEG, step_inputs
-from .base import BatchDriver, Host, Layout, Out, Owner, PaddedDriver, Rows, bind_kv, check_room, kv_dtype
+from .base import (
+    BatchDriver,
+    Host,
+    Layout,
+    Out,
+    Owner,
+    PaddedDriver,
+    Rows,
+    bind_kv,
+    check_room,
+    kv_dtype,
+    kv_zeros,
+)
 
 
 class StaticKV:
@@ -86,9 +98,9 @@ class StaticDriver(PaddedDriver):
         if self.free:
             buf, binding = self.free.pop()
         else:
-            # np.zeros maps pages lazily: a long capacity costs memory only as the context grows.
+            # pages touched lazily (base.kv_zeros): a long capacity costs memory only as the context grows
             c = self.c
-            buf = np.zeros((len(self.kv_in), 1, c.num_kv_heads, c.kv_capacity, c.head_dim), dtype=kv_dtype(c))
+            buf = kv_zeros((len(self.kv_in), 1, c.num_kv_heads, c.kv_capacity, c.head_dim), kv_dtype(c))
             binding = self.dec.s.io_binding()
             bind_kv(binding, self.kv_in, self.kv_out, buf)
         return StaticKV(self, buf, binding)
@@ -138,8 +150,8 @@ class StaticBatch(BatchDriver[Owner]):
     def __init__(self, decoder: Host, path: Path, max_batch: int, threads: int):
         super().__init__(decoder, path, max_batch, threads)
         c = self.c
-        # np.zeros maps pages lazily: memory grows with the contexts actually held.
-        self.buf = np.zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), dtype=kv_dtype(c))
+        # pages touched lazily (base.kv_zeros): memory grows with the contexts actually held
+        self.buf = kv_zeros((len(self.kv_in), max_batch, c.num_kv_heads, self.capacity, c.head_dim), kv_dtype(c))
 
     def forward(self, lo: int, rows: Sequence[Rows | None]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         fed: list[Rows | None] = []
