@@ -342,8 +342,9 @@ def speed_build(
     """Build ``model`` (a random-weight GGUF of :func:`write_llama_gguf`) into the cache as ``name``
     with only what a speed row times: the fp32 export (what the quantizer reads, deleted after it),
     ``precision`` (int4; int8, what a full build picks on CPUs where its step is faster,
-    docs/speed.md; or int4op, the file's blocks in our own operators, the default where they build) and its static in-place flavour (the default), row-guarded as a full build would
-    write them, and the default's exactness calibration. A full build also computes torch references and holds
+    docs/speed.md; or int4op, the file's blocks in our own operators, the default where they
+    build) and its static in-place flavour (the default), row-guarded as a full build would write
+    them, and the default's exactness calibration. A full build also computes torch references and holds
     the fp32 graph's and every variant's sessions for its gates: for a ~1B model that peaked at
     18.4 GB (docs/sizes.md, Memory), and on random weights the gates measure nothing (no answers to
     keep: int4 agrees with fp32 on noise-level near-ties, so the build would fall back to fp32 or

@@ -423,13 +423,15 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
   qrot.resize((size_t)(R * H * D));
   qslot.resize((size_t)R);
   jobs.clear();
+  int64_t request = -1;  // the request of the last Job
   for (int64_t r = 0; r < R; r++) {
     const int64_t f = row_slots ? row_slots[r] : r, b = f / S;
     qslot[(size_t)r] = f % S;
     const float* row = x + (slot_rows ? slot_rows[f] : f) * W;
     for (int64_t h = 0; h < H; h++)
       rotate(row + h * D, cs + pos[f] * half, sn + pos[f] * half, D, qrot.data() + (r * H + h) * D);
-    if (jobs.empty() || (int64_t)(jobs.back().kbuf - kb) != b * KV * CAP * D) {  // request b's first row
+    if (b != request) {  // request b's first row
+      request = b;
       const int64_t kv0 = b * KV * CAP * D;
       jobs.push_back(Job{qrot.data() + r * H * D, qslot.data() + r, kb + kv0, vb + kv0, bias + b * S * T,
                          out + r * H * D, S, H, KV, D, CAP, T, scale, 0, nullptr, 0, 0, 0, 0});
@@ -452,8 +454,8 @@ void run_batch(void* data, size_t item) {
   bt.run(&(*bt.jobs)[k], item - bt.first[k]);
 }
 
-// Runs every Job: one thread (ctx null) or onnxruntime's pool. Returns false when a work item ran
-// out of memory.
+// Runs every Job through ``parallel_for(run_batch, items, data)``: onnxruntime's pool, or a loop on
+// this thread (the ctypes entry). Returns false when a work item ran out of memory.
 template <typename ParallelFor>
 bool run_jobs(std::vector<Job>& jobs, RunItem run, ParallelFor&& parallel_for) {
   std::atomic<bool> failed{false};
