@@ -23,7 +23,7 @@ from .default import choose_default, keeps_answers
 from .digest import file_sha256
 from .export_step import export_fp32
 from .prefill_graph import write_prefill_graphs
-from .row_guard import guard_variant
+from .row_guard import drop_unguarded, guard_variant
 from .serve_graph import write_serve_batch
 from .summary import failed_gates, log_summary, quality_line
 from .timing import time_candidates
@@ -233,6 +233,7 @@ def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> N
 
 
 def _finish(folder: Path, manifest: Manifest, steps: list[tuple[str, float]] | None = None) -> None:
+    drop_unguarded(folder)  # the fp32 export's unguarded bytes, kept for the build's quantize calls
     if steps is not None:
         manifest.steps = [[name, sec] for name, sec in steps]
     for rec in manifest.variants.values():

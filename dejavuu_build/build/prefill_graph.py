@@ -76,7 +76,7 @@ def write_prefill_graphs(g: Gating) -> None:
                 for v in todo
             }
             qs = scoring_set(folder, fp32, g.ref, min(c.position_limit for _, c in g.sessions.values()))
-            for v, gate in gate_quality(fp32, runners, qs, P.quality_floors()).items():
+            for v, gate in gate_quality(fp32, runners, qs, P.quality_floors(), g.fp32_logits).items():
                 written[v]["gate"] = {**gate, "machine": g.machine}
                 own = manifest.variants[v].gates.get("quality", {})
                 logger.info(

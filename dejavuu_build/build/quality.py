@@ -109,16 +109,49 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def gate_quality(fp32: Runner, runners: dict[str, Runner], qs: QualitySet, floors: dict[str, float]) -> dict[str, dict]:
+# fp32's scored logits are kept between gate_quality calls (FP32Logits) up to this many bytes
+FP32_LOGITS_BYTES = 1 << 30
+
+
+class FP32Logits:
+    """fp32's logits at the scored positions of a quality set, kept across the build's quality
+    passes (the int4 tier's, each kept trial's, the prefill graphs'): each pass ran fp32 over the
+    whole set again (SmolLM2: ~5.5 s of prefills and ~1.5 s of softmax per pass). The same float32
+    logits either way, so every gate's figures are unchanged; a set larger than FP32_LOGITS_BYTES
+    (a 262k vocabulary) is recomputed per pass instead of held."""
+
+    def __init__(self) -> None:
+        self._set: str | None = None
+        self._rows: list[np.ndarray] = []
+
+    def get(self, fp32: Runner, qs: QualitySet, i: int, seq: np.ndarray, sl: slice) -> np.ndarray:
+        if self._set != qs.digest():
+            self._set, self._rows = qs.digest(), []
+        if i < len(self._rows):
+            return self._rows[i]
+        logits = np.ascontiguousarray(fp32.prefill(seq)[0][sl])
+        if i == len(self._rows) and qs.positions * logits.shape[-1] * logits.itemsize <= FP32_LOGITS_BYTES:
+            self._rows.append(logits)
+        return logits
+
+
+def gate_quality(
+    fp32: Runner,
+    runners: dict[str, Runner],
+    qs: QualitySet,
+    floors: dict[str, float],
+    fp32_logits: FP32Logits | None = None,
+) -> dict[str, dict]:
     """Teacher-forced over the quality set: each variant's top-1 agreement with the fp32 export and
     the mean KL(fp32 || variant) of the next-token distributions, at every continuation position.
-    Text by text, so fp32's logits are computed once and never all held."""
+    Text by text; ``fp32_logits`` keeps fp32's logits for the next call (FP32Logits), else they
+    are computed here and never all held."""
     agree = dict.fromkeys(runners, 0)
     kl = dict.fromkeys(runners, 0.0)
-    for p, c in zip(qs.prompts, qs.continuations):
+    for i, (p, c) in enumerate(zip(qs.prompts, qs.continuations)):
         seq = np.concatenate([p, c[:-1]])
         sl = slice(len(p) - 1, len(seq))
-        ref = _log_softmax(fp32.prefill(seq)[0][sl])
+        ref = _log_softmax(fp32_logits.get(fp32, qs, i, seq, sl) if fp32_logits else fp32.prefill(seq)[0][sl])
         top = ref.argmax(-1)
         pref = np.exp(ref)
         for name, r in runners.items():

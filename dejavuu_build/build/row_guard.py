@@ -35,6 +35,8 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
     if rec.row_guard:  # carried from an earlier build (quant-only): measured and guarded there
         return
     path = folder / variant_file(v)
+    if v == S.FP32:
+        keep_unguarded(path)
     with step(f"row invariance of {v}, per op, on this CPU"):
         proto = load_unpacked(path)
         floored = layout == S.KV_CONCAT and needs_key_floor(contract.head_dim)
@@ -84,16 +86,44 @@ def guard_variant(folder: Path, manifest: Manifest, v: str, contract, threads: i
     )
 
 
+PRE_GUARD_PREFIX = ".pre-guard-"  # the fp32 export's bytes before its guard, for the build's later quantize calls
+
+
+def keep_unguarded(path: Path) -> None:
+    """Before the fp32 export is guarded (written anew and renamed over: guard_variant), keep its
+    unguarded bytes under a second name (a hard link, no copy), so the auto build's later tiers
+    quantize from it instead of loading, stripping and writing the whole export again (SmolLM2:
+    ~4.5 s for each of int4op and int8); drop_unguarded removes it before the entry is recorded.
+    Not for an export with external data, nor where the file system has no hard links."""
+    kept = path.with_name(PRE_GUARD_PREFIX + path.name)
+    kept.unlink(missing_ok=True)
+    if path.is_file() and not path.with_name(path.name + ".data").exists():
+        try:
+            os.link(path, kept)
+        except OSError:
+            pass
+
+
+def drop_unguarded(folder: Path) -> None:
+    for f in Path(folder).glob(PRE_GUARD_PREFIX + "*"):
+        f.unlink(missing_ok=True)
+
+
 @contextmanager
 def unguarded(path: Path, needed: bool):
     """``path`` as the quantizer must read it: without a row guard (guard_rows is applied last, per
-    variant, after measuring it: guard_variant). A guarded fp32 export (a quant-only of a guarded build) is written
+    variant, after measuring it: guard_variant). The build's own unguarded bytes where it kept them
+    (keep_unguarded); else a guarded fp32 export (a quant-only of a guarded build) is written
     unguarded to a temporary file beside it, removed afterwards."""
     import onnx
 
     from ..export.exporter import save_model
     from ..export.passes.row_guard import strip_row_guard
 
+    kept = path.with_name(PRE_GUARD_PREFIX + path.name)
+    if needed and kept.is_file():
+        yield kept
+        return
     proto = onnx.load(str(path), load_external_data=False) if needed else None
     if proto is None or not any("row_guard/" in n.name for n in proto.graph.node):
         yield path

@@ -15,6 +15,7 @@ derives it again from the fp32 export when asked."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,13 +26,13 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import candidates, clearly_faster, preference, ratio_record
+from .default import MIN_ROUNDS, candidates, clearly_faster, decided, preference, ratio_record
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
 from .variants import Quantized, layout_variant, operators_missing, quantize
 
-TRIAL_ROUNDS = 5  # interleaved rounds (each times 1 and 8 rows at pasts 256 and 1024)
+TRIAL_ROUNDS = 5  # interleaved rounds at most (each times 1 and 8 rows at pasts 256 and 1024; default.decided)
 
 
 def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]:
@@ -68,7 +69,10 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
             )
             # the preferred candidate's session, or the kept trial's (validate opened it)
             timed = time_interleaved(
-                {against: g.sessions[against], name: own}, rounds=TRIAL_ROUNDS, min_rounds=TRIAL_ROUNDS
+                {against: g.sessions[against], name: own},
+                rounds=TRIAL_ROUNDS,
+                min_rounds=MIN_ROUNDS,
+                settled=partial(_decided, name, against),
             )
         mine, theirs = timed[name]["round_costs_ms"], timed[against]["round_costs_ms"]
         rec["round_costs_ms"] = {against: theirs, name: mine}
@@ -99,6 +103,10 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         else:
             _drop(g, done, name)
     return trials
+
+
+def _decided(mine: str, theirs: str, per_round: dict[str, list[float]]) -> bool:
+    return decided(per_round[mine], per_round[theirs])
 
 
 def _drop(g: Gating, done: Quantized, *variants: str, quantized: bool = False) -> None:

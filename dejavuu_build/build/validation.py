@@ -32,6 +32,7 @@ class Gating:
     machine: dict
     embed: Any = None
     sessions: dict[str, tuple[Any, Contract]] = field(default_factory=dict)  # variant -> (session, its contract)
+    fp32_logits: Any = None  # quality.FP32Logits: fp32's scored logits, shared by the quality passes
 
 
 def open_gating(folder: Path, manifest: Manifest, threads: int) -> Gating:
@@ -46,7 +47,9 @@ def open_gating(folder: Path, manifest: Manifest, threads: int) -> Gating:
         from ..runtime.vision import load_embedder
 
         embed = load_embedder(folder, threads)
-    return Gating(folder, manifest, threads, contract, ref, mach, embed)
+    from .quality import FP32Logits
+
+    return Gating(folder, manifest, threads, contract, ref, mach, embed, fp32_logits=FP32Logits())
 
 
 def keep_same_bytes(g: Gating, v: str, old: VariantRecord | None) -> None:
@@ -122,7 +125,7 @@ def quality(g: Gating, variants: list[str]) -> None:
     with step(f"quality of {', '.join(variants)}: teacher-forced top-1 and KL against fp32 over the quality set"):
         limit = min(c.position_limit for _, c in g.sessions.values())
         qs = scoring_set(g.folder, fp32, g.ref, limit)
-        for v, gate in gate_quality(fp32, runners, qs, P.quality_floors()).items():
+        for v, gate in gate_quality(fp32, runners, qs, P.quality_floors(), g.fp32_logits).items():
             rec = g.manifest.variants[v]
             rec.gates["quality"] = gate
             rec.passed = rec.passed and gate["passed"]

@@ -18,6 +18,7 @@ Others (Q2_K, Q3_K, IQ*) have no such form here and are re-quantized.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,15 @@ def _row_keys(w: np.ndarray) -> list[bytes]:
 class GGUFBlocks:
     """Find the GGUF blocks of an fp32 weight [N, K] (rows = output features)."""
 
+    @classmethod
+    def open(cls, path: str | Path) -> "GGUFBlocks":
+        """The finder of ``path``, shared by every quantize call of a build while the file is
+        unchanged (same size and mtime): the auto build quantizes three precisions from one GGUF,
+        and each parse of it (SmolLM2: 49k tokenizer strings as reader fields) and row index cost
+        ~2-3 s again."""
+        st = Path(path).stat()
+        return _open_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
     def __init__(self, path: str | Path):
         from gguf import GGUFReader
 
@@ -175,3 +185,8 @@ class GGUFBlocks:
             blocks = decode(t.tensor_type.name, np.asarray(t.data).reshape(n, -1), n, k)
             return t.name, blocks.rows(np.asarray(perm))
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFBlocks:
+    return GGUFBlocks(path)

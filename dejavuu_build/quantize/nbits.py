@@ -516,7 +516,7 @@ def quantize_model(
     if gguf is not None:
         from .gguf_blocks import GGUFBlocks
 
-        blocks = GGUFBlocks(gguf)
+        blocks = GGUFBlocks.open(gguf)
     streamed = StreamedModel(src)
     model = streamed.model
     g = model.graph

@@ -33,7 +33,7 @@ def test_auto_writes_fp32_and_the_int4_flavours(auto_build):
     assert sorted(m.variants, key=S.variant_order) == INT4
     assert m.build_config["variants"] == []
     files = {p.name for p in auto_build.folder.iterdir()}
-    assert not any(f.startswith(("decoder_int8", "decoder_fp32-")) for f in files), files
+    assert not any(f.startswith(("decoder_int8", "decoder_fp32-", ".pre-guard-")) for f in files), files
     assert all(m.variants[v].passed for v in INT4) and m.default_variant in INT4[1:]
     names = [n for n, _ in m.steps]  # where the time went, in order
     assert names[0].startswith("load ") and names[1].startswith("export fp32")
@@ -91,3 +91,28 @@ def test_auto_adds_int4op_then_int8_when_int4_loses_the_answers(cache_dir, monke
     assert "int4 or int4op does not keep the model's answers here" in caplog.text
     assert all("quality" in m.variants[v].gates for v in m.variants if v != "fp32")
     assert m.default_variant is not None and m.variants[m.default_variant].passed
+
+
+def test_the_unguarded_export_is_kept_by_a_link_for_later_tiers(tmp_path):
+    """keep_unguarded: the fp32 export's bytes before its guard stay under a second name (the guard
+    writes a new file and renames it over), later quantize calls read them (unguarded), and
+    drop_unguarded leaves nothing of them; an export with external data is not linked."""
+    import os
+
+    from dejavuu_build.build.row_guard import PRE_GUARD_PREFIX, drop_unguarded, keep_unguarded, unguarded
+
+    path = tmp_path / "decoder_fp32.onnx"
+    path.write_bytes(b"unguarded")
+    keep_unguarded(path)
+    kept = tmp_path / (PRE_GUARD_PREFIX + path.name)
+    assert kept.samefile(path)
+    new = tmp_path / "decoder_fp32.onnx.guard.tmp"
+    new.write_bytes(b"guarded")
+    os.replace(new, path)  # as guard_variant writes the guarded graph
+    with unguarded(path, True) as src:
+        assert src == kept and src.read_bytes() == b"unguarded"
+    drop_unguarded(tmp_path)
+    assert not kept.exists() and path.read_bytes() == b"guarded"
+    (tmp_path / "decoder_fp32.onnx.data").write_bytes(b"weights")
+    keep_unguarded(path)
+    assert not kept.exists()

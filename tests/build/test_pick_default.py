@@ -4,7 +4,14 @@ flip it."""
 
 import pytest
 
-from dejavuu_build.build.default import MIN_SPEEDUP, choose_default, clearly_faster, pick_default
+from dejavuu_build.build.default import (
+    MIN_ROUNDS,
+    MIN_SPEEDUP,
+    choose_default,
+    clearly_faster,
+    decided,
+    pick_default,
+)
 from dejavuu_build.schema import Manifest, VariantRecord
 
 
@@ -199,8 +206,9 @@ def test_only_what_can_be_the_default_is_a_candidate_and_timed():
 
 def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     """Rounds stop as soon as every other candidate's median ratio to the preferred one is a tie
-    or slower (no candidate on its way to being clearly faster); a candidate faster in the median
-    keeps the rounds going, up to the cap."""
+    or slower (no candidate on its way to being clearly faster), or once one is clearly faster
+    (MIN_ROUNDS) and every other is at least MIN_SPEEDUP slower than it; two clearly faster ones
+    within MIN_SPEEDUP of each other keep the rounds going, up to the cap."""
     from dejavuu_build.build import timing
     from dejavuu_build.build.default import settled
     from dejavuu_build.runtime import decoder
@@ -215,7 +223,8 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
         def release(self):
             pass
 
-    cost = {"a": 10.0, "b": 9.8, "c": 6.0}  # b within MIN_SPEEDUP of a (a tie); c clearly faster
+    # b within MIN_SPEEDUP of a (a tie); c clearly faster; d clearly faster too, within MIN_SPEEDUP of c
+    cost = {"a": 10.0, "b": 9.8, "c": 6.0, "d": 6.1}
     monkeypatch.setattr(decoder, "Decoder", FakeDecoder)
     monkeypatch.setattr(
         timing, "_timing_cases", lambda dec, c, rng: [(k, 2, [1, 2], None, KV()) for k in timing.TIMING_KEYS]
@@ -238,7 +247,9 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
 
     assert rounds(["a", "b"]) == {"a": 1, "b": 1}
     assert rounds(["a", "b"], min_rounds=2) == {"a": 2, "b": 2}
-    assert rounds(["a", "b", "c"]) == {"a": 5, "b": 5, "c": 5}  # c may still win: every round is run
+    assert rounds(["a", "b", "c"]) == dict.fromkeys("abc", MIN_ROUNDS)  # c clearly the fastest: decided
+    assert rounds(["a", "b", "c", "d"]) == dict.fromkeys("abcd", 5)  # c or d: every round is run
+    assert MIN_ROUNDS < 5
     assert rounds(["a"]) == {"a": 1}
     assert 1 - 9.8 / 10 < MIN_SPEEDUP < 1 - 6.0 / 10
 
@@ -282,3 +293,14 @@ def test_an_untimed_requantize_keeps_the_default_an_earlier_timing_chose():
     assert choose_default(manifest("int8-static", untimed_why))[0] == "int4-static"
     assert choose_default(manifest("int8-static", timed_why, int8_passes=False))[0] == "int4-static"
     assert choose_default(manifest(None, {}))[0] == "int4-static"  # a fresh build
+
+
+def test_a_trial_stops_once_its_verdict_cannot_change():
+    """build.trial's rounds stop at MIN_ROUNDS when the trial is clearly faster or a tie or
+    slower; a trial faster in the median but not clearly (noisy) runs on; never before MIN_ROUNDS."""
+    ref = [10.0] * MIN_ROUNDS
+    assert decided([6.0] * MIN_ROUNDS, ref) and clearly_faster([6.0] * MIN_ROUNDS, ref)
+    assert decided([17.0] * MIN_ROUNDS, ref) and not clearly_faster([17.0] * MIN_ROUNDS, ref)
+    assert not decided([6.0] * (MIN_ROUNDS - 1), ref[:-1])
+    noisy = [9.0, 9.5, 10.5][:MIN_ROUNDS] + [9.5] * (MIN_ROUNDS - 3)  # median 0.95: not clearly faster yet
+    assert not clearly_faster(noisy, ref) and not decided(noisy, ref)

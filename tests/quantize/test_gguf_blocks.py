@@ -277,6 +277,23 @@ def test_row_order_follows_the_onnx_weight(synthetic):
     assert GGUFBlocks(path).find(weights["stranger"]) is None
 
 
+def test_a_build_opens_one_finder_per_unchanged_file(synthetic, tmp_path):
+    """GGUFBlocks.open: the quantize calls of one build share the parsed file while it is
+    unchanged; a file rewritten in place (new size or mtime) is parsed again."""
+    import os
+    import shutil
+
+    path, _, weights = synthetic
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    a = GGUFBlocks.open(copy)
+    assert GGUFBlocks.open(copy) is a and a.find(weights["Q4_1"])[0] == "Q4_1.weight"
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    b = GGUFBlocks.open(copy)
+    assert b is not a and b.find(weights["Q4_1"])[0] == "Q4_1.weight"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source, kinds",

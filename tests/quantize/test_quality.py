@@ -36,6 +36,47 @@ def test_top1_and_kl_are_what_they_say():
     assert res["int4"]["passed"] is (res["int4"]["top1"] >= 0.9)
 
 
+def test_fp32_logits_are_computed_once_for_every_quality_pass(monkeypatch):
+    """The build's quality passes share fp32's logits (FP32Logits): the same figures as passes that
+    each run fp32 again, fp32 run once per text; a new set computes again, and a set over the
+    byte cap is never held."""
+    from dejavuu_build.build import quality as Q
+
+    rng = np.random.default_rng(1)
+    texts = [rng.standard_normal((5, 13)).astype(np.float32) for _ in range(3)]
+
+    class Counted:
+        calls = 0
+
+        def __init__(self, tables):
+            self.tables = iter(tables)
+
+        def prefill(self, seq):
+            Counted.calls += 1
+            return _Fixed(next(self.tables)).prefill(seq)
+
+    qs = QualitySet([np.arange(4)] * 3, [np.arange(5)] * 3, "t")
+    other = [t + rng.standard_normal(t.shape).astype(np.float32) for t in texts]
+    plain = gate_quality(Counted(texts), {"int4": Counted(other)}, qs, {})
+    keep = Q.FP32Logits()
+    Counted.calls = 0
+    first = gate_quality(Counted(texts), {"int4": Counted(other)}, qs, {}, keep)
+    second = gate_quality(Counted([]), {"int8": Counted(other)}, qs, {}, keep)  # fp32 never run again
+    assert Counted.calls == 9 and first == plain and second["int8"] == plain["int4"]
+    qs2 = QualitySet([np.arange(4)] * 3, [np.arange(5) + 1] * 3, "t2")  # another set: computed again
+    Counted.calls = 0
+    assert (
+        gate_quality(Counted(texts), {"int4": Counted(other)}, qs2, {}, keep)["int4"]["top1"] == plain["int4"]["top1"]
+    )
+    assert Counted.calls == 6
+    monkeypatch.setattr(Q, "FP32_LOGITS_BYTES", 100)  # too large to hold: fp32 runs in every pass
+    small = Q.FP32Logits()
+    gate_quality(Counted(texts), {"int4": Counted(other)}, qs, {}, small)
+    Counted.calls = 0
+    gate_quality(Counted(texts), {"int4": Counted(other)}, qs, {}, small)
+    assert Counted.calls == 6
+
+
 def test_every_quantized_variant_records_its_quality(tiny_llama):
     m = read_manifest(tiny_llama)
     q = {v: r.gates["quality"] for v, r in m.variants.items() if v != "fp32"}
