@@ -209,12 +209,11 @@ def _add(g: Gating, variants: list[str], done: Quantized, *, fp32_layouts: bool 
 
 
 def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> None:
-    """Time the default's candidates, pick the default, write the serving batch graph and calibrate
-    what a runtime opens unasked. ``trials``: the speed trials of later tiers (build.trial), said
+    """Time the default's candidates, pick the default, write the prefill graphs (an auto build: the
+    default's) and the serving batch graph, and calibrate what a runtime opens unasked. ``trials``: the speed trials of later tiers (build.trial), said
     in the default's reason."""
     manifest = g.manifest
     earlier_trials = manifest.default_reason.get("trials")  # quant-only: the build's
-    write_prefill_graphs(g)
     timed = time_candidates(manifest, g.sessions) if timing else {}
     for v, rec in sorted(manifest.variants.items(), key=lambda kv: S.variant_order(kv[0])):
         if not rec.passed:
@@ -228,6 +227,9 @@ def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> N
         manifest.default_reason["trials"] = trials
     elif earlier_trials:  # what the build measured, kept through a quant-only that ran none
         manifest.default_reason.setdefault("trials", earlier_trials)
+    # an auto build: the default's prefill graph only (what it writes: only what the default needs)
+    auto = not manifest.build_config.get("variants")
+    write_prefill_graphs(g, only=manifest.default_variant if auto else None)
     write_serve_batch(g.folder, manifest, g.sessions, g.threads, g.machine, g.embed)
     calibrate_default(g.folder, manifest, g.sessions, g.threads, g.embed)
 

@@ -13,10 +13,12 @@ from .digest import file_sha256
 from .validation import Gating
 
 
-def write_prefill_graphs(g: Gating) -> None:
+def write_prefill_graphs(g: Gating, only: str | None = None) -> None:
     """The prefill graph of every passing variant whose layout has one (layouts.Layout.prefill_pass: the
     rowwise layout), so its prompts prefill at the static flavour's speed while its decode steps
-    keep one-row kernels (docs/speed.md). Saved by reference to the variant's weights
+    keep one-row kernels (docs/speed.md). ``only``: the one variant that gets one (the auto build's
+    default: its gate cost 13-19 s of a SmolLM2 build whose default was not rowwise); another
+    rowwise variant records why it has none, and the runtime says so where it is opened. Saved by reference to the variant's weights
     (export.shared_weights: the file is the graph alone), gated by the quality gate of its variant's
     precision on the same set (teacher-forced top-1 and KL against fp32: the prefill graph's rows
     are the ones a prompt's K/V come from), and recorded with the variant's sha256, which a runtime
@@ -36,6 +38,13 @@ def write_prefill_graphs(g: Gating) -> None:
         if layout.prefill_pass is None or not rec.passed:
             path.unlink(missing_ok=True)
             rec.prefill = {}
+            continue
+        if only is not None and v != only:
+            path.unlink(missing_ok=True)
+            rec.prefill = {
+                "skipped": f"not the default ({only}): an auto build writes the default's prefill graph only; "
+                "a build naming its variants (--variants) writes every rowwise variant's"
+            }
             continue
         old, src_sha = rec.prefill, file_sha256(folder / rec.file)
         with step(f"prefill graph of {v} (prompt chunks as multi-row attention over its buffer)"):

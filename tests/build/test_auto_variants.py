@@ -41,6 +41,26 @@ def test_auto_writes_fp32_and_the_int4_flavours(auto_build):
     assert all(sec >= 0 for _, sec in m.steps)
 
 
+def test_an_auto_build_writes_the_default_prefill_graph_only(auto_build, caplog):
+    """An auto build writes a rowwise variant's prefill graph only where it is the default (the
+    untimed build's default here: int4-static); int4-rowwise records why it has none, and the
+    runtime opens it, says its prompts run on the decode graph and why, and decodes plainly as
+    fast drafting does (same tokens)."""
+    from dejavuu_build.runtime import load
+
+    m = auto_build.manifest
+    assert m.default_variant == "int4-static"
+    rec = m.variants["int4-rowwise"].prefill
+    assert rec["skipped"].startswith("not the default (int4-static)") and "file" not in rec
+    assert not (auto_build.folder / S.prefill_file("int4-rowwise")).exists()
+    with caplog.at_level(logging.INFO, logger="dejavuu"):
+        model = load(auto_build.folder, variant="int4-rowwise")
+    assert "int4-rowwise: no prefill graph (not the default (int4-static)" in caplog.text
+    plain = model.generate("the cat sat on the mat. the cat", max_new_tokens=12)
+    drafted = model.generate("the cat sat on the mat. the cat", max_new_tokens=12, method="pld")
+    assert plain.tokens == drafted.tokens and len(plain.tokens) > 0
+
+
 def test_quant_only_gates_only_what_it_rewrote(auto_build):
     before = S.read_manifest(auto_build.folder)
     # int8 is new: gated; int4 and fp32 are carried, their gates measured here already
