@@ -210,8 +210,8 @@ def _add(g: Gating, variants: list[str], done: Quantized, *, fp32_layouts: bool 
 
 def _settle(g: Gating, timing: bool, trials: dict[str, dict] | None = None) -> None:
     """Time the default's candidates, pick the default, write the prefill graphs (an auto build: the
-    default's) and the serving batch graph, and calibrate what a runtime opens unasked. ``trials``: the speed trials of later tiers (build.trial), said
-    in the default's reason."""
+    default's) and the serving batch graph, and calibrate what a runtime opens unasked.
+    ``trials``: the speed trials of later tiers (build.trial), said in the default's reason."""
     manifest = g.manifest
     earlier_trials = manifest.default_reason.get("trials")  # quant-only: the build's
     timed = time_candidates(manifest, g.sessions) if timing else {}

@@ -18,8 +18,8 @@ def write_prefill_graphs(g: Gating, only: str | None = None) -> None:
     rowwise layout), so its prompts prefill at the static flavour's speed while its decode steps
     keep one-row kernels (docs/speed.md). ``only``: the one variant that gets one (the auto build's
     default: its gate cost 13-19 s of a SmolLM2 build whose default was not rowwise); another
-    rowwise variant records why it has none, and the runtime says so where it is opened. Saved by reference to the variant's weights
-    (export.shared_weights: the file is the graph alone), gated by the quality gate of its variant's
+    rowwise variant records why it has none, and the runtime says so where it is opened. Saved by
+    reference to the variant's weights (export.shared_weights: the file is the graph alone), gated by the quality gate of its variant's
     precision on the same set (teacher-forced top-1 and KL against fp32: the prefill graph's rows
     are the ones a prompt's K/V come from), and recorded with the variant's sha256, which a runtime
     checks before it prefills through it. A graph rewritten from the same variant bytes on the same

@@ -16,6 +16,7 @@ from ..errors import ValidationFailed
 from ..log import logger, step
 from ..schema import REFERENCE_FILE, Contract, Manifest, VariantRecord, read_contract, variant_file
 from .digest import file_sha256
+from .quality import FP32Logits
 from .summary import failed_gates, log_summary
 
 
@@ -32,7 +33,7 @@ class Gating:
     machine: dict
     embed: Any = None
     sessions: dict[str, tuple[Any, Contract]] = field(default_factory=dict)  # variant -> (session, its contract)
-    fp32_logits: Any = None  # quality.FP32Logits: fp32's scored logits, shared by the quality passes
+    fp32_logits: FP32Logits | None = None  # fp32's scored logits, shared by the build's quality passes
 
 
 def open_gating(folder: Path, manifest: Manifest, threads: int) -> Gating:
@@ -47,8 +48,6 @@ def open_gating(folder: Path, manifest: Manifest, threads: int) -> Gating:
         from ..runtime.vision import load_embedder
 
         embed = load_embedder(folder, threads)
-    from .quality import FP32Logits
-
     return Gating(folder, manifest, threads, contract, ref, mach, embed, fp32_logits=FP32Logits())
 
 
