@@ -24,6 +24,21 @@ OP = "GroupAttention"
 OPSET = 1
 HEAD_SIZES = (64, 128, 256)  # what the kernel is instantiated for
 UNSEEN = -1e30  # a bias at or below it: a key the row does not see (its weight is an exact zero)
+# the operator's inputs by position (attn.cpp's contract): export.passes.own_operators writes them in
+# this order, export.passes.serve_batch rewires a batch's (the last two only in the batched graph)
+(
+    IN_QKV,
+    IN_PAST_KEY,
+    IN_PAST_VALUE,
+    IN_COS,
+    IN_SIN,
+    IN_POSITIONS,
+    IN_BIAS,
+    IN_SLOT_ROWS,
+    IN_ROW_SLOTS,
+    IN_SEQLENS_K,
+    IN_QUERY_SEQLENS,
+) = range(11)
 
 F32 = npt.NDArray[np.float32]
 

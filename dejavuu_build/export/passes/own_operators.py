@@ -53,7 +53,7 @@ def to_own_operators(model):
         heads = int(gqa.attributes["num_heads"].value)
         kv_heads = int(gqa.attributes["kv_num_heads"].value)
         scale = float(gqa.attributes["scale"].value)
-        ins = [qkv, past_k, past_v, cos, sin, _unfloor(positions), _unfloor(bias)]
+        ins = [qkv, past_k, past_v, cos, sin, _unfloor(positions), _unfloor(bias)]  # attn.IN_QKV .. IN_BIAS
         # rows decoupled from slots (static_kv): the operator reads its slots' rows and writes its
         # rows' outputs itself, in place of the two Gathers around it (and computes no pad slot's
         # query: pad slots only write their keys)
@@ -65,8 +65,9 @@ def to_own_operators(model):
             and to_rows.inputs[0] is gqa.outputs[0]
             and _gather_of(to_rows, S.ROW_SLOTS)
         )
-        if slotted:
+        if slotted:  # + attn.IN_SLOT_ROWS, IN_ROW_SLOTS
             ins = [to_slots.inputs[0], *ins[1:], to_slots.inputs[1], to_rows.inputs[1]]
+        assert len(ins) == (attn.IN_ROW_SLOTS if slotted else attn.IN_BIAS) + 1
         nd = ir.node(
             attn.OP,
             ins,

@@ -182,10 +182,6 @@ def _drop_unused_inputs(g) -> None:
         g.input.remove(v)
 
 
-# dejavuu.attn.GroupAttention's inputs, by position (kernels/attn.cpp)
-OWN_POSITIONS, OWN_BIAS, OWN_SLOT_ROWS, OWN_ROW_SLOTS = 5, 6, 7, 8
-
-
 def _batch_own_attention(m, nodes: list, source: str):
     """The batched flavour of a graph on our attention operator: the operator takes the batch
     itself (kernels/attn.cpp: seqlens_k and query_seqlens per request, buffers, positions and bias
@@ -200,15 +196,21 @@ def _batch_own_attention(m, nodes: list, source: str):
     g.node.insert(0, helper.make_node("Squeeze", [UNPAD_INDEX, "batched.axis0"], [rows], name=rows))
     for n in nodes:
         ins = list(n.input)
-        if len(ins) != OWN_ROW_SLOTS + 1 or ins[OWN_SLOT_ROWS] != SLOT_ROWS or ins[OWN_ROW_SLOTS] != ROW_SLOTS:
+        if (
+            len(ins) != attn.IN_ROW_SLOTS + 1
+            or ins[attn.IN_SLOT_ROWS] != SLOT_ROWS
+            or ins[attn.IN_ROW_SLOTS] != ROW_SLOTS
+        ):
             raise ContractError(
                 f"{n.name} does not read its slots' rows itself (slot_rows, row_slots): no batched form"
             )
-        if ins[OWN_BIAS] != ATTENTION_BIAS:
+        if ins[attn.IN_BIAS] != ATTENTION_BIAS:
             raise ContractError(f"{n.name} takes a bias other than the {ATTENTION_BIAS} input")
-        ins[OWN_POSITIONS], ins[OWN_SLOT_ROWS], ins[OWN_ROW_SLOTS] = GQA_POSITIONS, PAD_INDEX, rows
+        ins[attn.IN_POSITIONS], ins[attn.IN_SLOT_ROWS], ins[attn.IN_ROW_SLOTS] = GQA_POSITIONS, PAD_INDEX, rows
+        ins += [""] * (attn.IN_QUERY_SEQLENS + 1 - len(ins))
+        ins[attn.IN_SEQLENS_K], ins[attn.IN_QUERY_SEQLENS] = SEQLENS_K, QUERY_SEQLENS
         del n.input[:]
-        n.input.extend([*ins, SEQLENS_K, QUERY_SEQLENS])
+        n.input.extend(ins)
     _prune(g)
     _drop_unused_inputs(g)  # position_ids, slot_rows, row_slots
     return m
