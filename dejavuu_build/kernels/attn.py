@@ -44,11 +44,7 @@ F32 = npt.NDArray[np.float32]
 
 
 def _fn(isa: str | None) -> Any:
-    fn = q41._load(q41.library(isa)).dejavuu_attention
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.restype = ctypes.c_int
-    fn.argtypes = [p, i64, i64, p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float, p]
-    return fn
+    return q41._load(q41.library(isa)).dejavuu_attention  # its argtypes are declared where it loads
 
 
 def attend(

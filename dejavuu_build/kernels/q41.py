@@ -415,6 +415,28 @@ def _load(path: Path) -> ctypes.CDLL:
         i64 = ctypes.c_int64
         lib.dejavuu_q41_gemm2.restype = ctypes.c_int
         lib.dejavuu_q41_gemm2.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int32, p]
+        # the attention operator is compiled into the same library (SOURCES): kernels.attn.attend
+        lib.dejavuu_attention.restype = ctypes.c_int
+        lib.dejavuu_attention.argtypes = [
+            p,
+            i64,
+            i64,
+            p,
+            p,
+            p,
+            p,
+            i64,
+            p,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            p,
+        ]
         _loaded[path] = lib
     return _loaded[path]
 
