@@ -53,6 +53,12 @@ def _rate(res) -> float:
     return res.decode_tok_s
 
 
+class NgramCannotRun(BenchError):
+    """genai's n-gram speculation failed on every sweep prompt in every config (Gemma-3: its
+    sliding-window KV cache cannot rewind a rejected draft once a long prompt has filled the
+    window): the peer is skipped with one line (genai.load_peers), the bench goes on."""
+
+
 def run_ngram_sweep(
     model: Model,
     genai: Any,  # genai.GenaiPeer (not imported: genai loads this module)
@@ -63,9 +69,14 @@ def run_ngram_sweep(
     """Each prompt's first turn: genai plain, then every config; the per-config summary and the choice."""
     configs = [parse_ngram(c) for c in configs]
     per_prompt: list[dict] = []
+    failed: list[str] = []
     for i, p in enumerate(progress(prompts, "genai n-gram sweep", total=len(prompts))):
         ids = model.encode(as_prompt(model, [{"role": "user", "content": p.turns[0]}]))
-        plain = genai.generate(ids, max_new_tokens)
+        try:
+            plain = genai.generate(ids, max_new_tokens)
+        except BenchError as e:  # genai plain refuses this prompt: nothing to compare with here
+            failed.append(f"{p.qid}: {e}")
+            continue
         row = {
             "qid": p.qid,
             "category": p.category,
@@ -75,7 +86,12 @@ def run_ngram_sweep(
             "configs": {},
         }
         for n, k in configs[i % len(configs) :] + configs[: i % len(configs)]:
-            res = genai.generate(ids, max_new_tokens, speculative=(n, k))
+            try:
+                res = genai.generate(ids, max_new_tokens, speculative=(n, k))
+            except BenchError as e:  # recorded; a config that failed on a prompt is not chosen
+                row["configs"][f"{n},{k}"] = {"failed": str(e)[:400]}
+                failed.append(f"{p.qid} ({n},{k}): {e}")
+                continue
             spec = res.speculative or {}
             row["configs"][f"{n},{k}"] = {
                 "decode_tok_s": _rate(res),
@@ -88,6 +104,15 @@ def run_ngram_sweep(
                 "accepted": int(spec.get("draft_tokens_accepted", 0)),
             }
         per_prompt.append(row)
+    # a prompt on which every config failed is left out (the measured run skips the peer there,
+    # said per prompt); of the rest, only configs that ran on every prompt are compared and chosen
+    per_prompt = [r for r in per_prompt if any("failed" not in c for c in r["configs"].values())]
+    configs = [c for c in configs if all("failed" not in r["configs"][f"{c[0]},{c[1]}"] for r in per_prompt)]
+    if not per_prompt or not configs:
+        raise NgramCannotRun(
+            f"onnxruntime-genai's n-gram speculation failed on the sweep prompts ({len(failed)} failures); "
+            f"first: {failed[0] if failed else 'no prompt ran'}"[:500]
+        )
     results = []
     for n, k in configs:
         got = [(r["genai_decode_tok_s"], r["configs"][f"{n},{k}"]) for r in per_prompt]
@@ -118,6 +143,7 @@ def run_ngram_sweep(
         "results": results,
         "chosen": {"ngram_size": best["ngram_size"], "max_draft_tokens": best["max_draft_tokens"]},
         "chosen_by": f"{CHOSEN_BY}: the highest geo-mean over the sweep prompts of decode tok/s over genai plain's",
+        "failed": failed,
         "per_prompt": per_prompt,
     }
 

@@ -617,6 +617,69 @@ def test_ngram_sweep_records_every_config_and_picks_the_fastest_over_genai_plain
     assert rec["prompts"] == ["a", "b"] and len(rec["per_prompt"]) == 2
 
 
+class _Refusing(_FakeGenai):
+    """genai whose n-gram drafting fails on long prompts (Gemma-3's sliding-window KV cache cannot
+    rewind a rejected draft past its window), and on prompts listed in ``plain_fails`` at all."""
+
+    def __init__(self, speeds, long_ids: int, spec_fails=(), plain_fails=()):
+        super().__init__(speeds, {})
+        self.long_ids, self.spec_fails, self.plain_fails = long_ids, set(spec_fails), set(plain_fails)
+
+    def generate(self, ids, max_new_tokens, *, ignore_eos=False, speculative=None):
+        if len(ids) in self.plain_fails or (
+            speculative and (len(ids) >= self.long_ids or speculative in self.spec_fails)
+        ):
+            raise BenchError(f"onnxruntime-genai's generator failed (prompt {len(ids)} ids): Cannot rewind")
+        return super().generate(ids, max_new_tokens, ignore_eos=ignore_eos, speculative=speculative)
+
+
+def test_ngram_sweep_leaves_out_what_genai_cannot_run_and_says_so():
+    """A prompt on which every config fails is left out, a config that fails where others ran is
+    not chosen, and both are recorded; when nothing runs, the sweep raises NgramCannotRun, which
+    load_peers turns into one line: genai plain stays, genai-ngram is skipped."""
+    chat = type("T", (), {"template": "{{ messages }}"})()
+    lengths = {"short": [1, 2, 3], "long": list(range(40))}
+    model = type("M", (), {"encode": staticmethod(lambda msgs: lengths[msgs[0]["content"]]), "tokenizer": chat})()
+    prompts = [Prompt("a", "qa", "qa", ("short",)), Prompt("b", "rag", "rag", ("long",))]
+    speeds = {None: 100.0, (2, 4): 90.0, (3, 8): 150.0, (4, 16): 120.0}
+    genai = _Refusing(speeds, long_ids=30, spec_fails={(3, 8)})
+    rec = NGRAM.run_ngram_sweep(model, genai, prompts, 8, ((2, 4), (3, 8), (4, 16)))
+    assert [r["qid"] for r in rec["per_prompt"]] == ["a"]  # every config failed on the long prompt
+    assert rec["configs"] == [[2, 4], [4, 16]] and rec["chosen"] == {"ngram_size": 4, "max_draft_tokens": 16}
+    assert len(rec["failed"]) == 4 and all("Cannot rewind" in f for f in rec["failed"])
+    with pytest.raises(NGRAM.NgramCannotRun, match="Cannot rewind"):
+        NGRAM.run_ngram_sweep(model, _Refusing(speeds, long_ids=0), prompts, 8, ((2, 4), (3, 8)))
+
+
+def test_a_peer_whose_ngram_drafting_cannot_run_leaves_genai_plain(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from dejavuu_build.bench import genai as G
+
+    plain = _FakeGenai({None: 100.0}, {})
+    monkeypatch.setattr(G, "load_genai_peer", lambda *a, **k: (plain, None))
+
+    def cannot(*a, **k):
+        raise NGRAM.NgramCannotRun("onnxruntime-genai's n-gram speculation failed on the sweep prompts")
+
+    monkeypatch.setattr(NGRAM, "ngram_peer", cannot)
+    model = type("M", (), {"manifest": None, "eos_ids": ()})()
+    ctx = type(
+        "C",
+        (),
+        {
+            "model": model,
+            "cfg": BenchConfig(model="m", compare=("genai",)),
+            "warmup_ids": [1, 2],
+            "warmup_tokens": 2,
+            **dict.fromkeys(("out", "corpus", "prompts", "fits", "resume")),
+        },
+    )()
+    with caplog.at_level(logging.WARNING, logger="dejavuu"):
+        assert G.load_peers(ctx) == [plain]
+    assert "genai-ngram peer skipped, it cannot run this model here" in caplog.text
+
+
 def test_ngram_options_fixed_resumed_or_refused(tmp_path, monkeypatch):
     genai = _FakeGenai({}, {})
 
