@@ -138,7 +138,8 @@ def settled(per_round: dict[str, list[float]], first: str) -> bool:
     is clearly faster than ``first`` already and every other candidate's median ratio to that one
     is at least 1 + MIN_SPEEDUP, so no other can become the fastest of the clearly faster (the
     SmolLM2 build on an AVX2 EPYC: int4op-static at 0.60x int4-static, the int4 layouts at
-    1.6-1.9x it, decided after 3 of 5 rounds)."""
+    1.6-1.9x it, decided after 3 of 5 rounds). A speed trial (build.trial: two candidates, from
+    MIN_ROUNDS rounds on) stops by it too: clearly faster, or a tie or slower."""
     base = per_round.get(first, [])
     others = {n: x for n, x in per_round.items() if n != first and len(x) == len(base)}
     if all(ratio_noise(x, base)[0] >= 1 - MIN_SPEEDUP for x in others.values()):
@@ -148,14 +149,6 @@ def settled(per_round: dict[str, list[float]], first: str) -> bool:
         return False
     lead = min(faster, key=lambda n: float(np.median(others[n])))
     return all(ratio_noise(x, others[lead])[0] >= 1 + MIN_SPEEDUP for n, x in others.items() if n != lead)
-
-
-def decided(mine: list[float], theirs: list[float]) -> bool:
-    """A speed trial's verdict can no longer change (build.trial stops its rounds there): clearly
-    faster by the picker's rule already, or a median cost ratio of at least 1 - MIN_SPEEDUP (a tie
-    or slower: not on its way to being clearly faster). Measured: int4op-static 0.63x and
-    int8-static 1.70x their references, each settled after MIN_ROUNDS of 5 rounds."""
-    return len(mine) >= MIN_ROUNDS and (clearly_faster(mine, theirs) or ratio_noise(mine, theirs)[0] >= 1 - MIN_SPEEDUP)
 
 
 def choose_default(manifest: Manifest) -> tuple[str | None, dict]:

@@ -26,13 +26,13 @@ from ..layouts import capacity
 from ..log import logger, step
 from ..runtime.session import make_session
 from ..schema import variant_file
-from .default import MIN_ROUNDS, candidates, clearly_faster, decided, preference, ratio_record
+from .default import MIN_ROUNDS, candidates, clearly_faster, preference, ratio_record, settled
 from .row_guard import guard_variant
 from .timing import time_interleaved
 from .validation import Gating, quality, validate
 from .variants import Quantized, layout_variant, operators_missing, quantize
 
-TRIAL_ROUNDS = 5  # interleaved rounds at most (each times 1 and 8 rows at pasts 256 and 1024; default.decided)
+TRIAL_ROUNDS = 5  # interleaved rounds at most (each times 1 and 8 rows at pasts 256 and 1024; default.settled)
 
 
 def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]:
@@ -72,7 +72,7 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
                 {against: g.sessions[against], name: own},
                 rounds=TRIAL_ROUNDS,
                 min_rounds=MIN_ROUNDS,
-                settled=partial(_decided, name, against),
+                settled=partial(settled, first=against),
             )
         mine, theirs = timed[name]["round_costs_ms"], timed[against]["round_costs_ms"]
         rec["round_costs_ms"] = {against: theirs, name: mine}
@@ -103,10 +103,6 @@ def trial_tiers(g: Gating, done: Quantized, built: list[str]) -> dict[str, dict]
         else:
             _drop(g, done, name)
     return trials
-
-
-def _decided(mine: str, theirs: str, per_round: dict[str, list[float]]) -> bool:
-    return decided(per_round[mine], per_round[theirs])
 
 
 def _drop(g: Gating, done: Quantized, *variants: str, quantized: bool = False) -> None:

@@ -9,8 +9,8 @@ from dejavuu_build.build.default import (
     MIN_SPEEDUP,
     choose_default,
     clearly_faster,
-    decided,
     pick_default,
+    settled,
 )
 from dejavuu_build.schema import Manifest, VariantRecord
 
@@ -210,7 +210,6 @@ def test_timing_stops_once_no_round_can_change_the_default(monkeypatch):
     (MIN_ROUNDS) and every other is at least MIN_SPEEDUP slower than it; two clearly faster ones
     within MIN_SPEEDUP of each other keep the rounds going, up to the cap."""
     from dejavuu_build.build import timing
-    from dejavuu_build.build.default import settled
     from dejavuu_build.runtime import decoder
 
     class FakeDecoder:
@@ -296,11 +295,16 @@ def test_an_untimed_requantize_keeps_the_default_an_earlier_timing_chose():
 
 
 def test_a_trial_stops_once_its_verdict_cannot_change():
-    """build.trial's rounds stop at MIN_ROUNDS when the trial is clearly faster or a tie or
-    slower; a trial faster in the median but not clearly (noisy) runs on; never before MIN_ROUNDS."""
+    """build.trial's rounds stop (default.settled on its two candidates, from MIN_ROUNDS rounds on)
+    when the trial is clearly faster or a tie or slower; a trial faster in the median but not
+    clearly (noisy) runs on; never before MIN_ROUNDS."""
+
+    def stops(mine, theirs):
+        return settled({"ref": theirs, "trial": mine}, "ref")
+
     ref = [10.0] * MIN_ROUNDS
-    assert decided([6.0] * MIN_ROUNDS, ref) and clearly_faster([6.0] * MIN_ROUNDS, ref)
-    assert decided([17.0] * MIN_ROUNDS, ref) and not clearly_faster([17.0] * MIN_ROUNDS, ref)
-    assert not decided([6.0] * (MIN_ROUNDS - 1), ref[:-1])
+    assert stops([6.0] * MIN_ROUNDS, ref) and clearly_faster([6.0] * MIN_ROUNDS, ref)
+    assert stops([17.0] * MIN_ROUNDS, ref) and not clearly_faster([17.0] * MIN_ROUNDS, ref)
+    assert not stops([6.0] * (MIN_ROUNDS - 1), ref[:-1])
     noisy = [9.0, 9.5, 10.5][:MIN_ROUNDS] + [9.5] * (MIN_ROUNDS - 3)  # median 0.95: not clearly faster yet
-    assert not clearly_faster(noisy, ref) and not decided(noisy, ref)
+    assert not clearly_faster(noisy, ref) and not stops(noisy, ref)

@@ -10,6 +10,7 @@ import pytest
 from dejavuu_build import schema as S
 from dejavuu_build.build import trial
 from dejavuu_build.build.config import TreeDecoderConfig
+from dejavuu_build.build.default import MIN_ROUNDS, settled
 from dejavuu_build.build.pipeline import build_tree_decoder
 
 
@@ -19,6 +20,9 @@ def _fake_timing(ratio: float | dict[str, float]):
 
     def timed(sessions, rounds, **kw):
         first, name = list(sessions)
+        # the trial stops by the picker's own rule on its two candidates, never before MIN_ROUNDS
+        assert kw["min_rounds"] == MIN_ROUNDS and kw["settled"].keywords == {"first": first}
+        assert kw["settled"].func is settled
         r = ratio[S.split_variant(name)[0]] if isinstance(ratio, dict) else ratio
         base = [10.0, 10.5, 10.2, 9.9, 10.1][:rounds]
         wobble = [1.0, 1.01, 0.99, 1.0, 1.005][:rounds]
