@@ -122,15 +122,21 @@ class FP32Logits:
 
     def __init__(self) -> None:
         self._set: str | None = None
+        self._positions = 0
         self._rows: list[np.ndarray] = []
 
-    def get(self, fp32: Runner, qs: QualitySet, i: int, seq: np.ndarray, sl: slice) -> np.ndarray:
-        if self._set != qs.digest():
-            self._set, self._rows = qs.digest(), []
+    def use(self, qs: QualitySet) -> None:
+        """The set the next get() calls score (once per pass: what was kept of another set goes)."""
+        digest = qs.digest()
+        if self._set != digest:
+            self._set, self._positions, self._rows = digest, qs.positions, []
+
+    def get(self, fp32: Runner, i: int, seq: np.ndarray, sl: slice) -> np.ndarray:
+        """fp32's logits at text ``i``'s scored positions ``sl`` of ``seq`` (texts in order)."""
         if i < len(self._rows):
             return self._rows[i]
         logits = np.ascontiguousarray(fp32.prefill(seq)[0][sl])
-        if i == len(self._rows) and qs.positions * logits.shape[-1] * logits.itemsize <= FP32_LOGITS_BYTES:
+        if i == len(self._rows) and self._positions * logits.shape[-1] * logits.itemsize <= FP32_LOGITS_BYTES:
             self._rows.append(logits)
         return logits
 
@@ -148,10 +154,12 @@ def gate_quality(
     are computed here and never all held."""
     agree = dict.fromkeys(runners, 0)
     kl = dict.fromkeys(runners, 0.0)
+    if fp32_logits is not None:
+        fp32_logits.use(qs)
     for i, (p, c) in enumerate(zip(qs.prompts, qs.continuations)):
         seq = np.concatenate([p, c[:-1]])
         sl = slice(len(p) - 1, len(seq))
-        ref = _log_softmax(fp32_logits.get(fp32, qs, i, seq, sl) if fp32_logits else fp32.prefill(seq)[0][sl])
+        ref = _log_softmax(fp32_logits.get(fp32, i, seq, sl) if fp32_logits else fp32.prefill(seq)[0][sl])
         top = ref.argmax(-1)
         pref = np.exp(ref)
         for name, r in runners.items():
