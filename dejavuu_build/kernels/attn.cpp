@@ -33,8 +33,9 @@
 //   rotary: for i < D/2, with c = cos[pos][i], s = sin[pos][i]: y[i] = x[i]*c - x[i+D/2]*s,
 //     y[i+D/2] = x[i+D/2]*c + x[i]*s (each product rounded, then the sum); k rotated and v as
 //     given are written at row P + slot of the buffers before any row attends;
-//   a row sees keys 0..n-1, n - 1 the last key whose bias is above -1e30 (beyond it nothing:
-//     their weights would be exact zeros);
+//   a row sees keys lo..n-1, n - 1 the last key whose bias is above -1e30 and lo its first such
+//     key rounded down to a multiple of 8 (outside them nothing: their weights would be exact
+//     zeros; a sliding window's row reads its window only);
 //   score_j = dot(q, k_j) * scale + bias_j, dot over 8 lanes: lane l accumulates
 //     q[8c+l]*k[8c+l] for c = 0.. in order (first a product, then fused multiply-adds), then
 //     ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7));
@@ -146,9 +147,21 @@ inline int64_t visible(const Job& j, int64_t r) {
   return n;
 }
 
+// Where output row r's keys begin: its first key whose bias is above kUnseen, rounded down to a
+// multiple of 8 (0 where it sees none of its first n). The whole groups of 8 before it hold only
+// keys the row does not see: their weights are exact zeros, their lanes' sums start at +0 either
+// way and a key keeps its lane (j mod 8), so skipping them changes no bit (a sliding window's
+// layer then reads its window, not the whole context).
+inline int64_t first_seen(const Job& j, int64_t r, int64_t n) {
+  const float* bias = j.bias + j.qslot[r] * j.T;
+  int64_t k = 0;
+  while (k < n && !(bias[k] > kUnseen)) k++;
+  return k < n ? k / 8 * 8 : 0;
+}
+
 struct Scratch {
   std::vector<float> sc, acc;
-  std::vector<int64_t> n;
+  std::vector<int64_t> n, lo;
   std::vector<float> m;
 };
 
@@ -163,12 +176,17 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
   const float* kb = j.kbuf + g * j.CAP * D;
   const float* vb = j.vbuf + g * j.CAP * D;
   w.n.assign((size_t)nq, 0);
+  w.lo.assign((size_t)nq, 0);
   w.m.assign((size_t)nq, -INFINITY);
-  int64_t nmax = 0;
+  int64_t nmax = 0, lomin = j.T;
   for (int64_t r = r0; r < r1; r++) {
-    const int64_t n = visible(j, r);
-    for (int64_t h = 0; h < nh; h++) w.n[(size_t)((r - r0) * nh + h)] = n;
+    const int64_t n = visible(j, r), lo = first_seen(j, r, n);
+    for (int64_t h = 0; h < nh; h++) {
+      w.n[(size_t)((r - r0) * nh + h)] = n;
+      w.lo[(size_t)((r - r0) * nh + h)] = lo;
+    }
     nmax = std::max(nmax, n);
+    lomin = std::min(lomin, lo);
   }
   const int64_t stride = (nmax + 7) / 8 * 8;  // a query's scores, then its weights
   w.sc.resize((size_t)(nq * stride));
@@ -180,7 +198,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
   // hsum8's order
   alignas(32) float tail[8 * D];
   const __m256 scale = _mm256_set1_ps(j.scale);
-  for (int64_t k0 = 0; k0 < nmax; k0 += 8) {
+  for (int64_t k0 = lomin; k0 < nmax; k0 += 8) {
     const float* kr = kb + k0 * D;
     if (k0 + 8 > j.CAP) {  // the buffer ends inside this group: its last rows from a zeroed copy
       std::fill(tail, tail + 8 * D, 0.f);
@@ -189,7 +207,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     }
     for (int64_t i = 0; i < nq; i++) {
       const int64_t n = w.n[(size_t)i];
-      if (k0 >= n) continue;
+      if (k0 >= n || k0 < w.lo[(size_t)i]) continue;
       const float* q = query(i);
       __m256 a[8];
       const __m256 q0 = _mm256_loadu_ps(q);
@@ -228,7 +246,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     float* sc = w.sc.data() + i * stride;
     const __m256 mv = _mm256_set1_ps(w.m[(size_t)i]);
     __m256 sum8 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < n8; k += 8) {
+    for (int64_t k = w.lo[(size_t)i]; k < n8; k += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
       _mm256_storeu_ps(sc + k, e);
       sum8 = _mm256_add_ps(sum8, e);
@@ -236,15 +254,15 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     sums[(size_t)i] = hsum8(sum8);
   }
   constexpr int64_t VT = 32;  // keys per V tile: 8 KB at D = 64, kept in L1 across the block's queries
-  for (int64_t k0 = 0; k0 < nmax; k0 += VT) {
+  for (int64_t k0 = lomin / VT * VT; k0 < nmax; k0 += VT) {
     for (int64_t i = 0; i < nq; i++) {
-      const int64_t kend = std::min(k0 + VT, w.n[(size_t)i]);
-      if (k0 >= kend) continue;
+      const int64_t kbeg = std::max(k0, w.lo[(size_t)i]), kend = std::min(k0 + VT, w.n[(size_t)i]);
+      if (kbeg >= kend) continue;
       const float* e = w.sc.data() + i * stride;
       float* ap = w.acc.data() + i * D;
       __m256 acc[DC];
       for (int c = 0; c < DC; c++) acc[c] = _mm256_loadu_ps(ap + 8 * c);
-      for (int64_t k = k0; k < kend; k++) {
+      for (int64_t k = kbeg; k < kend; k++) {
         if (e[k] == 0.f) continue;
         const __m256 ev = _mm256_set1_ps(e[k]);
         const float* vr = vb + k * D;
@@ -265,14 +283,14 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     const float* q = query(i);
     const float* bias = bias_of(i);
     float* out = j.out + (r0 + i / nh) * j.H * D + (h0 + i % nh) * D;
-    const int64_t n = w.n[(size_t)i], n8 = (n + 7) / 8 * 8;
+    const int64_t n = w.n[(size_t)i], n8 = (n + 7) / 8 * 8, lo = w.lo[(size_t)i];
     if (n == 0) {  // a row that sees nothing (a pad slot's): zeros
       std::fill(out, out + D, 0.f);
       continue;
     }
     float* sc = w.sc.data() + i * stride;
     float m = -INFINITY;
-    for (int64_t k = 0; k < n; k++) {
+    for (int64_t k = lo; k < n; k++) {
       const float* kr = kb + k * D;
       float lanes[8];
       for (int l = 0; l < 8; l++) lanes[l] = q[l] * kr[l];
@@ -284,7 +302,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     }
     for (int64_t k = n; k < n8; k++) sc[k] = -INFINITY;
     float sum8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t k = 0; k < n8; k += 8)
+    for (int64_t k = lo; k < n8; k += 8)
       for (int l = 0; l < 8; l++) {
         const float e = exp1(sc[k + l] - m);
         sc[k + l] = e;
@@ -293,7 +311,7 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
     const float sum = hsum8(sum8);
     float acc[D];
     for (int d = 0; d < D; d++) acc[d] = 0.f;
-    for (int64_t k = 0; k < n; k++) {
+    for (int64_t k = lo; k < n; k++) {
       const float e = sc[k];
       if (e == 0.f) continue;
       const float* vr = vb + k * D;

@@ -3,21 +3,14 @@ made from, on one GroupQueryAttention per layer over a buffer bound in place."""
 
 import collections
 
-import numpy as np
 import onnx
 import pytest
 from conftest import build_tiny
+from parity import matches_concat, runner
 
 from dejavuu_build import schema as S
-from dejavuu_build.build.runner import Runner
 from dejavuu_build.export.passes.static_kv import to_static_kv
 from dejavuu_build.runtime.session import derive_contract, make_session
-from dejavuu_build.runtime.tree import step_inputs
-
-
-def _runner(path):
-    sess = make_session(path, threads=1)
-    return Runner(sess, derive_contract(sess))
 
 
 @pytest.mark.parametrize("recipe", ["llama", "gemma3"])
@@ -25,34 +18,13 @@ def test_static_graph_computes_what_the_concat_graph_computes(recipe, cache_dir)
     """Chain prefill, then a tree over a past longer than Gemma's tiny window (8): logits, hidden
     states and the K/V rows written into the buffer match the concat graph."""
     folder = build_tiny(recipe, cache_dir)
-    concat = _runner(folder / S.variant_file("fp32"))
-    static = _runner(folder / S.variant_file("fp32-static"))
+    concat = runner(folder / S.variant_file("fp32"))
+    static = runner(folder / S.variant_file("fp32-static"))
     assert static.c.kv_layout == "static" and static.c.kv_capacity > 0 and concat.c.kv_layout == "concat"
     ps = matches_concat(concat, static)
     for v in ps.values():
         assert v.shape[2] == static.c.kv_capacity
         assert not v[:, :, 21:].any()  # nothing written past the new rows
-
-
-def matches_concat(concat, other, atol=2e-5):
-    """Prefill 21 tokens, then a 7-node tree over them: logits, hidden states and the K/V of the
-    prompt from ``other`` match the concat graph's. Returns ``other``'s past after the prefill."""
-    rng = np.random.default_rng(1)
-    past_ids = rng.integers(3, 200, 21)
-    lc, hc, pc = concat.prefill(past_ids)
-    lo, ho, po = other.prefill(past_ids)
-    np.testing.assert_allclose(lo, lc, atol=atol)
-    np.testing.assert_allclose(ho, hc, atol=atol)
-    for k in pc:
-        np.testing.assert_allclose(po[k][:, :, :21], pc[k], atol=atol)
-    parents = [-1, 0, 0, 1, 2, 3, 1]
-    toks = rng.integers(3, 200, len(parents))
-    pos, bias = step_inputs(parents, 21)
-    tc, thc, _ = concat.forward(toks, pos, bias, pc)
-    to, tho, _ = other.forward(toks, pos, bias, po)
-    np.testing.assert_allclose(to, tc, atol=atol)
-    np.testing.assert_allclose(tho, thc, atol=atol)
-    return po
 
 
 def test_static_graph_shape(tiny_llama):

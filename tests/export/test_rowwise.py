@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import build_tiny
-from test_inplace import _runner, matches_concat
+from parity import matches_concat, runner
 
 from dejavuu_build import schema as S
 from dejavuu_build.errors import ExportError, GenerationError
@@ -21,8 +21,8 @@ from dejavuu_build.runtime.session import derive_contract, make_session
 def test_rowwise_graph_computes_what_the_concat_graph_computes(tiny_llama):
     """Prefill, then a tree (as one row per node) over it: logits, hidden states and the K/V
     written match the concat graph (fp32, prescaled q: within float rounding)."""
-    concat = _runner(tiny_llama / S.variant_file("fp32"))
-    rowwise = _runner(tiny_llama / S.variant_file("fp32-rowwise"))
+    concat = runner(tiny_llama / S.variant_file("fp32"))
+    rowwise = runner(tiny_llama / S.variant_file("fp32-rowwise"))
     assert rowwise.c.kv_layout == "rowwise" and rowwise.c.kv_capacity == 512
     pr = matches_concat(concat, rowwise)
     assert all(v.shape[2] == 21 for v in pr.values())

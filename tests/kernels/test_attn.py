@@ -129,6 +129,36 @@ def test_the_buffers_last_keys_and_hidden_keys_inside_the_range(isa):
         H, KV = saved
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_a_sliding_windows_rows_read_their_window_only_with_the_same_bits(isa):
+    """Keys a row's bias hides before its window, in whole groups of 8, are not read at all (NaN
+    there changes nothing) and the row gets the bits it gets over a buffer that starts where its
+    window's group does (the keys before it moved out): the operator's work follows the window, not
+    the context, and stays exact. Rows in one block start at different groups."""
+    rng = np.random.default_rng(5)
+    cos, sin = tables(400, 64)
+    past, rows, window = 300, 9, 100
+    qkv, kb, vb = case(rng, rows, past)
+    pos = np.arange(past, past + rows)
+    bias = causal(rows, past)
+    for r in range(rows):  # key k unseen where (past + r) - k >= window: the first seen is 201 + r
+        bias[r, : past + r - window + 1] = np.float32(-3.4e38)
+    out, ok, ov = run(qkv, kb, vb, cos, sin, pos, bias, isa)
+    hidden = kb.copy(), vb.copy()
+    for b in hidden:
+        b[:, :200] = np.nan  # every row's first group of 8 starts at 200 or 208
+    got, _, _ = run(qkv, *hidden, cos, sin, pos, bias, isa)
+    assert np.array_equal(bits(got), bits(out))
+    moved, mk, mv = run(qkv, kb[:, 200:], vb[:, 200:], cos, sin, pos, bias[:, 200:], isa)
+    assert np.array_equal(bits(moved), bits(out))
+    assert np.array_equal(mk[:, : past - 200 + rows], ok[:, 200 : past + rows])
+    for r in (0, 7):  # a row alone: the same bits
+        alone = run(qkv[r : r + 1], ok, ov, cos, sin, pos[r : r + 1], bias[r : r + 1, : past + r + 1], isa)[0]
+        assert np.array_equal(bits(alone), bits(out[r : r + 1])), r
+    ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125)
+    assert np.abs(out - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+
+
 def test_every_path_gives_the_same_bits():
     rng = np.random.default_rng(11)
     for d in attn.HEAD_SIZES:

@@ -1,0 +1,89 @@
+"""`int4op` on a tiny Gemma 3 (heads of 64, a sliding window of 8, q/k/v apart: a per-head norm
+sits between the projections and the rotary): its static graph's attention is our operator on
+q/k/v packed by one Concat (export.passes.own_operators), computes what the concat graph computes
+over a tree past the window, passes the batched gate with no floor, and every drafter reproduces
+plain decoding on it, chains and trees.
+
+Random weights keep only ~0.72 of fp32's top-1 in 4 bits, under int4's quality floor, so the
+variant is flagged and not the default: what is tested here is the graph, not the rounding."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+import pytest
+
+from dejavuu_build import schema as S
+from dejavuu_build.build.config import TreeDecoderConfig
+from dejavuu_build.build.pipeline import build_tree_decoder
+from dejavuu_build.kernels import attn
+from dejavuu_build.runtime import load
+from dejavuu_build.runtime.drafters import METHODS
+from dejavuu_build.runtime.session import graph_domains
+
+pytestmark = pytest.mark.slow  # a build (~30 s on 2 cores)
+
+PROMPTS = ["hello hello hello world", "abcabcabcabc abcabc the cat the cat the cat"]
+
+
+@pytest.fixture(scope="module")
+def entry(cache_dir):
+    import torch
+    from tiny import tiny_tokenizer
+    from transformers import Gemma3ForCausalLM
+
+    from dejavuu_build.recipes.gemma3 import Gemma3Recipe
+
+    cfg = Gemma3Recipe().tiny_config()
+    cfg.head_dim, cfg.query_pre_attn_scalar = 64, 64  # a head our operator takes (attn.HEAD_SIZES)
+    torch.manual_seed(0)
+    src = cache_dir.parent / "src-gemma3-int4op"
+    Gemma3ForCausalLM(cfg).eval().save_pretrained(src)
+    tiny_tokenizer(256).save_pretrained(src)
+    cfg_build = TreeDecoderConfig(
+        model=str(src),
+        name="tiny-gemma3-int4op",
+        variants=("fp32", "int4op"),
+        timing=False,
+        reference_tokens=12,
+        kv_layouts=(S.KV_CONCAT, S.KV_STATIC),
+    )
+    return build_tree_decoder(cfg_build)
+
+
+def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_function(entry):
+    from parity import matches_concat, runner
+
+    static = entry.folder / entry.manifest.variants["int4op-static"].file
+    assert graph_domains(static) >= {attn.DOMAIN}
+    ops = Counter(n.op_type for n in onnx.load(static, load_external_data=False).graph.node)
+    assert ops["GroupAttention"] == 4, ops  # one per layer
+    assert not {"GroupQueryAttention", "Pad"} & set(ops), ops  # no floor left
+    packs = [n for n in onnx.load(static, load_external_data=False).graph.node if n.name.endswith("own_attn/pack_qkv")]
+    assert len(packs) == 4 and all(n.op_type == "Concat" and len(n.input) == 3 for n in packs)
+
+    # prefill 21 tokens, then a tree over them: past the window of 8, so the sliding layers' mask bites
+    files = entry.manifest.variants
+    matches_concat(runner(entry.folder / files["int4op"].file), runner(static), atol=1e-4)
+
+
+def test_the_batched_gate_holds_with_no_floor_and_a_lone_token_is_one_row(entry):
+    rec = entry.manifest.variants["int4op-static"]
+    batched = rec.gates["batched_vs_incremental"]
+    assert batched["mismatches"] == 0 and batched["logits_maxdiff"] == 0.0 and batched["total"] > 0, batched
+    assert rec.row_guard["guarded_nodes"] == 0 and rec.length_invariant, rec.row_guard
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_lossless_on_it(entry, method):
+    m = load(entry.folder, variant="int4op-static")
+    assert m.tree_period, "our operator verifies trees"
+    for prompt in PROMPTS:
+        for temp in (0.0, 0.9):
+            base = m.generate(prompt, max_new_tokens=30, temperature=temp, seed=5)
+            for tree in (False, True):
+                r = m.generate(
+                    prompt, method=method, tree=tree, max_new_tokens=30, temperature=temp, seed=5, validate_drafts=True
+                )
+                assert r.tokens == base.tokens, (method, tree, temp, prompt)
