@@ -16,8 +16,13 @@ from dejavuu_build.runtime.session import derive_contract, make_session
 @pytest.mark.parametrize("recipe", ["llama", "gemma3"])
 def test_static_graph_computes_what_the_concat_graph_computes(recipe, cache_dir):
     """Chain prefill, then a tree over a past longer than Gemma's tiny window (8): logits, hidden
-    states and the K/V rows written into the buffer match the concat graph."""
+    states and the K/V rows written into the buffer match the concat graph. Gemma's per-head
+    norms run tokens-major there: no norm reads a Transpose (static_kv._norm_before_heads_major)."""
     folder = build_tiny(recipe, cache_dir)
+    g = onnx.load(folder / S.variant_file("fp32-static"), load_external_data=False).graph
+    made_by = {o: n.op_type for n in g.node for o in n.output}
+    norms = [n for n in g.node if n.op_type == "RMSNormalization"]
+    assert norms and not [n.name for n in norms if made_by.get(n.input[0]) == "Transpose"]
     concat = runner(folder / S.variant_file("fp32"))
     static = runner(folder / S.variant_file("fp32-static"))
     assert static.c.kv_layout == "static" and static.c.kv_capacity > 0 and concat.c.kv_layout == "concat"

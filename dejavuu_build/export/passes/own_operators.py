@@ -80,8 +80,13 @@ def to_own_operators(model):
         )
         g.insert_before(gqa, nd)
         outs = list(gqa.outputs)
+        # the floor's cut of its extra rows (static_kv._Floor.cut) goes too: ours computes none
+        cut = None if slotted else _sole_user(gqa.outputs[0], "Slice")
+        cut = cut if cut is not None and _is_floor_cut(cut, gqa.outputs[0]) else None
         if slotted:  # the output Gather's value is ours now
             outs[0] = to_rows.outputs[0]
+        elif cut is not None:
+            outs[0] = cut.outputs[0]
         for old, new in zip(outs, nd.outputs):
             name, shape, typ = old.name, old.shape, old.type
             for i in [i for i, o in enumerate(g.outputs) if o is old]:
@@ -91,6 +96,8 @@ def to_own_operators(model):
             new.name, new.shape, new.type = name, shape, typ
         if slotted:
             g.remove(to_rows, safe=True)
+        elif cut is not None:
+            g.remove(cut, safe=True)
         g.remove(gqa, safe=True)
         done += 1
     if not done:  # nothing for our operator: the static graph as it was
@@ -245,6 +252,17 @@ def _widened(shape, width: int):
 
 def _is_floor(nd) -> bool:
     return nd is not None and nd.op_type == "Pad" and any(p in (nd.name or "") for p in FLOOR_PREFIXES)
+
+
+def _is_floor_cut(nd, y) -> bool:
+    """Whether ``nd`` is the floor's Slice of GroupQueryAttention's output ``y`` (its only use)."""
+    return (
+        nd.op_type == "Slice"
+        and any(p in (nd.name or "") for p in FLOOR_PREFIXES)
+        and nd.inputs[0] is y
+        and len(list(y.uses())) == 1
+        and y not in nd.graph.outputs
+    )
 
 
 def _unfloor(v):

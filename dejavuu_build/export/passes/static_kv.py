@@ -342,6 +342,11 @@ def _packed(g, x4, flat, name, anchor):
     transposed (``Transpose(Reshape(y3))``), or reshape what is there."""
     import onnx_ir as ir
 
+    normed = _norm_before_heads_major(g, x4, name, anchor)
+    if normed is not None:
+        nd = ir.node("Reshape", [normed, flat], name=f"{name}_R")
+        g.insert_before(anchor, nd)
+        return nd.outputs[0]
     t = x4.producer()
     if t is not None and t.op_type == "Transpose" and list(t.attributes["perm"].value) == [0, 2, 1, 3]:
         y4 = t.inputs[0]
@@ -356,6 +361,35 @@ def _packed(g, x4, flat, name, anchor):
     g.insert_before(anchor, tn)
     g.insert_before(anchor, rn)
     return rn.outputs[0]
+
+
+def _norm_before_heads_major(g, x4, name, anchor):
+    """Where ``x4`` is a per-head norm over the last axis of a heads-major ``Transpose(0,2,1,3)``
+    (Gemma 3's q_norm and k_norm before the rotary), the same norm on the tokens-major tensor
+    before that Transpose ([B, N, heads, D]): each vector of D normalised alone, so the same bits,
+    and neither that Transpose nor the one back to [B, N, heads*D] runs (4 a layer). None where
+    the pattern is not there."""
+    import onnx_ir as ir
+
+    nd = x4.producer()
+    if nd is None or nd.op_type != "RMSNormalization" or nd.domain not in ("", "ai.onnx"):
+        return None
+    axis = int(nd.attributes["axis"].value) if "axis" in nd.attributes else -1
+    scale = nd.inputs[1] if len(nd.inputs) > 1 else None
+    if axis not in (-1, 3) or scale is None or scale.shape is None or len(scale.shape) != 1:
+        return None
+    t = nd.inputs[0].producer()
+    if t is None or t.op_type != "Transpose" or list(t.attributes["perm"].value) != [0, 2, 1, 3]:
+        return None
+    twin = ir.node(
+        "RMSNormalization",
+        [t.inputs[0], scale],
+        attributes={k: a.value for k, a in nd.attributes.items()},
+        name=f"{name}_norm",
+    )
+    g.insert_before(anchor, twin)
+    twin.outputs[0].name = f"{name}_normed"
+    return twin.outputs[0]
 
 
 def _packed_qkv(g, q3, k3, v3):
