@@ -27,7 +27,9 @@
 //     row_slots [R] (flat b*S + s, qkv's rows grouped by request in order): each request's rows
 //     get exactly the bits they get alone.
 // Outputs: 0 out float [1, R, H*D]; 1 present_key, 2 present_value as the pasts.
-// Attributes: num_heads H, kv_num_heads KV (H % KV == 0), scale (float).
+// Attributes: num_heads H, kv_num_heads KV (H % KV == 0), scale (float), window (int, optional:
+//   a sliding window's layer, a row at position q seeing no key at position k with q - k >= window;
+//   the bias as given where absent or 0).
 //
 // The contract (the scalar and AVX2 paths give the same bits: tests/kernels/test_attn.py):
 //   rotary: for i < D/2, with c = cos[pos][i], s = sin[pos][i]: y[i] = x[i]*c - x[i+D/2]*s,
@@ -379,7 +381,29 @@ struct Kernel {
   const OrtApi* api;
   int64_t H, KV;
   float scale;
+  int64_t window;  // 0: none
 };
+
+// The bias a sliding window's layer attends under: ``bias`` with kFill wherever a slot's query at
+// position q would see a key at position k with q - k >= window (a key at buffer index k < P sits
+// at position k; the slots' own keys at their position_ids), what Gemma 3's exported graph writes
+// with a Where over its whole bias; here per layer, only where the window bites (the context's
+// prefix), so the graph's bias is the caller's and every layer reads it as given.
+constexpr float kFill = -3.40282347e38f;  // the graph's fill: torch.finfo(float32).min
+
+const float* windowed(const float* bias, int64_t B, int64_t S, int64_t T, const int64_t* P, const int64_t* w,
+                      const int64_t* pos, int64_t window, std::vector<float>& buf) {
+  buf.assign(bias, bias + B * S * T);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t s = 0; s < w[b]; s++) {
+      const int64_t q = pos[b * S + s];
+      float* row = buf.data() + (b * S + s) * T;
+      for (int64_t k = 0; k < std::min(P[b], q - window + 1); k++) row[k] = kFill;
+      for (int64_t t = 0; t < w[b]; t++)
+        if (q - pos[b * S + t] >= window) row[P[b] + t] = kFill;
+    }
+  return buf.data();
+}
 
 OrtStatus* invalid(const OrtApi* api, const std::string& what) {
   return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string(kOp) + ": " + what).c_str());
@@ -588,9 +612,10 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   if (kb != pk) std::memcpy(kb, pk, sizeof(float) * (size_t)(B * KV * CAP * D));
   if (vb != pv) std::memcpy(vb, pv, sizeof(float) * (size_t)(B * KV * CAP * D));
   if (S == 0) return nullptr;
-  thread_local std::vector<float> qrot;
+  thread_local std::vector<float> qrot, wbias;
   thread_local std::vector<int64_t> qslot;
   thread_local std::vector<Job> jobs;
+  if (k.window > 0) bias = windowed(bias, B, S, T, P.data(), w.data(), pos, k.window, wbias);
   prepare(x, R, S, B, slot_rows, row_slots, P.data(), w.data(), kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
           static_cast<float*>(out), qrot, qslot, jobs);
   OrtStatus* st = nullptr;
@@ -635,7 +660,13 @@ struct AttnOp : OrtCustomOp {
       if (H <= 0 || KV <= 0 || H % KV != 0)
         return invalid(api, "num_heads must be a positive multiple of kv_num_heads");
       if (!(scale > 0.f)) return invalid(api, "scale must be positive");
-      *kernel = new (std::nothrow) Kernel{api, H, KV, scale};
+      int64_t window = 0;  // optional: absent, no window
+      if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "window", &window)) {
+        api->ReleaseStatus(st);
+        window = 0;
+      }
+      if (window < 0) return invalid(api, "window must be positive (or 0: none)");
+      *kernel = new (std::nothrow) Kernel{api, H, KV, scale, window};
       return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory");
     };
     KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
@@ -766,14 +797,15 @@ OrtCustomOp* dejavuu_attention_op(uint32_t version) {  // version 0: the op as s
 extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
     const float* qkv, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kbuf,
     float* vbuf, int64_t CAP, const float* cos, const float* sin, const int64_t* pos, const float* bias, int64_t T,
-    int64_t H, int64_t KV, int64_t D, float scale, float* out) {
+    int64_t H, int64_t KV, int64_t D, float scale, int64_t window, float* out) {
   RunItem run = pick(D);
   if (run == nullptr) return -1;
-  if (H <= 0 || KV <= 0 || H % KV != 0 || T < S || T > CAP) return -2;
-  std::vector<float> qrot;
+  if (H <= 0 || KV <= 0 || H % KV != 0 || T < S || T > CAP || window < 0) return -2;
+  std::vector<float> qrot, wbias;
   std::vector<int64_t> qslot;
   std::vector<Job> jobs;
   const int64_t P = T - S, w = S;
+  if (window > 0) bias = windowed(bias, 1, S, T, &P, &w, pos, window, wbias);
   prepare(qkv, R, S, 1, slot_rows, row_slots, &P, &w, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
           qrot, qslot, jobs);
   const bool ok = run_jobs(jobs, run, [](RunItem f, size_t n, void* data) {

@@ -61,6 +61,7 @@ def attend(
     scale: float,
     slot_rows: npt.ArrayLike | None = None,
     row_slots: npt.ArrayLike | None = None,
+    window: int = 0,
     isa: str | None = None,
 ) -> F32:
     """The compiled operator without onnxruntime (one thread), as the graph runs it: ``qkv``
@@ -68,7 +69,9 @@ def attend(
     written in place at rows past..past+S-1 (past = bias's width - S), ``cos``/``sin`` [positions,
     D/2], ``positions`` [S], ``bias`` [S, past + S]. ``slot_rows`` [S] (the row each slot reads)
     and ``row_slots`` [R] (each row's slot) decouple rows from slots (a tree's aligned layout);
-    None: S = R, slot i is row i. Returns the output [R, heads*D]."""
+    None: S = R, slot i is row i. ``window`` > 0: a sliding window's layer (a row at position q
+    sees no key at position k with q - k >= window; past keys sit at their index). Returns the
+    output [R, heads*D]."""
     x = np.ascontiguousarray(qkv, np.float32)
     c, s = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
     pos = np.ascontiguousarray(positions, np.int64)
@@ -76,6 +79,8 @@ def attend(
     for buf in (kbuf, vbuf):
         if buf.dtype != np.float32 or not buf.flags.c_contiguous or buf.ndim != 3:
             raise ValueError("kbuf and vbuf must be C-contiguous float32 [kv_heads, capacity, D]")
+    if window < 0:
+        raise ValueError(f"window ({window}) must be positive, or 0 for none")
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
     if x.ndim != 2 or b.ndim != 2:
@@ -126,6 +131,7 @@ def attend(
         kv_heads,
         d,
         scale,
+        window,
         out.ctypes.data,
     )
     if rc == -1:
@@ -147,10 +153,11 @@ def reference(
     heads: int,
     kv_heads: int,
     scale: float,
+    window: int = 0,
 ) -> npt.NDArray[np.float64]:
     """The same attention in float64 numpy (what the operator approximates in float32): rotary
-    halves, K/V written at past.., softmax over the keys the bias does not hide. Updates copies of
-    the buffers, returns [S, heads*D]."""
+    halves, K/V written at past.., softmax over the keys the bias (and ``window``) does not hide.
+    Updates copies of the buffers, returns [S, heads*D]."""
     x = np.asarray(qkv, np.float64)
     rows = x.shape[0]
     d = x.shape[1] // (heads + 2 * kv_heads)
@@ -171,8 +178,11 @@ def reference(
     v[:, past : past + rows] = vn.transpose(1, 0, 2)
     out = np.zeros((rows, heads, d))
     group = heads // kv_heads
+    key_pos = np.concatenate([np.arange(past), np.asarray(positions)])
     for r in range(rows):
         seen = b[r] > UNSEEN
+        if window:
+            seen &= np.asarray(positions)[r] - key_pos < window
         for h in range(heads):
             g = h // group
             sc = k[g, : b.shape[1]] @ q[r, h] * scale + b[r]

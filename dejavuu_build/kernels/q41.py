@@ -435,6 +435,7 @@ def _load(path: Path) -> ctypes.CDLL:
             i64,
             i64,
             ctypes.c_float,
+            i64,
             p,
         ]
         _loaded[path] = lib

@@ -5,8 +5,11 @@ over a tree past the window, passes the batched gate with no floor, and every dr
 plain decoding on it, chains and trees. Its per-head norms run on the tokens-major tensor (no
 Transpose) and the floor of onnxruntime's attention goes with it (no Pad, no Slice).
 
-Random weights keep only ~0.72 of fp32's top-1 in 4 bits, under int4's quality floor, so the
-variant is flagged and not the default: what is tested here is the graph, not the rounding."""
+Its sliding windows are the operator's (``window``, proved by evaluating the graph's own mask:
+export.passes.own_operators._Windows), so the graph's bias is the caller's, rows come apart from
+slots as in Llama's static graph and the server batches it: requests side by side get the tokens
+each gets alone. (initializer_range 0.1: random weights that keep int4's quality floors, so the
+variant is the default and gets the batched graph.)"""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def entry(cache_dir):
 
     cfg = Gemma3Recipe().tiny_config()
     cfg.head_dim, cfg.query_pre_attn_scalar = 64, 64  # a head our operator takes (attn.HEAD_SIZES)
+    cfg.initializer_range = 0.1
     torch.manual_seed(0)
     src = cache_dir.parent / "src-gemma3-int4op"
     Gemma3ForCausalLM(cfg).eval().save_pretrained(src)
@@ -62,8 +66,17 @@ def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_func
     assert ops["GroupAttention"] == 4, ops  # one per layer
     # no floor left (its pads and its cut), and the per-head norms run tokens-major: no Transpose
     assert not {"GroupQueryAttention", "Pad", "Slice", "Transpose"} & set(ops), ops
-    packs = [n for n in onnx.load(static, load_external_data=False).graph.node if n.name.endswith("own_attn/pack_qkv")]
+    graph = onnx.load(static, load_external_data=False).graph
+    packs = [n for n in graph.node if n.name.endswith("own_attn/pack_qkv")]
     assert len(packs) == 4 and all(n.op_type == "Concat" and len(n.input) == 3 for n in packs)
+    # the sliding layers (0 and 2) window in the operator: no mask is shaped in the graph, and
+    # every attention reads the step's slots through slot_rows / row_slots
+    ours = [n for n in graph.node if n.op_type == "GroupAttention"]
+    windows = [next((a.i for a in n.attribute if a.name == "window"), 0) for n in ours]
+    assert windows == [8, 0, 8, 0], windows
+    assert not {"Where", "GreaterOrEqual"} & set(ops), ops
+    assert all(n.input[attn.IN_BIAS] == S.ATTENTION_BIAS for n in ours)
+    assert all(len(n.input) == attn.IN_ROW_SLOTS + 1 and n.input[attn.IN_SLOT_ROWS] == S.SLOT_ROWS for n in ours)
 
     # prefill 21 tokens, then a tree over them: past the window of 8, so the sliding layers' mask bites
     files = entry.manifest.variants
@@ -71,6 +84,7 @@ def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_func
 
 
 def test_the_batched_gate_holds_with_no_floor_and_a_lone_token_is_one_row(entry):
+    assert entry.manifest.default_variant == "int4op-static"
     rec = entry.manifest.variants["int4op-static"]
     batched = rec.gates["batched_vs_incremental"]
     assert batched["mismatches"] == 0 and batched["logits_maxdiff"] == 0.0 and batched["total"] > 0, batched
@@ -89,3 +103,37 @@ def test_every_method_is_lossless_on_it(entry, method):
                     prompt, method=method, tree=tree, max_new_tokens=30, temperature=temp, seed=5, validate_drafts=True
                 )
                 assert r.tokens == base.tokens, (method, tree, temp, prompt)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_server_batches_it_and_each_request_gets_its_tokens_alone(entry, temperature):
+    """The batched serving graph of the default (export.passes.serve_batch on our operator, windows
+    included), gated at build, and requests side by side through the scheduler (every method,
+    chains and trees, prompts past the window) get the tokens each gets alone."""
+    from scheduling import run_all
+
+    from dejavuu_build.runtime.settings import DecodeSettings
+    from dejavuu_build.serve.scheduler import Result, Scheduler
+
+    b = entry.manifest.batched
+    assert b["variant"] == "int4op-static" and b["passed"] and b["gate"]["mismatches"] == 0, b
+    model = load(entry.folder)
+    sched = Scheduler(model, max_batch=8)
+    try:
+        assert sched.batched, sched.why_sequential
+        jobs = []
+        for i, method in enumerate(METHODS):
+            prm = DecodeSettings(
+                max_new_tokens=20 + 3 * i, temperature=temperature, seed=3 + i, method=method, tree=i % 2 == 1
+            )
+            jobs.append((model.encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), prm))
+        out = run_all(sched, jobs, timeout=300)
+        for (ids, prm), r in zip(jobs, out):
+            assert isinstance(r, Result) and r.batched, r
+            alone = model.generate(
+                ids, method="baseline", max_new_tokens=prm.max_new_tokens, temperature=temperature, seed=prm.seed
+            )
+            assert r.tokens == alone.tokens, (prm.method, prm.tree)
+        assert sched.metrics.shared_forwards > 0
+    finally:
+        sched.close()

@@ -55,9 +55,9 @@ def causal(rows: int, past: int) -> np.ndarray:
     return b
 
 
-def run(qkv, kb, vb, cos, sin, pos, bias, isa=None):
+def run(qkv, kb, vb, cos, sin, pos, bias, isa=None, window=0):
     kb, vb = kb.copy(), vb.copy()
-    out = attn.attend(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, isa=isa)
+    out = attn.attend(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, isa=isa, window=window)
     return out, kb, vb
 
 
@@ -157,6 +157,44 @@ def test_a_sliding_windows_rows_read_their_window_only_with_the_same_bits(isa):
         assert np.array_equal(bits(alone), bits(out[r : r + 1])), r
     ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125)
     assert np.abs(out - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_window_attribute_gives_the_bits_of_the_windowed_bias(isa, tree):
+    """``window`` W: the operator masks what Gemma 3's exported graph masks with a Where over its
+    bias (a key at position k hidden from a query at q where q - k >= W; past keys at their
+    index, the slots' keys at their positions, a tree's included), with the same fill: the same
+    bits as that bias given whole, K/V written the same, close to float64."""
+    rng = np.random.default_rng(8)
+    cos, sin = tables(400, 64)
+    past, window = 300, 100
+    parents = [-1, 0, 1, 1, 0, 4, 2] if tree else list(range(-1, 6))
+    rows = len(parents)
+    depth = [0] * rows
+    for r, p in enumerate(parents):
+        depth[r] = 0 if p < 0 else depth[p] + 1
+    pos = past + np.array(depth)
+    bias = np.full((rows, past + rows), np.float32(-3.4e38))
+    bias[:, :past] = 0
+    for r in range(rows):
+        a = r
+        while a >= 0:
+            bias[r, past + a] = 0
+            a = parents[a]
+    key_pos = np.concatenate([np.arange(past), pos])
+    windowed = np.where(pos[:, None] - key_pos[None, :] >= window, np.finfo(np.float32).min, bias).astype(np.float32)
+    qkv, kb, vb = case(rng, rows, past)
+    want = run(qkv, kb, vb, cos, sin, pos, windowed, isa)
+    got = run(qkv, kb, vb, cos, sin, pos, bias, isa, window=window)
+    for a, b in zip(got, want):
+        assert np.array_equal(bits(a), bits(b)), (isa, tree)
+    ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, window=window)
+    assert np.abs(got[0] - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+    assert (
+        np.abs(got[0] - attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125)).max()
+        > 1e-3
+    )
 
 
 def test_every_path_gives_the_same_bits():

@@ -44,6 +44,7 @@ def to_own_operators(model):
     if not gqas:
         raise ExportError("no GroupQueryAttention to put in our attention operator: not a static KV graph")
     done, kept = 0, []
+    windows = _Windows(model, g)
     for gqa in gqas:
         why = _refusal(gqa)
         if why:
@@ -55,7 +56,8 @@ def to_own_operators(model):
         heads = int(gqa.attributes["num_heads"].value)
         kv_heads = int(gqa.attributes["kv_num_heads"].value)
         scale = float(gqa.attributes["scale"].value)
-        ins = [qkv, past_k, past_v, cos, sin, _unfloor(positions), _unfloor(bias)]  # attn.IN_QKV .. IN_BIAS
+        bias, window = windows.of(_unfloor(bias))
+        ins = [qkv, past_k, past_v, cos, sin, _unfloor(positions), bias]  # attn.IN_QKV .. IN_BIAS
         # rows decoupled from slots (static_kv): the operator reads its slots' rows and writes its
         # rows' outputs itself, in place of the two Gathers around it (and computes no pad slot's
         # query: pad slots only write their keys)
@@ -73,7 +75,8 @@ def to_own_operators(model):
         nd = ir.node(
             attn.OP,
             ins,
-            attributes={"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale},
+            attributes={"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale}
+            | ({"window": window} if window else {}),
             domain=attn.DOMAIN,
             num_outputs=3,
             name=(gqa.name or "/GroupQueryAttention").replace("GroupQueryAttention", "GroupAttention"),
@@ -104,6 +107,8 @@ def to_own_operators(model):
         logger.info("  our attention operator: none of %d GroupQueryAttention (%s)", len(gqas), "; ".join(kept[:1]))
         return model
     m.opset_imports[attn.DOMAIN] = attn.OPSET
+    RemoveUnusedNodesPass()(m)  # the windows' masks, where every layer now windows itself
+    slotted = done == len(gqas) and _slot_inputs(g)
     act = _fuse_swiglu(g)
     if act:
         m.opset_imports.setdefault(q41.DOMAIN, q41.OPSET)
@@ -112,14 +117,163 @@ def to_own_operators(model):
         m.opset_imports.pop(MS_DOMAIN, None)
     out = _finish(m)
     logger.info(
-        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor; %d SwiGLU; %d nodes%s",
+        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor%s%s; %d SwiGLU; %d nodes%s",
         done,
         len(gqas),
+        f", {windows.found} with the sliding window in the operator" if windows.found else "",
+        ", rows decoupled from slots (pad slots cost attention only)" if slotted else "",
         act,
         len(out.graph.node),
         "" if not kept else f" (kept: {'; '.join(kept)})",
     )
     return out
+
+
+class _Windows:
+    """A sliding window's mask, proved and moved into the operator. Gemma 3's export shapes its
+    local layers' bias in the graph: ``Where(q - k >= W, fill, attention_bias)`` from the positions
+    (export.wrapper.DecoderWrapper._sliding_bias). Where a GroupQueryAttention reads such a bias,
+    the operator takes ``attention_bias`` itself and ``window`` W (attn.cpp masks the same keys
+    with the same fill: the same bits). What proves it is evaluation, not the pattern's shape: the
+    subgraph from (position_ids, attention_bias) to the Where, cut out of the model and run in
+    onnxruntime over chains and a tree, past and short of the window, must equal the rule
+    exactly; anything else stays the bias it was."""
+
+    def __init__(self, model, g):
+        self.model, self.g = model, g
+        self.found = 0
+        self._seen: dict = {}
+        inputs = {v.name: v for v in g.inputs}
+        self.bias, self.positions = inputs.get(S.ATTENTION_BIAS), inputs.get(S.POSITION_IDS)
+
+    def of(self, bias):
+        """(the bias the operator reads, its window or 0)."""
+        if bias is self.bias or self.bias is None or self.positions is None:
+            return bias, 0
+        if bias not in self._seen:
+            self._seen[bias] = self._prove(bias)
+        w = self._seen[bias]
+        if not w:
+            return bias, 0
+        self.found += 1
+        return self.bias, w
+
+    def _prove(self, bias) -> int:
+        nd = bias.producer()
+        if nd is None or nd.op_type != "Where" or len(nd.inputs) != 3 or nd.inputs[2] is not self.bias:
+            return 0
+        ge = [x for x in _upstream(nd.inputs[0]) if x.op_type == "GreaterOrEqual"]
+        w = ge[0].inputs[1].const_value if len(ge) == 1 and ge[0].inputs[1] is not None else None
+        if w is None or w.numpy().size != 1 or int(w.numpy().reshape(())) <= 0:
+            return 0
+        window = int(w.numpy().reshape(()))
+        try:
+            return window if _window_rule_holds(self.model, bias, window) else 0
+        except Exception as e:  # noqa: BLE001 -- anything the check cannot run is not proved
+            logger.debug("  sliding window of %s not proved: %s", bias.name, e)
+            return 0
+
+
+def _upstream(v, limit: int = 64) -> list:
+    """The nodes ``v`` is computed from (breadth first, at most ``limit``)."""
+    out: list = []
+    todo, seen = [v], set()
+    while todo and len(out) < limit:
+        x = todo.pop(0)
+        nd = x.producer() if x is not None else None
+        if nd is None or id(nd) in seen:
+            continue
+        seen.add(id(nd))
+        out.append(nd)
+        todo.extend(i for i in nd.inputs if i is not None)
+    return out
+
+
+def _window_rule_holds(model, bias, window: int) -> bool:
+    """Whether ``bias``, computed from position_ids and attention_bias alone, equals
+    ``Where(q - k >= window, fill, attention_bias)`` with the float32 minimum as fill (attn.cpp's
+    kFill; past keys at their index, the step's keys at their positions) over chains and a tree,
+    each side of the window. Its nodes are cut out of ``model`` (the proto) by name."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    ups = _upstream(bias, limit=256)
+    names = {n.name for n in ups}
+    if len(names) != len(ups) or "" in names or None in names:
+        return False
+    nodes = [n for n in model.graph.node if n.name in names]
+    used = {x for n in nodes for x in n.input}
+    # the mask reads the step's length off its primary input too (rows = slots here): fed zeros
+    ins = [i for i in model.graph.input if i.name in used]
+    if any(i.name not in (S.POSITION_IDS, S.ATTENTION_BIAS, S.INPUT_IDS, S.INPUTS_EMBEDS) for i in ins):
+        return False
+    graph = onnx.helper.make_graph(
+        nodes,
+        "window",
+        ins,
+        [onnx.helper.make_tensor_value_info(bias.name, onnx.TensorProto.FLOAT, None)],
+        [t for t in model.graph.initializer if t.name in used],
+    )
+    sub = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    fill = None
+    for past, depths in ((0, range(5)), (window + 37, range(3)), (2 * window + 5, [0, 1, 1, 2, 2, 3]), (3, [0])):
+        pos = past + np.asarray(list(depths), np.int64)
+        n = len(pos)
+        bias = rng.standard_normal((1, 1, n, past + n)).astype(np.float32)
+        feeds = {S.POSITION_IDS: pos[None], S.ATTENTION_BIAS: bias}
+        for i in ins:
+            if i.name in (S.INPUT_IDS, S.INPUTS_EMBEDS):
+                rest = [d.dim_value for d in i.type.tensor_type.shape.dim[2:]]
+                kind = np.int64 if i.name == S.INPUT_IDS else np.float32
+                feeds[i.name] = np.zeros([1, n, *rest], kind)
+        got = sess.run(None, {k: v for k, v in feeds.items() if any(i.name == k for i in ins)})[0]
+        keys = np.concatenate([np.arange(past), pos])
+        far = pos[:, None] - keys[None, :] >= window
+        if got.shape != bias.shape or not np.array_equal(got[0, 0][~far], bias[0, 0][~far]):
+            return False
+        if far.any():
+            vals = np.unique(got[0, 0][far])
+            if len(vals) != 1 or not vals[0] <= attn.UNSEEN or (fill is not None and vals[0] != fill):
+                return False
+            fill = vals[0]
+    return fill is not None and fill == np.finfo(np.float32).min  # the operator's fill (attn.cpp kFill)
+
+
+def _slot_inputs(g) -> bool:
+    """Rows decoupled from slots after the fact: where static_kv kept rows = slots because the
+    graph shaped its own mask from the slot-shaped inputs (Gemma 3's windows) and every window is
+    now the operator's, position_ids and attention_bias reach nothing but our operators, so each
+    operator reads its slots' rows (``slot_rows``) and writes its rows (``row_slots``) itself, as
+    in a sparse static graph: a tree's pad slots cost attention only, and the batched serving
+    graph applies. Returns whether it did."""
+    import onnx_ir as ir
+
+    names = {v.name for v in g.inputs}
+    if S.SLOT_ROWS in names or S.POSITION_IDS not in names or S.ATTENTION_BIAS not in names:
+        return False
+    inputs = {v.name: v for v in g.inputs}
+    ops = [n for n in g if n.op_type == attn.OP and n.domain == attn.DOMAIN]
+    for name in (S.POSITION_IDS, S.ATTENTION_BIAS):
+        if any(u.node not in ops for u in inputs[name].uses()) or inputs[name] in g.outputs:
+            return False
+    if any(len(n.inputs) != attn.IN_BIAS + 1 for n in ops):
+        return False
+    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
+    row_slots = ir.Value(name=S.ROW_SLOTS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
+    g.inputs.extend([slot_rows, row_slots])
+    for n in ops:
+        n.resize_inputs(attn.IN_ROW_SLOTS + 1)
+        n.replace_input_with(attn.IN_SLOT_ROWS, slot_rows)
+        n.replace_input_with(attn.IN_ROW_SLOTS, row_slots)
+    inputs[S.POSITION_IDS].shape = ir.Shape([1, "slots"])
+    inputs[S.ATTENTION_BIAS].shape = ir.Shape([1, 1, "slots", "total"])
+    primary = inputs.get(S.INPUT_IDS) or inputs.get(S.INPUTS_EMBEDS)
+    if primary is not None and primary.shape is not None:
+        primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
+    return True
 
 
 def _fuse_swiglu(g) -> int:
