@@ -385,6 +385,20 @@ def write_outputs(report: Report, out: Path, meta: dict) -> dict[str, Path]:
     return paths
 
 
+def bar_value(r: Row | None, key: str) -> float | None:
+    """A bar's height: ``r``'s speedup (``key`` empty) or its ratio over peer ``key``; None where
+    there is none (the method or the peer did not run there: genai's n-gram drafting on Gemma's long
+    prompts), drawn as "n/a", not as a bar at zero."""
+    if r is None:
+        return None
+    v = r.x_peer.get(key) if key else r.speedup
+    return float(v) if v else None
+
+
+def bar_label(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
 def plot_speedups(
     report: Report, path: Path, title: str = "speedup over baseline", notes: dict[str, str] | None = None
 ) -> None:
@@ -421,9 +435,7 @@ def plot_speedups(
         )
 
     def value(r: Row | None, key: str) -> float:
-        if r is None:
-            return 0.0
-        return (r.x_peer.get(key) if key else r.speedup) or 0.0
+        return bar_value(r, key) or 0.0
 
     colors = {m: f"C{i}" for i, m in enumerate(report.methods)}  # one color per method in both panels
     n_bars = max(len(p[1]) for p in panels)
@@ -433,10 +445,10 @@ def plot_speedups(
     for ax, (key, methods, ylabel, ref, ttl) in zip(axes[:, 0], panels):
         width = 0.8 / max(len(methods), 1)
         for i, m in enumerate(methods):
-            vals = [value(report.row(g, m), key) for g in groups]
+            got = [bar_value(report.row(g, m), key) for g in groups]
             xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
-            bars = ax.bar(xs, vals, width, label=m, color=colors[m])
-            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+            bars = ax.bar(xs, [v or 0.0 for v in got], width, label=m, color=colors[m])
+            ax.bar_label(bars, labels=[bar_label(v) for v in got], fontsize=7, padding=1)
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label=ref)
         ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
         ax.set_ylabel(ylabel)

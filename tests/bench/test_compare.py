@@ -745,3 +745,14 @@ def test_genai_ngram_flags():
     ):
         r = CliRunner().invoke(_cli(), ["bench", "--model", "m", *argv])
         assert r.exit_code == 2 and msg in r.output, (argv, r.output)
+
+
+def test_a_peer_that_did_not_run_in_a_category_is_drawn_as_na_not_zero():
+    """Where genai's n-gram drafting ran on no prompt of a category (Gemma's long prompts), its
+    bar says n/a instead of showing a ratio of 0.00."""
+    from dejavuu_build.bench.report import Row, bar_label, bar_value
+
+    row = Row("rag", "auto", 5, 5, 640, 100.0, 1.0, 1.5, 10.0, 0.8, 3.0, 0.3, 20.0, 0.5, 100.0)
+    row.x_peer = {"genai": 1.32, "genai-ngram": None}
+    assert [bar_label(bar_value(row, k)) for k in ("", "genai", "genai-ngram")] == ["1.50", "1.32", "n/a"]
+    assert bar_label(bar_value(None, "genai")) == "n/a"

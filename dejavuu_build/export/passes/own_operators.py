@@ -7,6 +7,10 @@
   attention row. Where q, k and v come apart (a per-head norm between the projection and the
   rotary, as Gemma 3's) one Concat packs them: a copy of a few KB a layer, where the separate
   GroupQueryAttention with its key floor cost Gemma-3-270M 1.3x our operator's step;
+- a sliding window's mask that the graph shapes from its inputs (Gemma 3's local layers) becomes
+  the operator's ``window``, once evaluating the mask proves it is that window (_Windows); where
+  every mask is then the operator's, rows come apart from slots (_slot_inputs) as static_kv does
+  for a graph without such masks;
 - each MLP's ``Split -> Sigmoid -> Mul -> Mul`` after its fused gate/up projection becomes one
   ``dejavuu.q41.SwiGLU`` (four nodes a layer: one; elementwise, so row-invariant).
 
@@ -14,9 +18,9 @@ Why a pass after static_kv and not a flavour of it: everything else about the in
 (slots, fused projections, the buffer binding, the runtime's driver) is the static layout's
 unchanged. Applied to the variants of a precision that runs our operators
 (precisions.Precision.operators names kernels.attn.DOMAIN): one library holds them all
-(kernels.q41.SOURCES). A GroupQueryAttention our operator cannot take (q/k/v unpacked, no or
-interleaved rotary, a softcap or a window, another head size) stays as it was, and the log says
-so; so does an MLP of another shape.
+(kernels.q41.SOURCES). A GroupQueryAttention our operator cannot take (no or interleaved rotary,
+a softcap or onnxruntime's own local_window_size, another head size) stays as it was, and the log
+says so; so do a mask it cannot prove a window and an MLP of another shape.
 """
 
 from __future__ import annotations
