@@ -1,5 +1,6 @@
 """Parity of a decoder graph with the concat graph it is made from (tests of the KV layouts and of
-the passes after them): prefill, then a tree over the prompt, through the build's Runner."""
+the passes after them): prefill, then a tree over the prompt, through the build's Runner; and of a
+drafter's tokens with plain decoding's on one model."""
 
 from __future__ import annotations
 
@@ -34,3 +35,22 @@ def matches_concat(concat, other, atol=2e-5):
     np.testing.assert_allclose(to, tc, atol=atol)
     np.testing.assert_allclose(tho, thc, atol=atol)
     return po
+
+
+def assert_lossless(model, method: str, prompts, max_new_tokens: int = 30, seed: int = 5) -> None:
+    """``method`` in chains and in trees, greedy and sampled, gives plain decoding's tokens on
+    every prompt (drafts validated)."""
+    for prompt in prompts:
+        for temp in (0.0, 0.9):
+            base = model.generate(prompt, max_new_tokens=max_new_tokens, temperature=temp, seed=seed)
+            for tree in (False, True):
+                r = model.generate(
+                    prompt,
+                    method=method,
+                    tree=tree,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temp,
+                    seed=seed,
+                    validate_drafts=True,
+                )
+                assert r.tokens == base.tokens, (method, tree, temp, prompt)

@@ -9,6 +9,7 @@ from collections import Counter
 
 import onnx
 import pytest
+from parity import assert_lossless
 
 from dejavuu_build import schema as S
 from dejavuu_build.build.config import TreeDecoderConfig
@@ -75,14 +76,7 @@ def test_the_body_is_the_files_blocks_in_our_operator_and_passes_every_gate(entr
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_is_lossless_on_the_operator(entry, method):
     m = load(entry.folder, variant="int4op-static")
-    for prompt in PROMPTS:
-        for temp in (0.0, 0.9):
-            base = m.generate(prompt, max_new_tokens=30, temperature=temp, seed=5)
-            for tree in (False, True):
-                r = m.generate(
-                    prompt, method=method, tree=tree, max_new_tokens=30, temperature=temp, seed=5, validate_drafts=True
-                )
-                assert r.tokens == base.tokens, (method, tree, temp, prompt)
+    assert_lossless(m, method, PROMPTS)
 
 
 def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatch):
@@ -112,31 +106,9 @@ def test_a_machine_without_the_operator_refuses_it_in_one_line(entry, monkeypatc
 def test_batched_requests_on_the_operator_equal_each_alone(entry, temperature):
     """Requests side by side in the operator's batched graph (every method, chains and trees,
     different prompt lengths) get the tokens each gets alone."""
-    from scheduling import run_all
+    from scheduling import assert_batched_equal_alone
 
-    from dejavuu_build.runtime.settings import DecodeSettings
-    from dejavuu_build.serve.scheduler import Result, Scheduler
-
-    model = load(entry.folder)
-    sched = Scheduler(model, max_batch=8)
-    try:
-        assert sched.batched, sched.why_sequential
-        jobs = []
-        for i, method in enumerate(METHODS):
-            prm = DecodeSettings(
-                max_new_tokens=20 + 3 * i, temperature=temperature, seed=3 + i, method=method, tree=i % 2 == 1
-            )
-            jobs.append((model.encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), prm))
-        out = run_all(sched, jobs, timeout=300)
-        for (ids, prm), r in zip(jobs, out):
-            assert isinstance(r, Result) and r.batched, r
-            alone = model.generate(
-                ids, method="baseline", max_new_tokens=prm.max_new_tokens, temperature=temperature, seed=prm.seed
-            )
-            assert r.tokens == alone.tokens, (prm.method, prm.tree)
-        assert sched.metrics.shared_forwards > 0  # requests really shared forwards
-    finally:
-        sched.close()
+    assert_batched_equal_alone(load(entry.folder), PROMPTS, temperature)
 
 
 def test_the_server_serves_the_operator_default_with_generates_answer(entry, tmp_path):

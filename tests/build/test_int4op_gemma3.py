@@ -17,6 +17,7 @@ from collections import Counter
 
 import onnx
 import pytest
+from parity import assert_lossless, matches_concat, runner
 
 from dejavuu_build import schema as S
 from dejavuu_build.build.config import TreeDecoderConfig
@@ -58,8 +59,6 @@ def entry(cache_dir):
 
 
 def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_function(entry):
-    from parity import matches_concat, runner
-
     static = entry.folder / entry.manifest.variants["int4op-static"].file
     assert graph_domains(static) >= {attn.DOMAIN}
     ops = Counter(n.op_type for n in onnx.load(static, load_external_data=False).graph.node)
@@ -95,14 +94,7 @@ def test_the_batched_gate_holds_with_no_floor_and_a_lone_token_is_one_row(entry)
 def test_every_method_is_lossless_on_it(entry, method):
     m = load(entry.folder, variant="int4op-static")
     assert m.tree_period, "our operator verifies trees"
-    for prompt in PROMPTS:
-        for temp in (0.0, 0.9):
-            base = m.generate(prompt, max_new_tokens=30, temperature=temp, seed=5)
-            for tree in (False, True):
-                r = m.generate(
-                    prompt, method=method, tree=tree, max_new_tokens=30, temperature=temp, seed=5, validate_drafts=True
-                )
-                assert r.tokens == base.tokens, (method, tree, temp, prompt)
+    assert_lossless(m, method, PROMPTS)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -110,30 +102,8 @@ def test_the_server_batches_it_and_each_request_gets_its_tokens_alone(entry, tem
     """The batched serving graph of the default (export.passes.serve_batch on our operator, windows
     included), gated at build, and requests side by side through the scheduler (every method,
     chains and trees, prompts past the window) get the tokens each gets alone."""
-    from scheduling import run_all
-
-    from dejavuu_build.runtime.settings import DecodeSettings
-    from dejavuu_build.serve.scheduler import Result, Scheduler
+    from scheduling import assert_batched_equal_alone
 
     b = entry.manifest.batched
     assert b["variant"] == "int4op-static" and b["passed"] and b["gate"]["mismatches"] == 0, b
-    model = load(entry.folder)
-    sched = Scheduler(model, max_batch=8)
-    try:
-        assert sched.batched, sched.why_sequential
-        jobs = []
-        for i, method in enumerate(METHODS):
-            prm = DecodeSettings(
-                max_new_tokens=20 + 3 * i, temperature=temperature, seed=3 + i, method=method, tree=i % 2 == 1
-            )
-            jobs.append((model.encode(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), prm))
-        out = run_all(sched, jobs, timeout=300)
-        for (ids, prm), r in zip(jobs, out):
-            assert isinstance(r, Result) and r.batched, r
-            alone = model.generate(
-                ids, method="baseline", max_new_tokens=prm.max_new_tokens, temperature=temperature, seed=prm.seed
-            )
-            assert r.tokens == alone.tokens, (prm.method, prm.tree)
-        assert sched.metrics.shared_forwards > 0
-    finally:
-        sched.close()
+    assert_batched_equal_alone(load(entry.folder), PROMPTS, temperature)
