@@ -434,9 +434,6 @@ def plot_speedups(
             )
         )
 
-    def value(r: Row | None, key: str) -> float:
-        return bar_value(r, key) or 0.0
-
     colors = {m: f"C{i}" for i, m in enumerate(report.methods)}  # one color per method in both panels
     n_bars = max(len(p[1]) for p in panels)
     fig, axes = plt.subplots(
@@ -453,7 +450,7 @@ def plot_speedups(
         ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
         ax.set_title(ttl)
-        ax.set_ylim(0, 1.15 * max([1.0, *(value(r, key) for r in report.rows)]))
+        ax.set_ylim(0, 1.15 * max([1.0, *(bar_value(r, key) or 0.0 for r in report.rows)]))
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -30,7 +30,7 @@ from ...errors import ExportError
 from ...kernels import attn, q41
 from ...log import logger
 from .common import MS_DOMAIN
-from .static_kv import FLOOR_PREFIXES
+from .static_kv import FLOOR_PREFIXES, add_slot_inputs, shape_rows_apart
 
 _UNSUPPORTED_ATTRS = ("softcap", "local_window_size", "smooth_softmax", "qk_output")
 
@@ -144,7 +144,7 @@ class _Windows:
     exactly; anything else stays the bias it was."""
 
     def __init__(self, model, g):
-        self.model, self.g = model, g
+        self.model = model
         self.found = 0
         self._seen: dict = {}
         inputs = {v.name: v for v in g.inputs}
@@ -253,7 +253,6 @@ def _slot_inputs(g) -> bool:
     operator reads its slots' rows (``slot_rows``) and writes its rows (``row_slots``) itself, as
     in a sparse static graph: a tree's pad slots cost attention only, and the batched serving
     graph applies. Returns whether it did."""
-    import onnx_ir as ir
 
     names = {v.name for v in g.inputs}
     if S.SLOT_ROWS in names or S.POSITION_IDS not in names or S.ATTENTION_BIAS not in names:
@@ -265,18 +264,12 @@ def _slot_inputs(g) -> bool:
             return False
     if any(len(n.inputs) != attn.IN_BIAS + 1 for n in ops):
         return False
-    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
-    row_slots = ir.Value(name=S.ROW_SLOTS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
-    g.inputs.extend([slot_rows, row_slots])
+    slot_rows, row_slots = add_slot_inputs(g)
     for n in ops:
         n.resize_inputs(attn.IN_ROW_SLOTS + 1)
         n.replace_input_with(attn.IN_SLOT_ROWS, slot_rows)
         n.replace_input_with(attn.IN_ROW_SLOTS, row_slots)
-    inputs[S.POSITION_IDS].shape = ir.Shape([1, "slots"])
-    inputs[S.ATTENTION_BIAS].shape = ir.Shape([1, 1, "slots", "total"])
-    primary = inputs.get(S.INPUT_IDS) or inputs.get(S.INPUTS_EMBEDS)
-    if primary is not None and primary.shape is not None:
-        primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
+    shape_rows_apart(inputs)
     return True
 
 
@@ -408,15 +401,19 @@ def _widened(shape, width: int):
     return None if shape is None or len(shape) != 3 else ir.Shape([*list(shape)[:2], width])
 
 
+def _floor_named(nd) -> bool:
+    return any(p in (nd.name or "") for p in FLOOR_PREFIXES)
+
+
 def _is_floor(nd) -> bool:
-    return nd is not None and nd.op_type == "Pad" and any(p in (nd.name or "") for p in FLOOR_PREFIXES)
+    return nd is not None and nd.op_type == "Pad" and _floor_named(nd)
 
 
 def _is_floor_cut(nd, y) -> bool:
     """Whether ``nd`` is the floor's Slice of GroupQueryAttention's output ``y`` (its only use)."""
     return (
         nd.op_type == "Slice"
-        and any(p in (nd.name or "") for p in FLOOR_PREFIXES)
+        and _floor_named(nd)
         and nd.inputs[0] is y
         and len(list(y.uses())) == 1
         and y not in nd.graph.outputs

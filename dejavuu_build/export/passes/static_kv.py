@@ -94,9 +94,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     slot_gathers: list = []
     # Rows (tokens) and slots (attention positions) are decoupled: row-wise work runs on the real
     # rows only; each GQA gathers its q/k/v rows into the slot layout and gathers its output back.
-    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
-    row_slots = ir.Value(name=S.ROW_SLOTS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
-    g.inputs.extend([slot_rows, row_slots])
+    slot_rows, row_slots = add_slot_inputs(g)
 
     for att in attn_nodes:
         q4 = att.inputs[0]
@@ -195,11 +193,7 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
     RemoveUnusedNodesPass()(m)
     sparse = _slot_inputs_reach_attention_only(g, (bias, position_ids))
     if sparse:
-        position_ids.shape = ir.Shape([1, "slots"])
-        bias.shape = ir.Shape([1, 1, "slots", "total"])
-        primary = inputs.get(S.INPUT_IDS) or inputs.get(S.INPUTS_EMBEDS)
-        if primary is not None and primary.shape is not None:
-            primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
+        shape_rows_apart(inputs)
         floor.fold_into_slots(slot_rows, slot_gathers)
     else:
         _undo_slot_gathers(g, slot_gathers, (slot_rows, row_slots))
@@ -212,6 +206,27 @@ def to_static_kv(model, capacity: int, *, fuse: bool = True):
         "cost attention only" if sparse else "are whole rows (the graph shapes a mask by the rows)",
     )
     return out
+
+
+def add_slot_inputs(g):
+    """The two index inputs that decouple rows from slots (schema.SLOT_ROWS, ROW_SLOTS), added."""
+    import onnx_ir as ir
+
+    slot_rows = ir.Value(name=S.SLOT_ROWS, shape=ir.Shape(["slots"]), type=ir.TensorType(ir.DataType.INT64))
+    row_slots = ir.Value(name=S.ROW_SLOTS, shape=ir.Shape(["rows"]), type=ir.TensorType(ir.DataType.INT64))
+    g.inputs.extend([slot_rows, row_slots])
+    return slot_rows, row_slots
+
+
+def shape_rows_apart(inputs: dict) -> None:
+    """A graph with rows apart from slots: positions and bias per slot, its primary input per row."""
+    import onnx_ir as ir
+
+    inputs[S.POSITION_IDS].shape = ir.Shape([1, "slots"])
+    inputs[S.ATTENTION_BIAS].shape = ir.Shape([1, 1, "slots", "total"])
+    primary = inputs.get(S.INPUT_IDS) or inputs.get(S.INPUTS_EMBEDS)
+    if primary is not None and primary.shape is not None:
+        primary.shape = ir.Shape([1, "rows", *list(primary.shape)[2:]])
 
 
 def _slot_inputs_reach_attention_only(g, slot_shaped) -> bool:
