@@ -1,26 +1,32 @@
-// Q41MatMul (domain dejavuu.q41, opset 1): an exact matmul of block-quantized weights (4- or 8-bit
-// levels, blocks of 32 along K) by int8-rounded activations, as an onnxruntime custom operator,
+// Q41MatMul (domain dejavuu.q41, opset 1): an exact matmul of block-quantized weights (4-, 5- or
+// 8-bit levels, blocks of 32 along K) by int8-rounded activations, as an onnxruntime custom operator,
 // compiled on the user's machine on first use by dejavuu_build/kernels/q41.py (which also writes
 // the weights, pack(), and holds the same arithmetic in numpy, reference()).
 // Grown from the spike of the twenty-second session (docs/spikes/q41_gemm.cpp; its operator is in the history at 4c95ac3).
 //
 // Inputs   A float [..., K]
-//          packed uint8 [tiles*nb*64*bits] (per tile and block: 256 bytes at 4 bits, 512 at 8)
+//          packed uint8 [tiles*nb*64*bits] (per tile and block: 256 bytes at 4 bits, 320 at 5, 512 at 8)
 //          d float or float16 [tiles*nb*16]
 //          m optional, d's type, [tiles*nb*16]: omitted (an empty name, or no 4th input) is the
 //            centred form below
-// Attrs    K (a multiple of 32), N (the real output width), bits (4 or 8; absent: 4);
+// Attrs    K (a multiple of 32), N (the real output width), bits (4, 5 or 8; absent: 4);
 //          tiles = ceil(N/16), nb = K/32
 // Output   Y float [..., N]
 //
 // Weights, column n, block b (32 consecutive k), levels q in 0..2^bits-1:
 //   minimum form (m given):  w[k, n] = d[b,n] * q + m[b,n]       (GGUF Q4_1; Q4_K, Q4_0 per 32 too)
-//   centred form (no m):     w[k, n] = d[b,n] * (q - 2^(bits-1))  (GGUF Q4_0: q, d; Q8_0: q_s8 + 128, d)
+//   centred form (no m):     w[k, n] = d[b,n] * (q - 2^(bits-1))  (GGUF Q4_0: q, d; Q5_0: q, d;
+//                                                                   Q8_0: q_s8 + 128, d)
 // float16 d and m are converted to float exactly: the same bits as the same values given as float.
 // Layout, per tile of 16 columns and block (d and m: [tiles][nb][16]; columns past N are zero
 // levels, d = m = 0):
 //   bits 4: 256 bytes, 4 groups of 64 (16 columns x 4 bytes); byte g*64 + lane*4 + e holds the
 //           level of k = 4g+e in its low nibble and of k = 16+4g+e in its high one
+//   bits 5: 320 bytes: the 4-bit layout of the levels' low 4 bits, then 64 bytes of fifth bits:
+//           byte 256 + lane*4 + e holds, in its bit j (0..7), the fifth bit of the level of
+//           k = 4j+e (so a byte of the plane sits where the nibbles' bytes of its lane and e do,
+//           and one shift and mask per level vector puts its bits at 0x10: GGUF Q5_0/Q5_1/Q5_K's
+//           levels, 0.625 bytes a weight instead of 1 at 8 bits)
 //   bits 8: 512 bytes, 8 groups of 64; byte g*64 + lane*4 + e holds the level of k = 4g+e
 //
 // Arithmetic, the same float operations in the same order on every ISA path (so every path gives
@@ -36,13 +42,16 @@
 //
 // ISA paths, chosen at compile time from the predefined macros (the JIT builds with -march=native):
 //   avx512vnni  AVX-512 F+BW+VNNI: vpdpbusd over 4 levels per lane, 16 columns per zmm (8-bit
-//               levels straight from memory, no unpacking); float16 scales by vcvtph2ps
+//               levels straight from memory, no unpacking; 5-bit: nibbles OR the plane's bit at
+//               0x10); float16 scales by vcvtph2ps
 //   avx2        AVX2+FMA (AVX-512 CPUs without VNNI too): two 8-column halves (in one pass over a
 //               tile at one or two rows, one after the other from three), vpmaddubsw (levels
 //               0..15 unsigned x int8 activations: at most 2*15*127 per pair, and 8 groups summed
 //               in int16 stay under 8*3810 = 30480, so no saturation) then vpmaddwd with ones;
 //               8-bit levels split into nibbles, dot = dot(lo) + 16*dot(hi) (each as above: a
-//               byte x 127 pair could reach 2*255*127 and saturate int16); float16 scales by F16C
+//               byte x 127 pair could reach 2*255*127 and saturate int16); 5-bit levels whole
+//               (0..31: a pair at most 2*31*127 = 7874, so 4 groups per int16 sum, 31496); float16
+//               scales by F16C
 //               where the compiler has it (-mf16c), else converted one by one
 //   scalar      portable C++ (std::nearbyint under the default rounding mode, std::fma)
 // Build flags: -ffp-contract=off and never -ffast-math (the order above is the contract).
@@ -90,8 +99,9 @@ constexpr uint32_t kMinApi = 17;  // KernelContext_ParallelFor
 constexpr const char* kDomain = "dejavuu.q41";
 constexpr const char* kOp = "Q41MatMul";
 
-// packed bytes per tile and block: 16 columns x 32 levels of `bits` bits (256 at 4 bits, 512 at 8)
+// packed bytes per tile and block: 16 columns x 32 levels of `bits` bits (256 at 4, 320 at 5, 512 at 8)
 constexpr int64_t tile_bytes(int bits) { return (int64_t)TN * BL * bits / 8; }
+constexpr int64_t kPlane = 256;  // bits 5: where a tile's block keeps its fifth bits (after the nibbles)
 
 struct Job {
   const uint8_t* q;
@@ -222,9 +232,14 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* qa, float* s
 }
 
 // ------------------------------------------------------------------ one tile of 16 columns, M rows
-// Template parameters: M rows (1..8), BITS (4 or 8), CENTRED (no m), S the scales' element type
+// Template parameters: M rows (1..8), BITS (4, 5 or 8), CENTRED (no m), S the scales' element type
 // (float, or uint16_t holding float16 bits).
 #if defined(Q41_AVX512VNNI)
+// bits 5: bit j of each plane byte moved to bit 4 (16-bit shifts by at most 4 keep a byte's bits
+// in that byte wherever the mask 0x10 then looks)
+inline __m512i fifth(__m512i plane, int j) {
+  return j < 4 ? _mm512_slli_epi16(plane, 4 - j) : j == 4 ? plane : _mm512_srli_epi16(plane, j - 4);
+}
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
@@ -239,12 +254,16 @@ void tile(const Job& j, int64_t t, int64_t r0) {
   for (int64_t b = 0; b < j.nb; b++) {
     const uint8_t* p = j.q + (t * j.nb + b) * TB;
     __m512i wv[8];  // wv[g]: the levels of k = 4g..4g+3, 4 bytes per column
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 4 || BITS == 5) {
       const __m512i lo4 = _mm512_set1_epi8(0x0F);
       for (int g = 0; g < 4; g++) {
         __m512i raw = _mm512_loadu_si512(p + 64 * g);
         wv[g] = _mm512_and_si512(raw, lo4);
         wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+      }
+      if constexpr (BITS == 5) {  // bit j of the plane's byte: the fifth bit of wv[j]'s level there
+        const __m512i plane = _mm512_loadu_si512(p + kPlane), b4 = _mm512_set1_epi8(0x10);
+        for (int g = 0; g < 8; g++) wv[g] = _mm512_or_si512(wv[g], _mm512_and_si512(fifth(plane, g), b4));
       }
     } else {
       for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(p + 64 * g);
@@ -299,13 +318,22 @@ inline __m256 load8(const uint16_t* p) {
 #endif
 }
 
-// The int32 dot of 8 columns' levels (lo: 4 bytes per column per group, 0..15) with the row's 32
-// activations, through int16 sums of vpmaddubsw pairs (at most 8*2*15*127 = 30480: exact).
-inline __m256i dot_nibbles(const __m256i* w, const int8_t* qa, __m256i mul16) {
+// The int32 dot of 8 columns' levels (4 bytes per column per group) over G groups with the row's
+// activations, through int16 sums of vpmaddubsw pairs: exact while G * 2 * top * 127 fits int16
+// (levels 0..15 over 8 groups: 30480; 0..31 over 4: 31496).
+template <int G>
+inline __m256i dot_groups(const __m256i* w, const int8_t* qa, __m256i mul16) {
   __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(qa)));
-  for (int g = 1; g < 8; g++)
+  for (int g = 1; g < G; g++)
     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_i32(qa + 4 * g))));
   return _mm256_madd_epi16(s16, mul16);
+}
+
+// bits 5: bit j of each plane byte moved to bit 4 and OR-ed into level vector j (16-bit shifts by
+// at most 4 keep a byte's bits in that byte wherever the mask 0x10 then looks)
+inline __m256i with_fifth(__m256i w, __m256i plane, int j) {
+  const __m256i b = j < 4 ? _mm256_slli_epi16(plane, 4 - j) : j == 4 ? plane : _mm256_srli_epi16(plane, j - 4);
+  return _mm256_or_si256(w, _mm256_and_si256(b, _mm256_set1_epi8(0x10)));
 }
 
 // Asks for a block of the tile kPrefetch tiles ahead while this one computes (its levels, and its
@@ -352,8 +380,28 @@ void tile_pass(const Job& j, int64_t t, int64_t r0) {
     const uint8_t* p = j.q + (t * j.nb + b) * TB;
     const int8_t* qa = j.qa + r0 * j.K + b * BL;
     if (ahead) prefetch<BITS, CENTRED, S>(j, p + kPrefetch * j.nb * TB, (t + kPrefetch) * j.nb + b);
-    __m256i s16[M][2], s16h[BITS == 8 ? M : 1][2];  // [row][half]; 8 bits: low and high nibbles
-    if constexpr (BITS == 4) {  // group g: low nibbles k = 4g+e, high ones k = 16+4g+e
+    __m256i s16[M][2], s16h[BITS == 4 ? 1 : M][2];  // [row][half]; 8 bits: low and high nibbles
+    if constexpr (BITS == 5) {  // as 4 bits with the plane's fifth bits; k < 16 and k >= 16 summed apart
+      const __m256i pl0 = _mm256_loadu_si256((const __m256i*)(p + kPlane));
+      const __m256i pl1 = _mm256_loadu_si256((const __m256i*)(p + kPlane + 32));
+      for (int g = 0; g < 4; g++) {
+        __m256i lo0, hi0, lo1, hi1;
+        nibbles(p + 64 * g, lo4, lo0, hi0, lo1, hi1);
+        lo0 = with_fifth(lo0, pl0, g), hi0 = with_fifth(hi0, pl0, g + 4);
+        lo1 = with_fifth(lo1, pl1, g), hi1 = with_fifth(hi1, pl1, g + 4);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; r++) {
+          const int8_t* a = qa + r * j.K + 4 * g;
+          const __m256i al = _mm256_set1_epi32(load_i32(a)), ah = _mm256_set1_epi32(load_i32(a + 16));
+          const __m256i l0 = _mm256_maddubs_epi16(lo0, al), h0 = _mm256_maddubs_epi16(hi0, ah);
+          const __m256i l1 = _mm256_maddubs_epi16(lo1, al), h1 = _mm256_maddubs_epi16(hi1, ah);
+          s16[r][0] = g == 0 ? l0 : _mm256_add_epi16(s16[r][0], l0);
+          s16[r][1] = g == 0 ? l1 : _mm256_add_epi16(s16[r][1], l1);
+          s16h[r][0] = g == 0 ? h0 : _mm256_add_epi16(s16h[r][0], h0);
+          s16h[r][1] = g == 0 ? h1 : _mm256_add_epi16(s16h[r][1], h1);
+        }
+      }
+    } else if constexpr (BITS == 4) {  // group g: low nibbles k = 4g+e, high ones k = 16+4g+e
       for (int g = 0; g < 4; g++) {
         __m256i lo0, hi0, lo1, hi1;
         nibbles(p + 64 * g, lo4, lo0, hi0, lo1, hi1);
@@ -394,6 +442,7 @@ void tile_pass(const Job& j, int64_t t, int64_t r0) {
       for (int h = 0; h < 2; h++) {
         __m256i dot = _mm256_madd_epi16(s16[r][h], _mm256_set1_epi16(1));
         if constexpr (BITS == 8) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16h[r][h], _mm256_set1_epi16(16)));
+        if constexpr (BITS == 5) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16h[r][h], _mm256_set1_epi16(1)));
         const __m256 dsc = _mm256_mul_ps(dv[h], sv);
         __m256 inc;
         if constexpr (CENTRED) {
@@ -427,12 +476,16 @@ void tile_halves(const Job& j, int64_t t, int64_t r0) {
     for (int64_t b = 0; b < j.nb; b++) {
       const uint8_t* p = j.q + (t * j.nb + b) * TB + 32 * h;  // columns 8h..8h+7
       if (h == 0 && ahead) prefetch<BITS, CENTRED, S>(j, p + kPrefetch * j.nb * TB, (t + kPrefetch) * j.nb + b);
-      __m256i wv[BITS == 4 ? 8 : 16];  // [g]: k = 4g..4g+3 (8 bits: low nibbles; [8+g]: high ones)
-      if constexpr (BITS == 4) {
+      __m256i wv[BITS == 8 ? 16 : 8];  // [g]: k = 4g..4g+3 (8 bits: low nibbles; [8+g]: high ones)
+      if constexpr (BITS == 4 || BITS == 5) {
         for (int g = 0; g < 4; g++) {
           __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
           wv[g] = _mm256_and_si256(raw, lo4);
           wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+        }
+        if constexpr (BITS == 5) {
+          const __m256i plane = _mm256_loadu_si256((const __m256i*)(j.q + (t * j.nb + b) * TB + kPlane + 32 * h));
+          for (int g = 0; g < 8; g++) wv[g] = with_fifth(wv[g], plane, g);
         }
       } else {
         for (int g = 0; g < 8; g++) {
@@ -447,8 +500,13 @@ void tile_halves(const Job& j, int64_t t, int64_t r0) {
       if constexpr (!CENTRED) mv = load8(ms + o);
       for (int r = 0; r < M; r++) {
         const int8_t* qa = j.qa + (r0 + r) * j.K + b * BL;
-        __m256i dot = dot_nibbles(wv, qa, ones);
-        if constexpr (BITS == 8) dot = _mm256_add_epi32(dot, dot_nibbles(wv + 8, qa, sixteen));
+        __m256i dot;
+        if constexpr (BITS == 5) {  // levels to 31: 4 groups per int16 sum
+          dot = _mm256_add_epi32(dot_groups<4>(wv, qa, ones), dot_groups<4>(wv + 4, qa + 16, ones));
+        } else {
+          dot = dot_groups<8>(wv, qa, ones);
+          if constexpr (BITS == 8) dot = _mm256_add_epi32(dot, dot_groups<8>(wv + 8, qa, sixteen));
+        }
         const int64_t rb = (r0 + r) * j.nb + b;
         const __m256 dsc = _mm256_mul_ps(dv, _mm256_set1_ps(j.s[rb]));
         if constexpr (CENTRED) {
@@ -504,11 +562,17 @@ void tile(const Job& j, int64_t t, int64_t r0) {
       const float s = j.s[rb];
       for (int n = 0; n < TN; n++) {
         int32_t dot = 0;
-        if constexpr (BITS == 4) {
+        if constexpr (BITS == 4 || BITS == 5) {
           for (int g = 0; g < 4; g++)
             for (int e = 0; e < 4; e++) {
               const int byte = p[64 * g + 4 * n + e];
-              dot += (byte & 15) * qa[4 * g + e] + (byte >> 4) * qa[16 + 4 * g + e];
+              int lo = byte & 15, hi = byte >> 4;
+              if constexpr (BITS == 5) {  // the plane's bit j: the fifth bit of k = 4j+e
+                const int plane = p[kPlane + 4 * n + e];
+                lo |= ((plane >> g) & 1) << 4;
+                hi |= ((plane >> (g + 4)) & 1) << 4;
+              }
+              dot += lo * qa[4 * g + e] + hi * qa[16 + 4 * g + e];
             }
         } else {
           for (int g = 0; g < 8; g++)
@@ -550,13 +614,14 @@ void run_tile(void* data, size_t t) {
 
 using RunTile = void (*)(void*, size_t);
 
-// The instantiation for a form: bits 4 or 8, centred (no m) or not, float16 scales or float.
+// The instantiation for a form: bits 4, 5 or 8, centred (no m) or not, float16 scales or float.
 RunTile pick(int bits, bool centred, bool half) {
-  static const RunTile table[2][2][2] = {
+  static const RunTile table[3][2][2] = {
       {{run_tile<4, false, float>, run_tile<4, false, uint16_t>}, {run_tile<4, true, float>, run_tile<4, true, uint16_t>}},
+      {{run_tile<5, false, float>, run_tile<5, false, uint16_t>}, {run_tile<5, true, float>, run_tile<5, true, uint16_t>}},
       {{run_tile<8, false, float>, run_tile<8, false, uint16_t>}, {run_tile<8, true, float>, run_tile<8, true, uint16_t>}},
   };
-  return table[bits == 8][centred][half];
+  return table[bits == 4 ? 0 : bits == 5 ? 1 : 2][centred][half];
 }
 
 // ------------------------------------------------------------------ the onnxruntime operator
@@ -721,12 +786,13 @@ struct Q41Op : OrtCustomOp {
       Q41_CHECK(api->KernelInfoGetAttribute_int64(info, "N", &N));
       if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "bits", &bits)) {  // absent: 4
         api->ReleaseStatus(st);
-        if (other_attribute(api, info, "bits")) return invalid(api, "attribute bits must be an int, 4 or 8");
+        if (other_attribute(api, info, "bits")) return invalid(api, "attribute bits must be an int, 4, 5 or 8");
         bits = 4;
       }
       if (K <= 0 || K % BL != 0) return invalid(api, "attribute K must be a positive multiple of 32");
       if (N <= 0) return invalid(api, "attribute N must be positive");
-      if (bits != 4 && bits != 8) return invalid(api, "attribute bits must be 4 or 8, got " + std::to_string(bits));
+      if (bits != 4 && bits != 5 && bits != 8)
+        return invalid(api, "attribute bits must be 4, 5 or 8, got " + std::to_string(bits));
       *kernel = new (std::nothrow) Kernel{api, K, N, bits};
       return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "Q41MatMul: out of memory");
     };
@@ -793,12 +859,12 @@ Q41_EXPORT void dejavuu_q41_gemm(const float* A, int64_t rows, const uint8_t* pa
   gemm(A, rows, packed, d, m, K, N, 4, false, Y);
 }
 
-// Every form: bits 4 or 8; m null is the centred form; half != 0: d and m are float16 (uint16
-// bits), else float. Returns 0, or -1 (nothing computed) for bits not 4/8 or K not a positive
+// Every form: bits 4, 5 or 8; m null is the centred form; half != 0: d and m are float16 (uint16
+// bits), else float. Returns 0, or -1 (nothing computed) for bits not 4/5/8 or K not a positive
 // multiple of 32.
 Q41_EXPORT int dejavuu_q41_gemm2(const float* A, int64_t rows, const uint8_t* packed, const void* d, const void* m,
                                  int64_t K, int64_t N, int64_t bits, int32_t half, float* Y) {
-  if ((bits != 4 && bits != 8) || K <= 0 || K % BL != 0) return -1;
+  if ((bits != 4 && bits != 5 && bits != 8) || K <= 0 || K % BL != 0) return -1;
   if (rows > 0 && N > 0) gemm(A, rows, packed, d, m, K, N, (int)bits, half != 0, Y);
   return 0;
 }

@@ -1,5 +1,5 @@
-"""Q41MatMul: an exact matmul of block-quantized weights (4- or 8-bit levels in blocks of 32 along
-K) by int8-rounded activations, as an onnxruntime custom operator (q41.cpp), compiled on first use
+"""Q41MatMul: an exact matmul of block-quantized weights (4-, 5- or 8-bit levels in blocks of 32
+along K) by int8-rounded activations, as an onnxruntime custom operator (q41.cpp), compiled on first use
 on this machine (pip install stays pure Python) for the best ISA path it has.
 
 The quantizer writes the weights with :func:`pack`; the runtime calls :func:`register` on its
@@ -8,15 +8,19 @@ The quantizer writes the weights with :func:`pack`; the runtime calls :func:`reg
 
 Operator (domain ``dejavuu.q41``, opset 1): inputs ``A`` float32 [..., K], ``packed`` uint8
 [tiles*nb*64*bits], ``d`` float32 or float16 [tiles*nb*16] and optionally ``m`` (d's type, same
-size); attributes ``K`` (a multiple of 32), ``N`` and ``bits`` (4 or 8; absent: 4); output float32
+size); attributes ``K`` (a multiple of 32), ``N`` and ``bits`` (4, 5 or 8; absent: 4); output float32
 [..., N]; ``tiles = ceil(N/16)``, ``nb = K/32``. Weight column n of block b (32 consecutive k), with
 levels q in 0..2^bits-1, is
 
 - with ``m`` (the minimum form): ``d[b,n] * q + m[b,n]`` (GGUF Q4_1; Q4_K and Q4_0 have that form
   per 32 too);
 - without it (an empty input name, or no 4th input: the centred form): ``d[b,n] * (q - 2^(bits-1))``
-  (GGUF Q4_0 as q and d; Q8_0 as its int8 level + 128 and d), corrected by an exact integer instead
-  of a float term, and no m to stream.
+  (GGUF Q4_0 or Q5_0 as q and d; Q8_0 as its int8 level + 128 and d), corrected by an exact
+  integer instead of a float term, and no m to stream.
+
+5-bit levels (GGUF Q5_0 / Q5_1 / Q5_K) are packed as 4-bit nibbles plus a plane of fifth bits,
+0.625 bytes a weight instead of 8 bits' 1, and on AVX2 they are multiplied whole (levels to 31 keep
+4 groups of int16 pair sums exact) instead of as two nibbles: fewer bytes and fewer products.
 
 float16 d and m (what the GGUF stores) convert to float32 exactly, so they give the same bits as the
 same values in float32, with fewer bytes streamed per step. Activations are rounded to int8 per row
@@ -66,8 +70,9 @@ SWIGLU_OP = "SwiGLU"  # the MLP's silu(gate) * up in the same domain (attn.cpp: 
 OPSET = 1
 BLOCK = 32  # k per block: one scale and one minimum per column and block
 TILE = 16  # columns per tile: N is padded up to a multiple
-TILE_BYTES = TILE * BLOCK // 2  # packed bytes per tile and block at 4 bits (256; 512 at 8)
-BITS = (4, 8)  # the levels' widths the operator takes
+TILE_BYTES = TILE * BLOCK // 2  # packed bytes per tile and block at 4 bits (256; 320 at 5, 512 at 8)
+PLANE = TILE_BYTES  # bits 5: where a tile's block keeps its 64 bytes of fifth bits, after the nibbles
+BITS = (4, 5, 8)  # the levels' widths the operator takes
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # d's and m's element types
 ISAS = ("avx512vnni", "avx2", "scalar")  # the compiled paths, best first (isa_of names one)
 BUILD_ISAS = ("avx2", "scalar")  # what library(isa=...) can force instead of -march=native
@@ -91,13 +96,13 @@ Scales = npt.NDArray[Any]  # float32 or float16 (pack's scale_dtype)
 
 # ------------------------------------------------------------------------------------- weights
 def tile_bytes(bits: int) -> int:
-    """Packed bytes per tile of 16 columns and block of 32: 256 at 4 bits, 512 at 8."""
+    """Packed bytes per tile of 16 columns and block of 32: 256 at 4 bits, 320 at 5, 512 at 8."""
     return TILE * BLOCK * _check_bits(bits) // 8
 
 
 def _check_bits(bits: int) -> int:
     if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        raise ValueError(f"bits must be 4, 5 or 8, got {bits!r}")
     return int(bits)
 
 
@@ -132,7 +137,9 @@ def pack(
     offset per column and block, or, with ``offset`` None (the centred form, ``m`` returned None),
     w = scale * (q - 2^(bits-1)).
 
-    ``bits`` 4 packs two levels a byte (256 bytes per tile and block), 8 one (512); ``scale_dtype``
+    ``bits`` 4 packs two levels a byte (256 bytes per tile and block), 5 their low 4 bits so plus a
+    plane of fifth bits (320: byte 256 + 4*lane + e holds in bit j the fifth bit of k = 4j+e), 8
+    one level a byte (512); ``scale_dtype``
     np.float16 writes d and m as float16, refused (ValueError) unless every float32 value is one
     exactly (:func:`fits_float16`: the caller decides). Columns are padded up to a multiple of 16
     with zero levels, scale 0 and offset 0. ``pack(q, scale, offset)`` is the original form."""
@@ -159,8 +166,14 @@ def pack(
     qp[:n] = q
     # [tiles, nb, 8 groups of 4 k, 16 columns, 4]: group g holds k = 4g..4g+3, 16 columns x 4 each
     qt = qp.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    if bits == 4:  # group g's bytes: k = 4g+e (low nibble) and k = 16+4g+e (high nibble), g < 4
-        packed = (qt[:, :, :4] | (qt[:, :, 4:] << 4)).astype(np.uint8).reshape(-1)
+    if bits in (4, 5):  # group g's bytes: k = 4g+e (low nibble) and k = 16+4g+e (high nibble), g < 4
+        lo = qt & 0x0F
+        packed = (lo[:, :, :4] | (lo[:, :, 4:] << 4)).astype(np.uint8).reshape(tiles, nb, -1)
+        if bits == 5:  # [tiles, nb, 16 columns, 4]: bit j <- the fifth bit of group j's level
+            fifth = (qt >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None, None]
+            plane = np.bitwise_or.reduce(fifth, axis=2).reshape(tiles, nb, -1)
+            packed = np.concatenate([packed, plane], axis=-1)
+        packed = packed.reshape(-1)
     else:  # one byte per level, 8 groups of 64 bytes
         packed = qt.reshape(-1)
 
@@ -179,9 +192,13 @@ def unpack(
     (float16 d and m convert exactly); offset None where m is (the centred form)."""
     bits = _check_bits(bits)
     nb, tiles = k // BLOCK, -(-n // TILE)
-    if bits == 4:
-        p = np.asarray(packed, np.uint8).reshape(tiles, nb, 4, TILE, 4)
+    if bits in (4, 5):
+        tb = np.asarray(packed, np.uint8).reshape(tiles, nb, tile_bytes(bits))
+        p = tb[:, :, :PLANE].reshape(tiles, nb, 4, TILE, 4)
         qt = np.concatenate([p & 0x0F, p >> 4], axis=2)  # [tiles, nb, 8, 16, 4]
+        if bits == 5:
+            plane = tb[:, :, PLANE:].reshape(tiles, nb, 1, TILE, 4)
+            qt = qt | (((plane >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1) << 4)
     else:
         qt = np.asarray(packed, np.uint8).reshape(tiles, nb, 8, TILE, 4)
     q = qt.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, nb, BLOCK)[:n]

@@ -16,7 +16,8 @@ times an fp32 [blocks, N] matrix, added to MatMulNBits' output. Both MatMuls are
 row-invariant at every row count (measured: docs/quantization.md); siblings' offset MatMuls read
 the same block sums, so the in-place flavours' sibling fusion concatenates them along N like the
 4-bit weights.
-Q5_x and Q6_K levels do not fit 4 bits: they are carried at 8 bits (Q6_K in blocks of 16).
+Q5_x and Q6_K levels do not fit 4 bits: they are carried at 8 bits (Q6_K in blocks of 16), or, where
+our operator runs them (``_op_form``), Q5_x at its own 5 bits (0.625 bytes a weight instead of 1).
 What the library lacks and this module keeps: the plan (which node gets which width), the tied 8-bit table and the carried GGUF blocks.
 The lm-head and the embedding are found by name (``/lm_head/MatMul``,
 ``/model/embed_tokens/Gather``, set by the exporter), never by guessing.
@@ -402,7 +403,8 @@ def _unpack(x: np.ndarray, bits: int) -> np.ndarray:
 def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     """The GGUF blocks ``src`` (gguf_blocks.Blocks, rows already in the weight's order) at ``bits``.
 
-    Levels wider than 4 bits (Q5_x, Q6_K, Q8_0) go to 8 bits. Centred blocks (Q4_0, Q5_0, Q6_K,
+    Levels wider than 4 bits (Q5_x, Q6_K, Q8_0) go to 8 bits, except Q5_x's in blocks of 32 where
+    our operator runs them (``_op_5bit``): 5 bits, as the file holds them. Centred blocks (Q4_0, Q5_0, Q6_K,
     Q8_0) are MatMulNBits' own form. A block minimum (Q4_1, Q4_K, Q5_1, Q5_K) is, by
     ``plan.gguf_min``: "offset", exact (levels re-centred, the rest in the block-sum term);
     "float_zp", exact on slow kernels; "nearest", the nearest integer zero point (per block a
@@ -414,10 +416,10 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     if plan.gguf_min == Q41 and bits == 4 and src.block == BLOCK and (src.bits == 4 or not src.centred):
         # Q4_0 / Q4_1 / Q4_K: levels, scale and minimum (a centred type's -8d, exact in float32)
         # as the file holds them, for our operator: nothing re-rounded, nothing re-centred; Q5_1 /
-        # Q5_K likewise in its 8-bit levels (the block minimum needs no offset term there either)
-        w = 4 if src.bits == 4 else 8
+        # Q5_K likewise in its 5-bit levels (the block minimum needs no offset term there either)
+        w = src.bits if src.bits in (4, 5) else 8
         return Encoded(w, src.q, src.scale, None, f"{name} carried exactly (q41 operator)", src.offset, form=Q41)
-    width = 8 if bits == 8 or src.bits > 4 else 4
+    width = 5 if bits != 8 and _op_5bit(src, plan) else 8 if bits == 8 or src.bits > 4 else 4
     shift = 2 ** (width - 1) - 2 ** (src.bits - 1)  # centre the file's levels in the kernel's range
     q = (src.q.astype(np.int16) + shift).astype(np.uint8)
     bs = "" if src.block == BLOCK else f" bs{src.block}"
@@ -462,6 +464,12 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
         f"{name} carried (q4, minimum as the nearest integer zero point; "
         f"{100 * (1 - use_own.mean()):.1f}% of blocks re-rounded where closer)",
     )
+
+
+def _op_5bit(src, plan: QuantPlan) -> bool:
+    """Whether ``src`` (centred 5-bit levels in blocks of 32: Q5_0) runs in our operator at its own
+    width under ``plan``: the plans that run centred blocks there (``_op_form``)."""
+    return plan.gguf_min == Q41 and plan.lm_head_op and src.bits == 5 and src.centred and src.block == BLOCK
 
 
 def _sibling_name(node, role: str) -> str:
@@ -768,7 +776,8 @@ def _matmul_nbits(q: _Quantizing, node, enc: Encoded | None, prefix: str, shared
 def _op_form(q: _Quantizing, enc: Encoded | None) -> bool:
     """Whether ``enc`` runs in our operator (kernels.q41) under this plan: a q41 encoding (4-bit
     levels with a minimum), or, where the plan runs the lm-head or 8-bit weights there too, a
-    centred one in blocks of 32 (the file's Q8_0 or Q5_0 levels, d * (q - 2^(bits-1)))."""
+    centred one in blocks of 32 (the file's Q8_0 or Q5_0 levels, d * (q - 2^(bits-1))): 4, 5 or
+    8 bits."""
     if enc is None:
         return False
     if enc.form == Q41:
@@ -779,7 +788,7 @@ def _op_form(q: _Quantizing, enc: Encoded | None) -> bool:
         and enc.block == BLOCK
         and enc.zp is None
         and enc.offset is None
-        and enc.bits in (4, 8)
+        and enc.bits in (4, 5, 8)
     )
 
 

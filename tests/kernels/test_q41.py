@@ -283,7 +283,7 @@ def test_every_path_gives_the_same_bits(libs):
 
 # ------------------------------------------------------------------ the forms: bits, centred, float16
 # every form: (bits, centred (no m), float16 d and m); (4, False, False) is the original one
-FORMS = [(b, c, h) for b in (4, 8) for c in (False, True) for h in (False, True)]
+FORMS = [(b, c, h) for b in (4, 5, 8) for c in (False, True) for h in (False, True)]
 FORM_IDS = [f"q{b}-{'centred' if c else 'min'}-{'f16' if h else 'f32'}" for b, c, h in FORMS]
 
 
@@ -292,7 +292,7 @@ def form_weights(rng: np.random.Generator, bits: int, centred: bool, half: bool,
     values that are exactly float16 (what pack then writes as float16)."""
     nb = k // q41.BLOCK
     q = rng.integers(0, 1 << bits, (n, nb, q41.BLOCK), dtype=np.uint16).astype(np.uint8)
-    step = 0.01 if bits == 4 else 0.0006
+    step = {4: 0.01, 5: 0.005, 8: 0.0006}[bits]
     scale = (rng.random((n, nb), dtype=np.float32) * step + step / 2).astype(np.float32)
     offset = -(rng.random((n, nb), dtype=np.float32) * 0.1 + 0.05).astype(np.float32)
     if half:
@@ -333,6 +333,63 @@ def test_pack_8bit_layout_by_hand():
                         assert packed[base + g * 64 + lane * 4 + e] == want, (t, b, lane, g, e)
 
 
+def test_pack_5bit_layout_by_hand():
+    """bits 5: the 4-bit layout of the levels' low 4 bits (byte g*64 + lane*4 + e: k = 4g+e low,
+    k = 16+4g+e high nibble), then 64 bytes whose byte 256 + lane*4 + e holds in bit j the fifth
+    bit of k = 4j+e (320 bytes per tile and block)."""
+    rng = np.random.default_rng(21)
+    n, nb = 20, 2
+    q, scale, _ = form_weights(rng, 5, True, True, n, nb * 32)
+    q[0, 0, 0], q[0, 0, 31] = 31, 16
+    packed, d, m = q41.pack(q, scale, None, bits=5, scale_dtype=np.float16)
+    assert m is None and packed.shape == (2 * nb * 320,) and q41.tile_bytes(5) == 320
+    assert packed[0] & 15 == 15 and packed[3 * 64 + 3] >> 4 == 0 and packed[256] & 1 == 1
+    assert (packed[256 + 3] >> 7) & 1 == 1  # k = 31 = 4*7 + 3: lane 0, e 3, bit 7
+    for t in range(2):
+        for b in range(nb):
+            base = (t * nb + b) * 320
+            for lane in range(16):
+                col = t * 16 + lane
+                for k in range(32):
+                    want = int(q[col, b, k]) if col < n else 0
+                    g, e = (k % 16) // 4, k % 4
+                    nib = packed[base + g * 64 + lane * 4 + e]
+                    low = nib & 15 if k < 16 else nib >> 4
+                    fifth = (packed[base + 256 + lane * 4 + e] >> (k // 4)) & 1
+                    assert low | (fifth << 4) == want, (t, b, lane, k)
+
+
+def test_5bit_extremes_do_not_saturate(libs):
+    """Levels 0 and 31 against activations at +-127: four groups of pairs at 2*31*127 reach 31496,
+    the int16 edge the avx2 path sums to; integer activations and power-of-two scales make the
+    float64 matmul exact, so every path must give exactly it (both forms, both scale types)."""
+    k, n = 128, 40
+    nb = k // 32
+    q = np.zeros((n, nb, 32), np.uint8)
+    q[0::4] = 31
+    q[2::4, :, 0::2] = 31
+    q[3::4] = np.arange(32, dtype=np.uint8)
+    x = np.empty((5, k), np.float32)
+    x[0], x[1] = 127, -127
+    x[2] = np.tile([127, -127], k // 2)
+    x[3] = np.where(np.arange(k) % 32 < 16, 127, -127)
+    x[4] = np.where(np.arange(k) % 3 == 0, 127, -127)
+    scale = np.full((n, nb), 2.0**-6, np.float32)
+    for centred in (True, False):
+        offset = None if centred else np.full((n, nb), -0.5, np.float32)
+        w = q.astype(np.float64) * scale[..., None]
+        w = w - 16 * scale[..., None] if centred else w + offset[..., None]
+        exact = x.astype(np.float64) @ w.reshape(n, k).T
+        assert np.array_equal(q41.reference(x, q, scale, offset, bits=5).astype(np.float64), exact)
+        for half in (False, True):
+            packed, d, m = q41.pack(q, scale, offset, bits=5, scale_dtype=np.float16 if half else np.float32)
+            for isa in RUNNABLE:
+                got = q41.gemm(x, packed, d, m, n, bits=5, isa=isa)
+                assert np.array_equal(got.astype(np.float64), exact), (isa, centred, half)
+            y = session(q41_model(packed, d, m, k, n, bits=5)).run(None, {"A": x})[0]
+            assert np.array_equal(y.astype(np.float64), exact), (centred, half)
+
+
 def test_pack_keeps_the_original_form():
     """pack(q, scale, offset) is bits 4 with float32 d and m, as before; bits=4 and float32 said
     explicitly give the same arrays; the centred 4-bit form has the same levels and d."""
@@ -369,9 +426,10 @@ def test_fits_float16():
 @pytest.mark.parametrize(
     "kwargs, q_top, message",
     [
-        ({"bits": 3}, 7, "bits must be 4 or 8"),
-        ({"bits": 16}, 7, "bits must be 4 or 8"),
+        ({"bits": 3}, 7, "bits must be 4, 5 or 8"),
+        ({"bits": 16}, 7, "bits must be 4, 5 or 8"),
         ({"bits": 8}, 256, r"0\.\.255"),
+        ({"bits": 5}, 32, r"0\.\.31"),
         ({"bits": 4}, 16, r"0\.\.15"),
         ({"scale_dtype": np.float64}, 7, "scale_dtype must be float32 or float16"),
     ],
@@ -416,7 +474,7 @@ def centred_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (act + flt) * (1 + 1e-12) + 1e-300
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_centred_form_is_close_to_the_float64_matmul(bits):
     rng = np.random.default_rng(14)
     for k in (K, 576):
@@ -455,7 +513,7 @@ def test_every_form_a_row_alone_is_the_same_row_among_others(libs, bits, centred
         assert np.array_equal(bits_of(s.run(None, {"A": x[r : r + 1]})[0][0]), bits_of(together[r])), r
 
 
-@pytest.mark.parametrize("bits, centred", [(4, False), (4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("bits, centred", [(b, c) for b in (4, 5, 8) for c in (False, True)])
 def test_float16_scales_are_the_same_bits_as_float32(libs, bits, centred):
     """The same values as float16 and as float32 d/m: the same bits, through onnxruntime (whose
     session keeps the float16 initializers as they are: the mixed-type refusal below shows the
@@ -596,7 +654,7 @@ def test_operator_refuses_bad_forms(libs):
     with pytest.raises(Exception, match="d must be float or float16, got double"):
         run(q41_model(p16, d32.astype(np.float64), None, bits=8))
     for bad in (3, 16, 0):
-        with pytest.raises(Exception, match=f"attribute bits must be 4 or 8, got {bad}"):
+        with pytest.raises(Exception, match=f"attribute bits must be 4, 5 or 8, got {bad}"):
             run(q41_model(p16, d16, m16, bits=bad))
     with pytest.raises(Exception, match="attribute bits must be an int"):
         run(q41_model(p16, d16, m16, bits=8.0))
@@ -605,6 +663,8 @@ def test_operator_refuses_bad_forms(libs):
         run(q41_model(p4, d4, m4, bits=8))
     with pytest.raises(Exception, match=r"packed must hold tiles\*nb\*256 = 2304 bytes \(bits = 4\)"):
         run(q41_model(p16, d16, m16))
+    with pytest.raises(Exception, match=r"packed must hold tiles\*nb\*320 = 2880 bytes \(bits = 5\)"):
+        run(q41_model(p4, d4, m4, bits=5))  # 4-bit data, read as 5-bit
     with pytest.raises(Exception, match=r"d must hold tiles\*nb\*16 = 144 values"):
         run(q41_model(p16, d16[:-16], None, bits=8))
 
@@ -618,7 +678,7 @@ def test_gemm_refuses_bad_forms(libs):
         q41.gemm(x, packed, d, m.astype(np.float32), N, bits=8)
     with pytest.raises(ValueError, match="do not match"):
         q41.gemm(x, packed, d, m, N)  # 8-bit data as 4-bit
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 5 or 8"):
         q41.gemm(x, packed, d, m, N, bits=2)
 
 

@@ -324,13 +324,15 @@ def test_real_gguf_blocks_are_carried_exactly(cache_dir, source, kinds):
 
 
 Q41_KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K")  # levels with a minimum per 32: the operator's q41 form
-OP_CENTRED = ("Q8_0", "Q5_0")  # centred 8-bit levels in blocks of 32: the operator's centred form
+OP_CENTRED = ("Q8_0", "Q5_0")  # centred levels in blocks of 32: the operator's centred form
+# each operator's width: the file's own (the 4-bit siblings on x fused into one)
+OP_BITS = {"Q4_0_Q4_1_Q4_1b_stranger": 4, "Q4_K": 4, "Q5_1": 5, "Q5_K": 5, "Q5_0": 5, "Q8_0": 8}
 
 
 def test_int4op_carries_the_files_blocks_into_our_operator(synthetic, tmp_path):
     """`int4op`: every block of 32 goes into the Q41MatMul operator as the file holds it -- levels
-    with a minimum (Q4_0 / Q4_1 / Q4_K at 4 bits, Q5_1 / Q5_K at 8) with their d and m, centred
-    ones (Q8_0, Q5_0) with d alone; Q6_K's blocks of 16 stay MatMulNBits; the stranger is rounded
+    with a minimum (Q4_0 / Q4_1 / Q4_K at 4 bits, Q5_1 / Q5_K at 5) with their d and m, centred
+    ones (Q8_0 at 8 bits, Q5_0 at 5) with d alone; Q6_K's blocks of 16 stay MatMulNBits; the stranger is rounded
     to Q4_1's form. The session computes exactly the operator's arithmetic (kernels.q41.reference)
     on the file's own blocks, fused siblings included; d and m travel as float16 where the file
     holds them so; every row gets the same bits alone as among 2..17 rows."""
@@ -358,6 +360,9 @@ def test_int4op_carries_the_files_blocks_into_our_operator(synthetic, tmp_path):
         + [f"/model/{k}/MatMulQ41" for k in ("Q4_K", "Q5_1", "Q5_K", "Q8_0", "Q5_0")]
     )
     assert all(n.domain == q41.DOMAIN for n in ops.values())
+    for kind, width in OP_BITS.items():  # each at its file's own width (absent attribute: 4)
+        attrs = {a.name: a.i for a in ops[f"/model/{kind}/MatMulQ41"].attribute}
+        assert attrs.get("bits", 4) == width, kind
     assert [n.op_type for n in m.graph.node if n.name.startswith("/model/Q6_K/")] == ["MatMulNBits"]
     inits = {t.name: t for t in m.graph.initializer}
     fused_d = inits[ops["/model/Q4_0_Q4_1_Q4_1b_stranger/MatMulQ41"].input[2]]
