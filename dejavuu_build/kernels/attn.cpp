@@ -710,17 +710,60 @@ void swiglu(const float* x, int64_t rows, int64_t F, float* y) {
   }
 }
 
-struct SwiGLUKernel {
+// ------------------------------------------------------------------ GeGLU
+// y = gelu_tanh(g) * u for x = [g | u]: gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))),
+// c = sqrt(2/pi), tanh(z) = 1 - 2 / (exp(2z) + 1) with the exp above (saturating to +-1 at its
+// bounds); each element on its own, every path the same operations in the same order. It replaces
+// Gemma's MLP Split, Gelu(approximate="tanh") and Mul (three nodes a layer: one).
+constexpr const char* kGeGLU = "GeGLU";
+constexpr float kGeluC = 0.7978845608028654f, kGeluK = 0.044715f;
+
+void geglu(const float* x, int64_t rows, int64_t F, float* y) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* g = x + r * 2 * F;
+    const float* u = g + F;
+    float* o = y + r * F;
+    int64_t i = 0;
+#if defined(ATTN_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+    const __m256 c = _mm256_set1_ps(kGeluC), kk = _mm256_set1_ps(kGeluK);
+    for (; i + 8 <= F; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 inner = _mm256_add_ps(gv, _mm256_mul_ps(_mm256_mul_ps(kk, _mm256_mul_ps(gv, gv)), gv));
+      const __m256 z = _mm256_mul_ps(c, inner);
+      const __m256 e = exp8(_mm256_add_ps(z, z));
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+      const __m256 act = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, t));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < F; i++) {
+      const float gi = g[i];
+      const float z = kGeluC * (gi + (kGeluK * (gi * gi)) * gi);
+      const float e = exp1(z + z);
+      const float t = 1.f - 2.f / (e + 1.f);
+      o[i] = ((0.5f * gi) * (1.f + t)) * u[i];
+    }
+  }
+}
+
+// The gated activations' operator: x [..., 2F] = [gate | up] -> act(gate) * up [..., F].
+using GatedFn = void (*)(const float*, int64_t, int64_t, float*);
+
+struct GatedKernel {
   const OrtApi* api;
+  GatedFn fn;
+  const char* name;
 };
 
-OrtStatus* swiglu_compute(const SwiGLUKernel& k, OrtKernelContext* ctx) {
+OrtStatus* gated_compute(const GatedKernel& k, OrtKernelContext* ctx) {
   const OrtApi* api = k.api;
   std::vector<int64_t> xd;
   const float* x = nullptr;
   ATTN_CHECK(input(api, ctx, 0, xd, &x));
   if (xd.empty() || xd.back() % 2 != 0)
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, "SwiGLU: the last dimension must be even ([gate | up])");
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             (std::string(k.name) + ": the last dimension must be even ([gate | up])").c_str());
   const int64_t F = xd.back() / 2;
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < xd.size(); i++) rows *= xd[i];
@@ -730,15 +773,16 @@ OrtStatus* swiglu_compute(const SwiGLUKernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(api->KernelContext_GetOutput(ctx, 0, od.data(), od.size(), &ov));
   void* out = nullptr;
   ATTN_CHECK(api->GetTensorMutableData(ov, &out));
-  swiglu(x, rows, F, static_cast<float*>(out));
+  k.fn(x, rows, F, static_cast<float*>(out));
   return nullptr;
 }
 
-struct SwiGLUOp : OrtCustomOp {
-  SwiGLUOp() {
+template <GatedFn FN, const char* const* NAME>
+struct GatedOp : OrtCustomOp {
+  GatedOp() {
     static_cast<OrtCustomOp&>(*this) = OrtCustomOp{};
     version = 17;
-    GetName = [](const OrtCustomOp*) { return kSwiGLU; };
+    GetName = [](const OrtCustomOp*) { return *NAME; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
     GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
     GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
@@ -754,22 +798,25 @@ struct SwiGLUOp : OrtCustomOp {
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
-      *kernel = new (std::nothrow) SwiGLUKernel{api};
-      return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "SwiGLU: out of memory");
+      *kernel = new (std::nothrow) GatedKernel{api, FN, *NAME};
+      return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, (std::string(*NAME) + ": out of memory").c_str());
     };
     KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
-      const SwiGLUKernel& k = *static_cast<const SwiGLUKernel*>(kernel);
+      const GatedKernel& k = *static_cast<const GatedKernel*>(kernel);
       try {
-        return swiglu_compute(k, ctx);
+        return gated_compute(k, ctx);
       } catch (const std::bad_alloc&) {
-        return k.api->CreateStatus(ORT_FAIL, "SwiGLU: out of memory");
+        return k.api->CreateStatus(ORT_FAIL, (std::string(k.name) + ": out of memory").c_str());
       }
     };
-    KernelDestroy = [](void* kernel) { delete static_cast<SwiGLUKernel*>(kernel); };
+    KernelDestroy = [](void* kernel) { delete static_cast<GatedKernel*>(kernel); };
   }
 };
 
-SwiGLUOp swiglu_op;
+const char* const kSwiGLUName = kSwiGLU;
+const char* const kGeGLUName = kGeGLU;
+GatedOp<swiglu, &kSwiGLUName> swiglu_op;
+GatedOp<geglu, &kGeGLUName> geglu_op;
 
 }  // namespace
 
@@ -782,6 +829,17 @@ OrtCustomOp* dejavuu_swiglu_op(uint32_t version) {  // version 0: the op as stam
 extern "C" __attribute__((visibility("default"))) void dejavuu_swiglu(const float* x, int64_t rows, int64_t F,
                                                                       float* y) {
   swiglu(x, rows, F, y);
+}
+
+// q41.cpp registers this beside SwiGLU (Gemma's MLP activation).
+OrtCustomOp* dejavuu_geglu_op(uint32_t version) {  // version 0: the op as stamped
+  if (version != 0) geglu_op.version = version;
+  return &geglu_op;
+}
+
+extern "C" __attribute__((visibility("default"))) void dejavuu_geglu(const float* x, int64_t rows, int64_t F,
+                                                                     float* y) {
+  geglu(x, rows, F, y);
 }
 
 // q41.cpp's RegisterCustomOps adds this operator in its own domain, at the negotiated version.

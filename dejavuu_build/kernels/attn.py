@@ -195,10 +195,20 @@ def reference(
 def swiglu(x: npt.ArrayLike, isa: str | None = None) -> F32:
     """The compiled ``dejavuu.q41.SwiGLU`` (attn.cpp) without onnxruntime: ``x`` [rows, 2F] =
     [gate | up] -> silu(gate) * up, [rows, F]."""
+    return _gated(x, "dejavuu_swiglu", isa)
+
+
+def geglu(x: npt.ArrayLike, isa: str | None = None) -> F32:
+    """The compiled ``dejavuu.q41.GeGLU`` (attn.cpp) without onnxruntime: ``x`` [rows, 2F] =
+    [gate | up] -> gelu_tanh(gate) * up, [rows, F]."""
+    return _gated(x, "dejavuu_geglu", isa)
+
+
+def _gated(x: npt.ArrayLike, symbol: str, isa: str | None) -> F32:
     a = np.ascontiguousarray(x, np.float32)
     if a.ndim != 2 or a.shape[1] % 2:
         raise ValueError("x must be [rows, 2F]")
-    fn = q41._load(q41.library(isa)).dejavuu_swiglu
+    fn = getattr(q41._load(q41.library(isa)), symbol)
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     out = np.empty((a.shape[0], a.shape[1] // 2), np.float32)

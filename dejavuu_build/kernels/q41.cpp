@@ -86,9 +86,10 @@
 #define Q41_EXPORT extern "C" __attribute__((visibility("default")))
 
 // attn.cpp: the attention operator, registered here in its own domain (one library, one load),
-// and SwiGLU in this one (the MLP's activation); version 0 returns the op as last stamped
+// and SwiGLU and GeGLU in this one (the MLP's activations); version 0 returns the op as last stamped
 OrtCustomOp* dejavuu_attention_op(uint32_t version);
 OrtCustomOp* dejavuu_swiglu_op(uint32_t version);
+OrtCustomOp* dejavuu_geglu_op(uint32_t version);
 
 namespace {
 
@@ -829,6 +830,7 @@ Negotiated negotiate(const OrtApiBase* base) {
       q41_op.version = v;  // every op's version, stamped once (negotiate runs once per process)
       dejavuu_attention_op(v);
       dejavuu_swiglu_op(v);
+      dejavuu_geglu_op(v);
       return {api, v};
     }
   return {nullptr, 0};
@@ -882,7 +884,7 @@ Q41_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   }
   const OrtApi* api = n.api;
   const std::pair<const char*, std::vector<OrtCustomOp*>> domains[2] = {
-      {kDomain, {&q41_op, dejavuu_swiglu_op(0)}}, {kAttnDomain, {dejavuu_attention_op(0)}}};
+      {kDomain, {&q41_op, dejavuu_swiglu_op(0), dejavuu_geglu_op(0)}}, {kAttnDomain, {dejavuu_attention_op(0)}}};
   for (const auto& [name, ops] : domains) {
     OrtCustomOpDomain* domain = nullptr;
     Q41_CHECK(api->CreateCustomOpDomain(name, &domain));

@@ -67,6 +67,7 @@ from ..schema import KERNELS_DIR
 DOMAIN = "dejavuu.q41"
 OP = "Q41MatMul"
 SWIGLU_OP = "SwiGLU"  # the MLP's silu(gate) * up in the same domain (attn.cpp: elementwise, one node)
+GEGLU_OP = "GeGLU"  # gelu_tanh(gate) * up (Gemma's MLP), likewise
 OPSET = 1
 BLOCK = 32  # k per block: one scale and one minimum per column and block
 TILE = 16  # columns per tile: N is padded up to a multiple

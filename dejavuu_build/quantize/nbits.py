@@ -815,11 +815,25 @@ def _q41_node(q: _Quantizing, node, enc: Encoded, prefix: str):
     return helper.make_node(op.OP, ins, list(node.output), name=node.name + "Q41", domain=op.DOMAIN, **attrs)
 
 
+def _fusion_key(q: _Quantizing, member: tuple) -> object:
+    """Siblings (on one input) with equal keys become one node (``_fused_nbits``): those carried
+    with an offset term or in our operator's minimum form, by form, width and block; centred
+    blocks our operator runs (Gemma's Q5_0 q/k/v and gate/up, a Q4_0 file's), by width and block;
+    any other weight is a key of its own."""
+    nd, enc = member[0], member[1]
+    if enc.offset is not None:
+        return (enc.form, enc.bits, enc.block)
+    if _op_form(q, enc):
+        return ("centred", enc.bits, enc.block)
+    return id(nd)
+
+
 def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
-    """Siblings on one input, each carried with an offset term, as ONE MatMulNBits, one offset
-    MatMul and one Add over their columns concatenated along N, then a Split into their outputs:
-    per column the same arithmetic as apart (MatMulNBits' rows are per output column), a third
-    of the nodes (node dispatch, not arithmetic, is what a one-row step pays for them)."""
+    """Siblings on one input, each carried with an offset term (or in our operator, ``_fusion_key``),
+    as ONE node over their columns concatenated along N (MatMulNBits with one offset MatMul and
+    one Add, or one Q41MatMul), then a Split into their outputs: per column the same arithmetic
+    as apart (either kernel's columns are its own), a third of the nodes (node dispatch, not
+    arithmetic, is what a one-row step pays for them)."""
     from onnx import helper
 
     nds, encs, prefixes = zip(*members)
@@ -833,7 +847,7 @@ def _fused_nbits(q: _Quantizing, members: list[tuple]) -> list:
         np.concatenate([e.scales for e in encs]),
         None,
         "",
-        np.concatenate([e.offset for e in encs]),
+        None if encs[0].offset is None else np.concatenate([e.offset for e in encs]),
         form=encs[0].form,
     )
     fused = helper.make_node("MatMul", [nds[0].input[0], "-"], [prefix + ".fused"], name=name + "/MatMul")
@@ -995,8 +1009,7 @@ def _quantize_matmuls(q: _Quantizing, graph_nodes: list) -> None:
                 bar.update(1)
         kinds: dict = {}
         for m in encoded:
-            key = (m[1].form, m[1].bits, m[1].block) if m[1].offset is not None else id(m[0])
-            kinds.setdefault(key, []).append(m)
+            kinds.setdefault(_fusion_key(q, m), []).append(m)
         for group in kinds.values():
             if len(group) > 1:
                 q.replaced[id(group[0][0])] = _fused_nbits(q, group)

@@ -65,6 +65,9 @@ def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_func
     assert ops["GroupAttention"] == 4, ops  # one per layer
     # no floor left (its pads and its cut), and the per-head norms run tokens-major: no Transpose
     assert not {"GroupQueryAttention", "Pad", "Slice", "Transpose"} & set(ops), ops
+    # each MLP's Split -> Gelu(tanh) -> Mul after its fused gate/up projection: one GeGLU (the
+    # Splits left are q/k/v's, one a layer, and the Mul the embedding's scale)
+    assert ops["GeGLU"] == 4 and "Gelu" not in ops and ops["Split"] == 4 and ops["Mul"] == 1, ops
     graph = onnx.load(static, load_external_data=False).graph
     packs = [n for n in graph.node if n.name.endswith("own_attn/pack_qkv")]
     assert len(packs) == 4 and all(n.op_type == "Concat" and len(n.input) == 3 for n in packs)

@@ -459,6 +459,47 @@ def test_swiglu_is_silu_times_up_the_same_bits_on_every_path(isa):
     assert np.array_equal(bits(y[2:3]), bits(attn.swiglu(x[2:3], isa=isa)))  # a row alone
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_geglu_is_tanh_gelu_times_up_the_same_bits_on_every_path(isa):
+    """GeGLU = gelu_tanh(gate) * up (Gemma's MLP: onnx Gelu with approximate="tanh"), within
+    float32 rounding of float64, saturating where tanh does; the same bits on every path and for
+    a row alone."""
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((5, 2 * 100)) * 4).astype(np.float32)  # F = 100: a tail past the 8-lane loop
+    x[0, :6] = [0.0, -60.0, 60.0, -0.0, 1e-3, -1e-3]
+    y = attn.geglu(x, isa=isa)
+    g, u = x[:, :100].astype(np.float64), x[:, 100:].astype(np.float64)
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    assert np.abs(y - want).max() <= 4e-6 * np.abs(want).max()
+    assert y[0, 1] == 0.0 and y[0, 2] == np.float32(60.0) * x[0, 102]  # tanh saturated: 0 and g * up
+    assert np.array_equal(bits(y), bits(attn.geglu(x, isa="scalar")))
+    assert np.array_equal(bits(y[2:3]), bits(attn.geglu(x[2:3], isa=isa)))  # a row alone
+
+
+def test_geglu_through_onnxruntime_is_the_kernel_and_close_to_onnx_gelu():
+    """The registered GeGLU gives the kernel's bits and stays within float32 rounding of the graph
+    it replaces (onnx Split, Gelu(approximate="tanh"), Mul)."""
+    so = ort.SessionOptions()
+    kernels.register(so, {q41.DOMAIN})
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    ours = helper.make_model(
+        helper.make_graph([helper.make_node(q41.GEGLU_OP, ["x"], ["y"], domain=q41.DOMAIN)], "g", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(q41.DOMAIN, q41.OPSET)],
+    )
+    split = helper.make_node("Split", ["x"], ["g", "u"], axis=-1, num_outputs=2)
+    gelu = helper.make_node("Gelu", ["g"], ["a"], approximate="tanh")
+    theirs = helper.make_model(
+        helper.make_graph([split, gelu, helper.make_node("Mul", ["a", "u"], ["y"])], "o", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 20)],
+    )
+    xv = (np.random.default_rng(11).standard_normal((7, 64)) * 3).astype(np.float32)
+    got = ort.InferenceSession(ours.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
+    ref = ort.InferenceSession(theirs.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": xv})[0]
+    assert np.array_equal(bits(got), bits(attn.geglu(xv)))
+    assert np.abs(got - ref).max() <= 4e-6 * np.abs(ref).max()
+
+
 def test_refusals_say_what_is_wrong():
     rng = np.random.default_rng(0)
     cos, sin = tables(64, 32)

@@ -12,7 +12,8 @@
   every mask is then the operator's, rows come apart from slots (_slot_inputs) as static_kv does
   for a graph without such masks;
 - each MLP's ``Split -> Sigmoid -> Mul -> Mul`` after its fused gate/up projection becomes one
-  ``dejavuu.q41.SwiGLU`` (four nodes a layer: one; elementwise, so row-invariant).
+  ``dejavuu.q41.SwiGLU`` (four nodes a layer: one; elementwise, so row-invariant), and each
+  ``Split -> Gelu(approximate="tanh") -> Mul`` (Gemma's) one ``dejavuu.q41.GeGLU`` (three: one).
 
 Why a pass after static_kv and not a flavour of it: everything else about the in-place graph
 (slots, fused projections, the buffer binding, the runtime's driver) is the static layout's
@@ -114,19 +115,22 @@ def to_own_operators(model):
     RemoveUnusedNodesPass()(m)  # the windows' masks, where every layer now windows itself
     slotted = done == len(gqas) and _slot_inputs(g)
     act = _fuse_swiglu(g)
-    if act:
+    geglu = _fuse_geglu(g)
+    if act or geglu:
         m.opset_imports.setdefault(q41.DOMAIN, q41.OPSET)
     RemoveUnusedNodesPass()(m)
     if not any(n.domain == MS_DOMAIN for n in g):
         m.opset_imports.pop(MS_DOMAIN, None)
     out = _finish(m)
     logger.info(
-        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor%s%s; %d SwiGLU; %d nodes%s",
+        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor%s%s; %d SwiGLU, %d GeGLU; "
+        "%d nodes%s",
         done,
         len(gqas),
         f", {windows.found} with the sliding window in the operator" if windows.found else "",
         ", rows decoupled from slots (pad slots cost attention only)" if slotted else "",
         act,
+        geglu,
         len(out.graph.node),
         "" if not kept else f" (kept: {'; '.join(kept)})",
     )
@@ -276,8 +280,6 @@ def _slot_inputs(g) -> bool:
 def _fuse_swiglu(g) -> int:
     """Each ``Split(fused gate|up) -> Sigmoid(gate) -> Mul(gate, sigmoid) -> Mul(silu, up)`` as one
     SwiGLU over the fused output (gate first; the Split's two halves equal); returns how many."""
-    import onnx_ir as ir
-
     n = 0
     for sp in [nd for nd in g if nd.op_type == "Split" and len(nd.outputs) == 2]:
         gate, up = sp.outputs
@@ -296,23 +298,57 @@ def _fuse_swiglu(g) -> int:
             continue
         if len(list(silu.outputs[0].uses())) != 1:
             continue
-        const = sp.inputs[1].const_value if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
-        sizes = const.numpy() if const is not None else None
-        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+        if not _halves(sp):
             continue
-        axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
-        if axis != -1 and (sp.inputs[0].shape is None or axis != len(sp.inputs[0].shape) - 1):
-            continue
-        nd = ir.node(q41.SWIGLU_OP, [sp.inputs[0]], domain=q41.DOMAIN, name=sp.name.rsplit("/", 2)[0] + "/SwiGLU")
-        g.insert_before(sp, nd)
-        out.outputs[0].replace_all_uses_with(nd.outputs[0])
-        name = out.outputs[0].name
-        out.outputs[0].name = f"{name}__mul"
-        nd.outputs[0].name = name
-        for dead in (out, silu, sig, sp):
-            g.remove(dead, safe=True)
+        _gated(g, sp, out, q41.SWIGLU_OP, (out, silu, sig, sp))
         n += 1
     return n
+
+
+def _fuse_geglu(g) -> int:
+    """Each ``Split(fused gate|up) -> Gelu(gate, approximate="tanh") -> Mul(gelu, up)`` as one
+    GeGLU over the fused output (gate first; the Split's two halves equal); returns how many."""
+    n = 0
+    for sp in [nd for nd in g if nd.op_type == "Split" and len(nd.outputs) == 2]:
+        gate, up = sp.outputs
+        gelu = _sole_user(gate, "Gelu")
+        if gelu is None or len(list(gate.uses())) != 1 or "approximate" not in gelu.attributes:
+            continue
+        if gelu.attributes["approximate"].value != "tanh" or len(list(gelu.outputs[0].uses())) != 1:
+            continue
+        out = _sole_user(gelu.outputs[0], "Mul")
+        if out is None or set(out.inputs) != {gelu.outputs[0], up} or len(list(up.uses())) != 1:
+            continue
+        if any(v in g.outputs for v in (gate, up, gelu.outputs[0])) or not _halves(sp):
+            continue
+        _gated(g, sp, out, q41.GEGLU_OP, (out, gelu, sp))
+        n += 1
+    return n
+
+
+def _halves(sp) -> bool:
+    """Whether Split ``sp`` cuts its input's last axis into two equal constant halves."""
+    const = sp.inputs[1].const_value if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
+    sizes = const.numpy() if const is not None else None
+    if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+        return False
+    axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
+    return axis == -1 or (sp.inputs[0].shape is not None and axis == len(sp.inputs[0].shape) - 1)
+
+
+def _gated(g, sp, out, op: str, dead: tuple) -> None:
+    """One ``op`` (a gated activation of q41's domain) over ``sp``'s input in place of the
+    nodes ``dead``, ``out`` (the last of them) giving its output name to the new node's."""
+    import onnx_ir as ir
+
+    nd = ir.node(op, [sp.inputs[0]], domain=q41.DOMAIN, name=sp.name.rsplit("/", 2)[0] + "/" + op)
+    g.insert_before(sp, nd)
+    out.outputs[0].replace_all_uses_with(nd.outputs[0])
+    name = out.outputs[0].name
+    out.outputs[0].name = f"{name}__mul"
+    nd.outputs[0].name = name
+    for d in dead:
+        g.remove(d, safe=True)
 
 
 def _gather_of(nd, index: str) -> bool:
