@@ -26,12 +26,17 @@
 //     [B, S], bias [B, 1, S, T] (T >= every P_b + w_b), slot_rows [B, S] (rows of qkv) and
 //     row_slots [R] (flat b*S + s, qkv's rows grouped by request in order): each request's rows
 //     get exactly the bits they get alone.
+//   11 q_norm float [D], 12 k_norm float [D] (optional, together): a per-head RMS norm of every q
+//     and k head before its rotary (Gemma 3's q_norm / k_norm), scale as given (the model's own
+//     weight, 1 + w for Gemma), epsilon the attribute norm_epsilon
 // Outputs: 0 out float [1, R, H*D]; 1 present_key, 2 present_value as the pasts.
 // Attributes: num_heads H, kv_num_heads KV (H % KV == 0), scale (float), window (int, optional:
 //   a sliding window's layer, a row at position q seeing no key at position k with q - k >= window;
-//   the bias as given where absent or 0).
+//   the bias as given where absent or 0), norm_epsilon (float, with q_norm / k_norm; absent: 1e-6).
 //
 // The contract (the scalar and AVX2 paths give the same bits: tests/kernels/test_attn.py):
+//   norm (q_norm / k_norm given): ss = sum of x[i]*x[i] in order i = 0..D-1; r = 1 / sqrt(ss / D +
+//     eps); x[i] = (x[i] * r) * w[i];
 //   rotary: for i < D/2, with c = cos[pos][i], s = sin[pos][i]: y[i] = x[i]*c - x[i+D/2]*s,
 //     y[i+D/2] = x[i+D/2]*c + x[i]*s (each product rounded, then the sum); k rotated and v as
 //     given are written at row P + slot of the buffers before any row attends;
@@ -376,12 +381,38 @@ void rotate(const float* x, const float* cs, const float* sn, int64_t D, float* 
   }
 }
 
+// A head's RMS norm (q_norm / k_norm), the contract's order: y = (x * r) * w.
+void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; i++) ss = ss + x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / (float)D + eps);
+  for (int64_t i = 0; i < D; i++) y[i] = (x[i] * r) * w[i];
+}
+
+// The per-head norms before the rotary (null: none) and their epsilon.
+struct Norms {
+  const float* q;
+  const float* k;
+  float eps;
+};
+
+// x's head at `head` rotated at `cs`/`sn` into y, normed first with `w` where given.
+inline void head_in(const float* x, const float* w, float eps, const float* cs, const float* sn, int64_t D,
+                    float* tmp, float* y) {
+  if (w != nullptr) {
+    rms_norm(x, w, eps, D, tmp);
+    x = tmp;
+  }
+  rotate(x, cs, sn, D, y);
+}
+
 // ------------------------------------------------------------------ the onnxruntime operator
 struct Kernel {
   const OrtApi* api;
   int64_t H, KV;
   float scale;
   int64_t window;  // 0: none
+  float norm_eps;
 };
 
 // The bias a sliding window's layer attends under: ``bias`` with kFill wherever a slot's query at
@@ -448,8 +479,10 @@ OrtStatus* input(const OrtApi* api, OrtKernelContext* ctx, size_t i, std::vector
 void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slot_rows, const int64_t* row_slots,
              const int64_t* P, const int64_t* w, float* kb, float* vb, int64_t CAP, int64_t T, const float* cs,
              const float* sn, const int64_t* pos, const float* bias, int64_t H, int64_t KV, int64_t D, float scale,
-             float* out, std::vector<float>& qrot, std::vector<int64_t>& qslot, std::vector<Job>& jobs) {
+             const Norms& nm, float* out, std::vector<float>& qrot, std::vector<int64_t>& qslot,
+             std::vector<Job>& jobs) {
   const int64_t W = (H + 2 * KV) * D, half = D / 2;
+  std::vector<float> tmp((size_t)D);
   for (int64_t b = 0; b < B; b++)
     for (int64_t s = 0; s < w[b]; s++) {
       const int64_t f = b * S + s;
@@ -458,7 +491,7 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
       const float* sv = sn + pos[f] * half;
       for (int64_t g = 0; g < KV; g++) {
         const int64_t at = ((b * KV + g) * CAP + P[b] + s) * D;
-        rotate(row + (H + g) * D, c, sv, D, kb + at);
+        head_in(row + (H + g) * D, nm.k, nm.eps, c, sv, D, tmp.data(), kb + at);
         std::memcpy(vb + at, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
       }
     }
@@ -471,7 +504,8 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
     qslot[(size_t)r] = f % S;
     const float* row = x + (slot_rows ? slot_rows[f] : f) * W;
     for (int64_t h = 0; h < H; h++)
-      rotate(row + h * D, cs + pos[f] * half, sn + pos[f] * half, D, qrot.data() + (r * H + h) * D);
+      head_in(row + h * D, nm.q, nm.eps, cs + pos[f] * half, sn + pos[f] * half, D, tmp.data(),
+              qrot.data() + (r * H + h) * D);
     if (b != request) {  // request b's first row
       request = b;
       const int64_t kv0 = b * KV * CAP * D;
@@ -519,6 +553,8 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const float *x = nullptr, *pk = nullptr, *pv = nullptr, *cs = nullptr, *sn = nullptr, *bias = nullptr;
   const int64_t *pos = nullptr, *slot_rows = nullptr, *row_slots = nullptr;
   const int32_t *seqlens = nullptr, *qlens = nullptr;
+  const float *qn = nullptr, *kn = nullptr;
+  std::vector<int64_t> qnd, knd;
   ATTN_CHECK(input(api, ctx, 0, xd, &x));
   ATTN_CHECK(input(api, ctx, 1, kd, &pk));
   ATTN_CHECK(input(api, ctx, 2, vd, &pv));
@@ -528,8 +564,13 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   ATTN_CHECK(input(api, ctx, 6, bd, &bias));
   size_t n_in = 0;
   ATTN_CHECK(api->KernelContext_GetInputCount(ctx, &n_in));
-  const OrtValue* probe[11] = {};
-  for (size_t i = 7; i < 11 && i < n_in; i++) ATTN_CHECK(api->KernelContext_GetInput(ctx, i, &probe[i]));
+  const OrtValue* probe[13] = {};
+  for (size_t i = 7; i < 13 && i < n_in; i++) ATTN_CHECK(api->KernelContext_GetInput(ctx, i, &probe[i]));
+  if ((probe[11] == nullptr) != (probe[12] == nullptr)) return invalid(api, "q_norm and k_norm come together");
+  if (probe[11] != nullptr) {
+    ATTN_CHECK(input(api, ctx, 11, qnd, &qn));
+    ATTN_CHECK(input(api, ctx, 12, knd, &kn));
+  }
   if ((probe[7] == nullptr) != (probe[8] == nullptr)) return invalid(api, "slot_rows and row_slots come together");
   if ((probe[9] == nullptr) != (probe[10] == nullptr)) return invalid(api, "seqlens_k and query_seqlens come together");
   const bool slots = probe[7] != nullptr, batched = probe[9] != nullptr;
@@ -548,6 +589,8 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   const int64_t rows = xd[1], D = xd[2] / (H + 2 * KV);
   RunItem run = pick(D);
   if (run == nullptr) return invalid(api, "head size must be 64, 128 or 256, got " + std::to_string(D));
+  if (qn != nullptr && (qnd.size() != 1 || qnd[0] != D || knd != qnd))
+    return invalid(api, "q_norm and k_norm must both be [head_size]");
   if (kd.size() != 4 || kd[0] < 1 || (!batched && kd[0] != 1) || kd[1] != KV || kd[3] != D || kd != vd)
     return invalid(api, std::string("past key and value must both be [") + (batched ? "batch" : "1") +
                             ", kv_num_heads, capacity, head_size]");
@@ -617,7 +660,7 @@ OrtStatus* compute(const Kernel& k, OrtKernelContext* ctx) {
   thread_local std::vector<Job> jobs;
   if (k.window > 0) bias = windowed(bias, B, S, T, P.data(), w.data(), pos, k.window, wbias);
   prepare(x, R, S, B, slot_rows, row_slots, P.data(), w.data(), kb, vb, CAP, T, cs, sn, pos, bias, H, KV, D, k.scale,
-          static_cast<float*>(out), qrot, qslot, jobs);
+          Norms{qn, kn, k.norm_eps}, static_cast<float*>(out), qrot, qslot, jobs);
   OrtStatus* st = nullptr;
   const bool ok = run_jobs(jobs, run, [&](RunItem f, size_t n, void* data) {
     if (n > 0) st = api->KernelContext_ParallelFor(ctx, f, n, 0, data);
@@ -632,16 +675,17 @@ struct AttnOp : OrtCustomOp {
     version = 17;
     GetName = [](const OrtCustomOp*) { return kOp; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 11; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 13; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
-      return i >= 9       ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32   // seqlens_k, query_seqlens
+      return i >= 11      ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT   // q_norm, k_norm
+             : i >= 9     ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32   // seqlens_k, query_seqlens
              : i == 5 || i >= 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
                                 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-      return i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // slots, then a batch's lengths
+      return i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // slots, a batch's lengths, norms
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -666,7 +710,13 @@ struct AttnOp : OrtCustomOp {
         window = 0;
       }
       if (window < 0) return invalid(api, "window must be positive (or 0: none)");
-      *kernel = new (std::nothrow) Kernel{api, H, KV, scale, window};
+      float eps = 1e-6f;  // optional: with q_norm / k_norm
+      if (OrtStatus* st = api->KernelInfoGetAttribute_float(info, "norm_epsilon", &eps)) {
+        api->ReleaseStatus(st);
+        eps = 1e-6f;
+      }
+      if (!(eps >= 0.f)) return invalid(api, "norm_epsilon must be >= 0");
+      *kernel = new (std::nothrow) Kernel{api, H, KV, scale, window, eps};
       return *kernel ? nullptr : api->CreateStatus(ORT_FAIL, "GroupAttention: out of memory");
     };
     KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
@@ -850,12 +900,13 @@ OrtCustomOp* dejavuu_attention_op(uint32_t version) {  // version 0: the op as s
 
 // The operator without onnxruntime, one thread, for tests (attn.py calls it through ctypes): the
 // same arguments as the graph's inputs (kbuf/vbuf updated in place, out [R][H*D]; slot_rows and
-// row_slots null: rows are slots); returns 0, -1 for a head size other than 64/128/256, -2 for
+// row_slots null: rows are slots; q_norm and k_norm null: no per-head norm); returns 0, -1 for a head size other than 64/128/256, -2 for
 // heads that are not a positive multiple of kv heads or past + S outside the buffer, -3 out of memory.
 extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
     const float* qkv, int64_t R, int64_t S, const int64_t* slot_rows, const int64_t* row_slots, float* kbuf,
     float* vbuf, int64_t CAP, const float* cos, const float* sin, const int64_t* pos, const float* bias, int64_t T,
-    int64_t H, int64_t KV, int64_t D, float scale, int64_t window, float* out) {
+    int64_t H, int64_t KV, int64_t D, float scale, int64_t window, const float* q_norm, const float* k_norm,
+    float norm_eps, float* out) {
   RunItem run = pick(D);
   if (run == nullptr) return -1;
   if (H <= 0 || KV <= 0 || H % KV != 0 || T < S || T > CAP || window < 0) return -2;
@@ -864,8 +915,8 @@ extern "C" __attribute__((visibility("default"))) int dejavuu_attention(
   std::vector<Job> jobs;
   const int64_t P = T - S, w = S;
   if (window > 0) bias = windowed(bias, 1, S, T, &P, &w, pos, window, wbias);
-  prepare(qkv, R, S, 1, slot_rows, row_slots, &P, &w, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale, out,
-          qrot, qslot, jobs);
+  prepare(qkv, R, S, 1, slot_rows, row_slots, &P, &w, kbuf, vbuf, CAP, T, cos, sin, pos, bias, H, KV, D, scale,
+          Norms{q_norm, k_norm, norm_eps}, out, qrot, qslot, jobs);
   const bool ok = run_jobs(jobs, run, [](RunItem f, size_t n, void* data) {
     for (size_t i = 0; i < n; i++) f(data, i);
   });

@@ -38,7 +38,10 @@ UNSEEN = -1e30  # a bias at or below it: a key the row does not see (its weight 
     IN_ROW_SLOTS,
     IN_SEQLENS_K,
     IN_QUERY_SEQLENS,
-) = range(11)
+    IN_Q_NORM,
+    IN_K_NORM,
+) = range(13)
+NORM_EPSILON = "norm_epsilon"  # the attribute of q_norm / k_norm's epsilon (absent: 1e-6)
 
 F32 = npt.NDArray[np.float32]
 
@@ -62,6 +65,9 @@ def attend(
     slot_rows: npt.ArrayLike | None = None,
     row_slots: npt.ArrayLike | None = None,
     window: int = 0,
+    q_norm: npt.ArrayLike | None = None,
+    k_norm: npt.ArrayLike | None = None,
+    norm_eps: float = 1e-6,
     isa: str | None = None,
 ) -> F32:
     """The compiled operator without onnxruntime (one thread), as the graph runs it: ``qkv``
@@ -70,8 +76,9 @@ def attend(
     D/2], ``positions`` [S], ``bias`` [S, past + S]. ``slot_rows`` [S] (the row each slot reads)
     and ``row_slots`` [R] (each row's slot) decouple rows from slots (a tree's aligned layout);
     None: S = R, slot i is row i. ``window`` > 0: a sliding window's layer (a row at position q
-    sees no key at position k with q - k >= window; past keys sit at their index). Returns the
-    output [R, heads*D]."""
+    sees no key at position k with q - k >= window; past keys sit at their index). ``q_norm`` and
+    ``k_norm`` [D] (together): each q and k head RMS-normed with that scale and ``norm_eps`` before
+    its rotary (Gemma 3's). Returns the output [R, heads*D]."""
     x = np.ascontiguousarray(qkv, np.float32)
     c, s = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
     pos = np.ascontiguousarray(positions, np.int64)
@@ -112,6 +119,12 @@ def attend(
         raise ValueError("bias [S, T], positions [S] and cos/sin [positions, D/2] are needed")
     if pos.min(initial=0) < 0 or pos.max(initial=0) >= c.shape[0]:
         raise ValueError("a position is outside the rotary tables")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    qn = None if q_norm is None else np.ascontiguousarray(q_norm, np.float32)
+    kn = None if k_norm is None else np.ascontiguousarray(k_norm, np.float32)
+    if qn is not None and kn is not None and (qn.shape != (d,) or kn.shape != (d,)):
+        raise ValueError(f"q_norm and k_norm must both be [{d}] (the head size)")
     out = np.empty((rows, heads * d), np.float32)
     rc = _fn(isa)(
         x.ctypes.data,
@@ -132,6 +145,9 @@ def attend(
         d,
         scale,
         window,
+        None if qn is None else qn.ctypes.data,
+        None if kn is None else kn.ctypes.data,
+        norm_eps,
         out.ctypes.data,
     )
     if rc == -1:
@@ -154,10 +170,13 @@ def reference(
     kv_heads: int,
     scale: float,
     window: int = 0,
+    q_norm: npt.ArrayLike | None = None,
+    k_norm: npt.ArrayLike | None = None,
+    norm_eps: float = 1e-6,
 ) -> npt.NDArray[np.float64]:
-    """The same attention in float64 numpy (what the operator approximates in float32): rotary
-    halves, K/V written at past.., softmax over the keys the bias (and ``window``) does not hide.
-    Updates copies of the buffers, returns [S, heads*D]."""
+    """The same attention in float64 numpy (what the operator approximates in float32): per-head
+    RMS norms where given, rotary halves, K/V written at past.., softmax over the keys the bias
+    (and ``window``) does not hide. Updates copies of the buffers, returns [S, heads*D]."""
     x = np.asarray(qkv, np.float64)
     rows = x.shape[0]
     d = x.shape[1] // (heads + 2 * kv_heads)
@@ -171,8 +190,14 @@ def reference(
         t1, t2 = t[..., : d // 2], t[..., d // 2 :]
         return np.concatenate([t1 * c[:, None] - t2 * s[:, None], t2 * c[:, None] + t1 * s[:, None]], -1)
 
-    q = rot(x[:, : heads * d].reshape(rows, heads, d))
-    kn = rot(x[:, heads * d : (heads + kv_heads) * d].reshape(rows, kv_heads, d))
+    def norm(t, w):  # t [S, n, D]
+        if w is None:
+            return t
+        r = 1 / np.sqrt((t * t).mean(-1, keepdims=True) + norm_eps)
+        return t * r * np.asarray(w, np.float64)
+
+    q = rot(norm(x[:, : heads * d].reshape(rows, heads, d), q_norm))
+    kn = rot(norm(x[:, heads * d : (heads + kv_heads) * d].reshape(rows, kv_heads, d), k_norm))
     vn = x[:, (heads + kv_heads) * d :].reshape(rows, kv_heads, d)
     k[:, past : past + rows] = kn.transpose(1, 0, 2)
     v[:, past : past + rows] = vn.transpose(1, 0, 2)

@@ -455,6 +455,9 @@ def _load(path: Path) -> ctypes.CDLL:
             ctypes.c_float,
             i64,
             p,
+            p,
+            ctypes.c_float,
+            p,
         ]
         _loaded[path] = lib
     return _loaded[path]

@@ -66,11 +66,19 @@ def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_func
     # no floor left (its pads and its cut), and the per-head norms run tokens-major: no Transpose
     assert not {"GroupQueryAttention", "Pad", "Slice", "Transpose"} & set(ops), ops
     # each MLP's Split -> Gelu(tanh) -> Mul after its fused gate/up projection: one GeGLU (the
-    # Splits left are q/k/v's, one a layer, and the Mul the embedding's scale)
-    assert ops["GeGLU"] == 4 and "Gelu" not in ops and ops["Split"] == 4 and ops["Mul"] == 1, ops
+    # Mul left is the embedding's scale)
+    assert ops["GeGLU"] == 4 and "Gelu" not in ops and ops["Mul"] == 1, ops
+    # the per-head q/k norms are the operator's: it reads the fused q/k/v projection itself (no
+    # Split, Reshape or packing Concat), and the norms left are the layers' four and the last
+    assert (
+        not {"Split", "Reshape", "Concat"} & set(ops)
+        and ops["RMSNormalization"] + ops["SkipSimplifiedLayerNormalization"] == 4 * 4 + 1
+    ), ops
     graph = onnx.load(static, load_external_data=False).graph
-    packs = [n for n in graph.node if n.name.endswith("own_attn/pack_qkv")]
-    assert len(packs) == 4 and all(n.op_type == "Concat" and len(n.input) == 3 for n in packs)
+    producers = {o: n for n in graph.node for o in n.output}
+    for n in (n for n in graph.node if n.op_type == "GroupAttention"):
+        assert producers[n.input[attn.IN_QKV]].op_type == "Q41MatMul", n.name
+        assert len(n.input) == attn.IN_K_NORM + 1 and n.input[attn.IN_Q_NORM] and n.input[attn.IN_K_NORM], n.name
     # the sliding layers (0 and 2) window in the operator: no mask is shaped in the graph, and
     # every attention reads the step's slots through slot_rows / row_slots
     ours = [n for n in graph.node if n.op_type == "GroupAttention"]
@@ -78,7 +86,7 @@ def test_its_attention_is_ours_on_packed_qkv_and_computes_the_concat_graphs_func
     assert windows == [8, 0, 8, 0], windows
     assert not {"Where", "GreaterOrEqual"} & set(ops), ops
     assert all(n.input[attn.IN_BIAS] == S.ATTENTION_BIAS for n in ours)
-    assert all(len(n.input) == attn.IN_ROW_SLOTS + 1 and n.input[attn.IN_SLOT_ROWS] == S.SLOT_ROWS for n in ours)
+    assert all(n.input[attn.IN_SLOT_ROWS] == S.SLOT_ROWS and n.input[attn.IN_ROW_SLOTS] == S.ROW_SLOTS for n in ours)
 
     # prefill 21 tokens, then a tree over them: past the window of 8, so the sliding layers' mask bites
     files = entry.manifest.variants

@@ -197,6 +197,70 @@ def test_a_window_attribute_gives_the_bits_of_the_windowed_bias(isa, tree):
     )
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_per_head_norms_in_the_operator(isa):
+    """q_norm / k_norm (Gemma 3's per-head RMS norms, before the rotary) in the operator: the
+    contract's arithmetic exactly (K written as the normed, rotated key: the same bits as the
+    operator fed heads normed by the contract's float32 formula), close to float64, the same bits
+    on every path, and a row alone the same row among others."""
+    rng = np.random.default_rng(12)
+    cos, sin = tables(400, 64)
+    past, rows, eps = 40, 6, 1e-6
+    qkv, kb, vb = case(rng, rows, past)
+    qkv *= 3
+    qn = (1 + rng.standard_normal(64) * 0.2).astype(np.float32)
+    kn = (1 + rng.standard_normal(64) * 0.2).astype(np.float32)
+    pos, bias = np.arange(past, past + rows), causal(rows, past)
+
+    def normed(x: np.ndarray) -> np.ndarray:  # the contract's order, in float32
+        y = x.copy()
+        for h in range(H + KV):
+            t = y[:, h * 64 : (h + 1) * 64]
+            ss = np.zeros(len(t), np.float32)
+            for i in range(64):
+                ss = (ss + t[:, i] * t[:, i]).astype(np.float32)
+            r = (np.float32(1) / np.sqrt(ss / np.float32(64) + np.float32(eps))).astype(np.float32)
+            y[:, h * 64 : (h + 1) * 64] = ((t * r[:, None]).astype(np.float32) * (qn if h < H else kn)).astype(
+                np.float32
+            )
+        return y
+
+    def go(x, k, v, p, b, norms=True):
+        k, v = k.copy(), v.copy()
+        extra = {"q_norm": qn, "k_norm": kn, "norm_eps": eps} if norms else {}
+        out = attn.attend(x, k, v, cos, sin, p, b, heads=H, kv_heads=KV, scale=0.125, isa=isa, **extra)
+        return out, k, v
+
+    got = go(qkv, kb, vb, pos, bias)
+    want = go(normed(qkv), kb, vb, pos, bias, norms=False)
+    for a, b in zip(got, want):
+        assert np.array_equal(bits(a), bits(b)), isa
+    ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, q_norm=qn, k_norm=kn)
+    assert np.abs(got[0] - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
+    assert np.array_equal(bits(got[0]), bits(go(qkv, kb, vb, pos, bias)[0]))
+    scalar = attn.attend(
+        qkv,
+        kb.copy(),
+        vb.copy(),
+        cos,
+        sin,
+        pos,
+        bias,
+        heads=H,
+        kv_heads=KV,
+        scale=0.125,
+        isa="scalar",
+        q_norm=qn,
+        k_norm=kn,
+        norm_eps=eps,
+    )
+    assert np.array_equal(bits(got[0]), bits(scalar))
+    alone = go(qkv[:1], kb, vb, pos[:1], bias[:1, : past + 1])[0]
+    assert np.array_equal(bits(alone), bits(got[0][:1]))
+    with pytest.raises(ValueError, match="come together"):
+        attn.attend(qkv, kb.copy(), vb.copy(), cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, q_norm=qn)
+
+
 def test_every_path_gives_the_same_bits():
     rng = np.random.default_rng(11)
     for d in attn.HEAD_SIZES:

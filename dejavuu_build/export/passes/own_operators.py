@@ -7,6 +7,10 @@
   attention row. Where q, k and v come apart (a per-head norm between the projection and the
   rotary, as Gemma 3's) one Concat packs them: a copy of a few KB a layer, where the separate
   GroupQueryAttention with its key floor cost Gemma-3-270M 1.3x our operator's step;
+- per-head q/k RMS norms between the projections and the packing Concat (Gemma 3's q_norm and
+  k_norm) become the operator's ``q_norm`` / ``k_norm`` inputs, and the Concat of a fused
+  projection's Split outputs the projection itself (_norms_into_operator: a layer's 7-9 layout
+  nodes go);
 - a sliding window's mask that the graph shapes from its inputs (Gemma 3's local layers) becomes
   the operator's ``window``, once evaluating the mask proves it is that window (_Windows); where
   every mask is then the operator's, rows come apart from slots (_slot_inputs) as static_kv does
@@ -114,6 +118,7 @@ def to_own_operators(model):
     m.opset_imports[attn.DOMAIN] = attn.OPSET
     RemoveUnusedNodesPass()(m)  # the windows' masks, where every layer now windows itself
     slotted = done == len(gqas) and _slot_inputs(g)
+    normed = _norms_into_operator(g)
     act = _fuse_swiglu(g)
     geglu = _fuse_geglu(g)
     if act or geglu:
@@ -123,12 +128,13 @@ def to_own_operators(model):
         m.opset_imports.pop(MS_DOMAIN, None)
     out = _finish(m)
     logger.info(
-        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor%s%s; %d SwiGLU, %d GeGLU; "
+        "  our attention operator: %d of %d GroupQueryAttention replaced, no row floor%s%s%s; %d SwiGLU, %d GeGLU; "
         "%d nodes%s",
         done,
         len(gqas),
         f", {windows.found} with the sliding window in the operator" if windows.found else "",
         ", rows decoupled from slots (pad slots cost attention only)" if slotted else "",
+        f", {normed} with the per-head q/k norms in the operator" if normed else "",
         act,
         geglu,
         len(out.graph.node),
@@ -275,6 +281,89 @@ def _slot_inputs(g) -> bool:
         n.replace_input_with(attn.IN_ROW_SLOTS, row_slots)
     shape_rows_apart(inputs)
     return True
+
+
+def _norms_into_operator(g) -> int:
+    """Per-head RMS norms of q and k (``Reshape -> RMSNormalization -> Reshape`` into our
+    operator's packing Concat, Gemma 3's q_norm / k_norm) as the operator's ``q_norm`` / ``k_norm``
+    inputs, where both are there with one epsilon and a scale of the head size; then the Concat's
+    run of a Split's outputs (the fused projection's, in order) is the Split's input, and a Concat
+    of one input goes. Returns how many operators took their norms."""
+    done = 0
+    for op in [n for n in g if n.op_type == attn.OP and n.domain == attn.DOMAIN]:
+        cat = op.inputs[attn.IN_QKV].producer()
+        if cat is None or cat.op_type != "Concat" or len(cat.inputs) != 3 or len(op.inputs) > attn.IN_ROW_SLOTS + 1:
+            continue
+        heads = int(op.attributes["num_heads"].value)
+        kv_heads = int(op.attributes["kv_num_heads"].value)
+        q, k = (_head_norm(cat.inputs[i], n) for i, n in ((0, heads), (1, kv_heads)))
+        if q is None or k is None or q[2] != k[2] or q[1].shape != k[1].shape:
+            continue
+        parts = [q[0], k[0], cat.inputs[2]]
+        sp = parts[0].producer()
+        if sp is not None and sp.op_type == "Split" and _last_axis(sp) and list(sp.outputs) == parts[: len(sp.outputs)]:
+            parts = [sp.inputs[0], *parts[len(sp.outputs) :]]
+        if len(parts) == 1:
+            op.replace_input_with(attn.IN_QKV, parts[0])
+        else:
+            for i, v in enumerate(parts):
+                cat.replace_input_with(i, v)
+            cat.resize_inputs(len(parts))
+        op.resize_inputs(attn.IN_K_NORM + 1)
+        op.replace_input_with(attn.IN_Q_NORM, q[1])
+        op.replace_input_with(attn.IN_K_NORM, k[1])
+        op.attributes[attn.NORM_EPSILON] = _float_attr(attn.NORM_EPSILON, q[2])
+        done += 1
+    return done
+
+
+def _head_norm(v, heads: int):
+    """(the projection's flat output, the norm's scale, its epsilon) where ``v`` is
+    ``Reshape(RMSNormalization(Reshape(x, [1, -1, heads, D]), scale [D], axis -1), [0, 0, -1])``
+    (the exporter's per-head norm of a [1, n, heads * D] projection: the two Reshapes undo each
+    other), else None."""
+    flat = v.producer()
+    if flat is None or flat.op_type != "Reshape" or len(list(v.uses())) != 1:
+        return None
+    norm = flat.inputs[0].producer()
+    if norm is None or norm.op_type != "RMSNormalization" or len(norm.inputs) != 2:
+        return None
+    if int(norm.attributes["axis"].value) != -1 if "axis" in norm.attributes else True:
+        return None
+    if "stash_type" in norm.attributes and int(norm.attributes["stash_type"].value) != 1:
+        return None
+    view = norm.inputs[0].producer()
+    if view is None or view.op_type != "Reshape":
+        return None
+    to_heads, to_flat = (_ints(r.inputs[1]) for r in (view, flat))
+    if to_heads is None or to_flat is None or len(to_heads) != 4 or to_heads[:2] != [1, -1] or to_heads[2] != heads:
+        return None
+    d = to_heads[3]
+    allowzero = int(flat.attributes["allowzero"].value) if "allowzero" in flat.attributes else 0
+    if d <= 0 or to_flat not in ([0, 0, -1], [0, 0, heads * d]) or allowzero:
+        return None
+    scale = norm.inputs[1]
+    if scale.shape is not None and list(scale.shape) != [d]:
+        return None
+    eps = float(norm.attributes["epsilon"].value) if "epsilon" in norm.attributes else 1e-5
+    return view.inputs[0], scale, eps
+
+
+def _ints(v) -> list[int] | None:
+    """A constant int64 input's values, or None."""
+    c = v.const_value if v is not None else None
+    return None if c is None else [int(x) for x in c.numpy().reshape(-1)]
+
+
+def _last_axis(sp) -> bool:
+    axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
+    return axis == -1 or (sp.inputs[0].shape is not None and axis == len(sp.inputs[0].shape) - 1)
+
+
+def _float_attr(name: str, value: float):
+    import onnx_ir as ir
+
+    return ir.AttrFloat32(name, value)
 
 
 def _fuse_swiglu(g) -> int:

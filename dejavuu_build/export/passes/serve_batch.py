@@ -196,8 +196,9 @@ def _batch_own_attention(m, nodes: list, source: str):
     g.node.insert(0, helper.make_node("Squeeze", [UNPAD_INDEX, "batched.axis0"], [rows], name=rows))
     for n in nodes:
         ins = list(n.input)
+        normed = len(ins) == attn.IN_K_NORM + 1 and ins[attn.IN_SEQLENS_K] == ins[attn.IN_QUERY_SEQLENS] == ""
         if (
-            len(ins) != attn.IN_ROW_SLOTS + 1
+            (len(ins) != attn.IN_ROW_SLOTS + 1 and not normed)
             or ins[attn.IN_SLOT_ROWS] != SLOT_ROWS
             or ins[attn.IN_ROW_SLOTS] != ROW_SLOTS
         ):
@@ -207,7 +208,7 @@ def _batch_own_attention(m, nodes: list, source: str):
         if ins[attn.IN_BIAS] != ATTENTION_BIAS:
             raise ContractError(f"{n.name} takes a bias other than the {ATTENTION_BIAS} input")
         ins[attn.IN_POSITIONS], ins[attn.IN_SLOT_ROWS], ins[attn.IN_ROW_SLOTS] = GQA_POSITIONS, PAD_INDEX, rows
-        ins += [""] * (attn.IN_QUERY_SEQLENS + 1 - len(ins))
+        ins += [""] * (attn.IN_QUERY_SEQLENS + 1 - len(ins))  # per-head norms (Gemma's), where there, stay
         ins[attn.IN_SEQLENS_K], ins[attn.IN_QUERY_SEQLENS] = SEQLENS_K, QUERY_SEQLENS
         del n.input[:]
         n.input.extend(ins)
