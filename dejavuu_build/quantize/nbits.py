@@ -818,7 +818,7 @@ def _q41_node(q: _Quantizing, node, enc: Encoded, prefix: str):
 def _fusion_key(q: _Quantizing, member: tuple) -> object:
     """Siblings (on one input) with equal keys become one node (``_fused_nbits``): those carried
     with an offset term or in our operator's minimum form, by form, width and block; centred
-    blocks our operator runs (Gemma's Q5_0 q/k/v and gate/up, a Q4_0 file's), by width and block;
+    blocks our operator runs (Gemma's Q5_0 q/k/v and gate/up, Q8_0 siblings), by width and block;
     any other weight is a key of its own."""
     nd, enc = member[0], member[1]
     if enc.offset is not None:

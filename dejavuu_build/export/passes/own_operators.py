@@ -356,6 +356,7 @@ def _ints(v) -> list[int] | None:
 
 
 def _last_axis(sp) -> bool:
+    """Whether Split ``sp`` cuts its input's last axis."""
     axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
     return axis == -1 or (sp.inputs[0].shape is not None and axis == len(sp.inputs[0].shape) - 1)
 
@@ -419,10 +420,7 @@ def _halves(sp) -> bool:
     """Whether Split ``sp`` cuts its input's last axis into two equal constant halves."""
     const = sp.inputs[1].const_value if len(sp.inputs) > 1 and sp.inputs[1] is not None else None
     sizes = const.numpy() if const is not None else None
-    if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
-        return False
-    axis = int(sp.attributes["axis"].value) if "axis" in sp.attributes else 0
-    return axis == -1 or (sp.inputs[0].shape is not None and axis == len(sp.inputs[0].shape) - 1)
+    return sizes is not None and len(sizes) == 2 and sizes[0] == sizes[1] and _last_axis(sp)
 
 
 def _gated(g, sp, out, op: str, dead: tuple) -> None:
