@@ -361,6 +361,8 @@ inline size_t items(const Job& j) { return (size_t)(j.KV * j.hblocks * j.rblocks
 
 using RunItem = void (*)(void*, size_t);
 
+constexpr int64_t kMaxHead = 256;  // the largest head size pick() runs
+
 RunItem pick(int64_t D) {
   switch (D) {
     case 64: return run_item<8>;
@@ -482,7 +484,7 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
              const Norms& nm, float* out, std::vector<float>& qrot, std::vector<int64_t>& qslot,
              std::vector<Job>& jobs) {
   const int64_t W = (H + 2 * KV) * D, half = D / 2;
-  std::vector<float> tmp((size_t)D);
+  float tmp[kMaxHead];  // a normed head (D <= kMaxHead: pick() ran first), no allocation per call
   for (int64_t b = 0; b < B; b++)
     for (int64_t s = 0; s < w[b]; s++) {
       const int64_t f = b * S + s;
@@ -491,7 +493,7 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
       const float* sv = sn + pos[f] * half;
       for (int64_t g = 0; g < KV; g++) {
         const int64_t at = ((b * KV + g) * CAP + P[b] + s) * D;
-        head_in(row + (H + g) * D, nm.k, nm.eps, c, sv, D, tmp.data(), kb + at);
+        head_in(row + (H + g) * D, nm.k, nm.eps, c, sv, D, tmp, kb + at);
         std::memcpy(vb + at, row + (H + KV + g) * D, sizeof(float) * (size_t)D);
       }
     }
@@ -504,7 +506,7 @@ void prepare(const float* x, int64_t R, int64_t S, int64_t B, const int64_t* slo
     qslot[(size_t)r] = f % S;
     const float* row = x + (slot_rows ? slot_rows[f] : f) * W;
     for (int64_t h = 0; h < H; h++)
-      head_in(row + h * D, nm.q, nm.eps, cs + pos[f] * half, sn + pos[f] * half, D, tmp.data(),
+      head_in(row + h * D, nm.q, nm.eps, cs + pos[f] * half, sn + pos[f] * half, D, tmp,
               qrot.data() + (r * H + h) * D);
     if (b != request) {  // request b's first row
       request = b;
@@ -868,13 +870,16 @@ const char* const kGeGLUName = kGeGLU;
 GatedOp<swiglu, &kSwiGLUName> swiglu_op;
 GatedOp<geglu, &kGeGLUName> geglu_op;
 
+// An operator stamped with the API version q41.cpp negotiated (0: as last stamped).
+OrtCustomOp* stamped(OrtCustomOp& op, uint32_t version) {
+  if (version != 0) op.version = version;
+  return &op;
+}
+
 }  // namespace
 
 // q41.cpp registers this in the Q4_1 operators' domain (the int4op graphs' MLP activation).
-OrtCustomOp* dejavuu_swiglu_op(uint32_t version) {  // version 0: the op as stamped
-  if (version != 0) swiglu_op.version = version;
-  return &swiglu_op;
-}
+OrtCustomOp* dejavuu_swiglu_op(uint32_t version) { return stamped(swiglu_op, version); }
 
 extern "C" __attribute__((visibility("default"))) void dejavuu_swiglu(const float* x, int64_t rows, int64_t F,
                                                                       float* y) {
@@ -882,10 +887,7 @@ extern "C" __attribute__((visibility("default"))) void dejavuu_swiglu(const floa
 }
 
 // q41.cpp registers this beside SwiGLU (Gemma's MLP activation).
-OrtCustomOp* dejavuu_geglu_op(uint32_t version) {  // version 0: the op as stamped
-  if (version != 0) geglu_op.version = version;
-  return &geglu_op;
-}
+OrtCustomOp* dejavuu_geglu_op(uint32_t version) { return stamped(geglu_op, version); }
 
 extern "C" __attribute__((visibility("default"))) void dejavuu_geglu(const float* x, int64_t rows, int64_t F,
                                                                      float* y) {
@@ -893,10 +895,7 @@ extern "C" __attribute__((visibility("default"))) void dejavuu_geglu(const float
 }
 
 // q41.cpp's RegisterCustomOps adds this operator in its own domain, at the negotiated version.
-OrtCustomOp* dejavuu_attention_op(uint32_t version) {  // version 0: the op as stamped
-  if (version != 0) attn_op.version = version;
-  return &attn_op;
-}
+OrtCustomOp* dejavuu_attention_op(uint32_t version) { return stamped(attn_op, version); }
 
 // The operator without onnxruntime, one thread, for tests (attn.py calls it through ctypes): the
 // same arguments as the graph's inputs (kbuf/vbuf updated in place, out [R][H*D]; slot_rows and

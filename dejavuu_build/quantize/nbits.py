@@ -466,10 +466,16 @@ def carry(src, bits: int, plan: QuantPlan) -> Encoded | None:
     )
 
 
+def _centred_in_op(plan: QuantPlan) -> bool:
+    """Whether ``plan`` runs centred blocks (the file's Q8_0 / Q5_0 levels, and the lm-head) in our
+    operator, not only q41 encodings: the one test ``_op_5bit`` and ``_op_form`` share."""
+    return plan.gguf_min == Q41 and plan.lm_head_op
+
+
 def _op_5bit(src, plan: QuantPlan) -> bool:
     """Whether ``src`` (centred 5-bit levels in blocks of 32: Q5_0) runs in our operator at its own
-    width under ``plan``: the plans that run centred blocks there (``_op_form``)."""
-    return plan.gguf_min == Q41 and plan.lm_head_op and src.bits == 5 and src.centred and src.block == BLOCK
+    width under ``plan``."""
+    return _centred_in_op(plan) and src.bits == 5 and src.centred and src.block == BLOCK
 
 
 def _sibling_name(node, role: str) -> str:
@@ -783,8 +789,7 @@ def _op_form(q: _Quantizing, enc: Encoded | None) -> bool:
     if enc.form == Q41:
         return True
     return (
-        q.plan.gguf_min == Q41
-        and q.plan.lm_head_op
+        _centred_in_op(q.plan)
         and enc.block == BLOCK
         and enc.zp is None
         and enc.offset is None

@@ -55,9 +55,12 @@ def causal(rows: int, past: int) -> np.ndarray:
     return b
 
 
-def run(qkv, kb, vb, cos, sin, pos, bias, isa=None, window=0):
+def run(qkv, kb, vb, cos, sin, pos, bias, isa=None, window=0, **norms):
+    """The operator on copies of the buffers: (out, k buffer, v buffer); ``norms``: q_norm, k_norm, norm_eps."""
     kb, vb = kb.copy(), vb.copy()
-    out = attn.attend(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, isa=isa, window=window)
+    out = attn.attend(
+        qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, isa=isa, window=window, **norms
+    )
     return out, kb, vb
 
 
@@ -225,11 +228,9 @@ def test_per_head_norms_in_the_operator(isa):
             )
         return y
 
-    def go(x, k, v, p, b, norms=True):
-        k, v = k.copy(), v.copy()
+    def go(x, k, v, p, b, norms=True, isa=isa):
         extra = {"q_norm": qn, "k_norm": kn, "norm_eps": eps} if norms else {}
-        out = attn.attend(x, k, v, cos, sin, p, b, heads=H, kv_heads=KV, scale=0.125, isa=isa, **extra)
-        return out, k, v
+        return run(x, k, v, cos, sin, p, b, isa, **extra)
 
     got = go(qkv, kb, vb, pos, bias)
     want = go(normed(qkv), kb, vb, pos, bias, norms=False)
@@ -238,22 +239,7 @@ def test_per_head_norms_in_the_operator(isa):
     ref = attn.reference(qkv, kb, vb, cos, sin, pos, bias, heads=H, kv_heads=KV, scale=0.125, q_norm=qn, k_norm=kn)
     assert np.abs(got[0] - ref).max() < 2e-5 * max(1.0, np.abs(ref).max())
     assert np.array_equal(bits(got[0]), bits(go(qkv, kb, vb, pos, bias)[0]))
-    scalar = attn.attend(
-        qkv,
-        kb.copy(),
-        vb.copy(),
-        cos,
-        sin,
-        pos,
-        bias,
-        heads=H,
-        kv_heads=KV,
-        scale=0.125,
-        isa="scalar",
-        q_norm=qn,
-        k_norm=kn,
-        norm_eps=eps,
-    )
+    scalar = go(qkv, kb, vb, pos, bias, isa="scalar")[0]
     assert np.array_equal(bits(got[0]), bits(scalar))
     alone = go(qkv[:1], kb, vb, pos[:1], bias[:1, : past + 1])[0]
     assert np.array_equal(bits(alone), bits(got[0][:1]))
