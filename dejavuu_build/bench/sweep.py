@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..log import logger, progress
-from ..runtime.drafters import Draft, DraftBudget, Drafter
 from ..runtime.settings import DecodeSettings
 from .anatomy import Anatomy
 from .config import SWEEP_PEERS, BenchConfig, BenchError, read_prompts, resolve_data
+from .oracle import RowProbe
 from .peer import column
 from .runner import WARMUP_TOKENS
 
@@ -189,19 +189,6 @@ def summarize(records: Sequence[dict]) -> list[SweepRow]:
     return rows
 
 
-class _ProbeDrafter(Drafter):
-    """Drafts ``k`` copies of the context's last token every step: each verify step then runs
-    exactly k+1 graph rows, of which (nearly) none is accepted. A cost probe, not a method."""
-
-    name = "verify-probe"
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
-        return Draft.chain([context[-1]] * min(self.k, budget.max_nodes, budget.max_depth))
-
-
 def _ours_record(context: int, rep: int, res, system: str = OURS, rows: int = 1) -> dict:
     s = res.stats
     return {
@@ -257,8 +244,8 @@ def _genai_record(
 
 
 VERIFY_NOTE = (
-    "verify rows R: a generation whose every step verifies R graph rows (R-1 drafted copies of the last "
-    "token, rarely accepted; the last R-1 steps draft fewer, see rows_mean); forward ms per step "
+    "verify rows R: a generation whose every step verifies R graph rows (R-1 drafted ids of the context, "
+    "rarely accepted: oracle.RowProbe; the last R-1 steps draft fewer, see rows_mean); forward ms per step "
     "inside onnxruntime's run, x_plain_forward = over plain decoding's at the same context"
 )
 HOST_NOTE = (
@@ -354,7 +341,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
                 recs = [_ours_record(c, rep, res, rows=model.decoder.single_rows)]
                 for n in cfg.verify_rows:
                     probe = model.generate(
-                        prompts[c], replace(plain, method=_ProbeDrafter(n - 1), max_nodes=n - 1, max_depth=n - 1)
+                        prompts[c], replace(plain, method=RowProbe(n - 1), max_nodes=n - 1, max_depth=n - 1)
                     )
                     recs.append(_ours_record(c, rep, probe, VERIFY, n))
                 for peer, replay in peers:

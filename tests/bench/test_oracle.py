@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from dejavuu_build.bench.oracle import plan, relative_costs, runs
+from dejavuu_build.bench.oracle import PROBE_TOKENS, RowProbe, measure_row_costs, plan, relative_costs, runs
 from dejavuu_build.bench.report import aggregate, write_outputs
+from dejavuu_build.runtime.drafters import DraftBudget, Feedback
+from dejavuu_build.runtime.model import load
 
 
 def test_runs_are_the_longest_upcoming_run_found_in_the_context():
@@ -32,6 +34,49 @@ def test_plan_drafts_a_run_only_where_its_rows_pay():
     assert plan(r, dear) == (4, pytest.approx(4.0))  # plain steps are cheaper
     assert plan([0], cheap) == (0, 0.0)
     assert relative_costs({1: 0.01, 2: 0.012, 3: 0.011}) == {1: 1.0, 2: pytest.approx(1.2), 3: pytest.approx(1.2)}
+
+
+class StepModel:
+    """The engine's loop as the probe sees it: each step's draft capped by the request's remaining
+    tokens (depth <= remaining - 1), no draft accepted, a step of R rows taking ``R`` ms."""
+
+    fill = True
+
+    def generate(self, messages, settings):
+        d, new = settings.method, 1
+        d.feedback(Feedback(committed=[7], drafted=0, accepted=0))  # prefill's token: no verify time
+        while new < settings.max_new_tokens:
+            remaining = settings.max_new_tokens - new
+            draft = d.propose([7], DraftBudget(8, min(settings.max_depth, remaining - 1), 1, False))
+            rows = len(draft) + 1
+            d.feedback(Feedback(committed=[7], drafted=len(draft), accepted=0, verify_seconds=rows / 1e3, rows=rows))
+            new += 1
+
+
+def test_row_costs_price_steps_of_exactly_r_rows():
+    """A request's last steps draft fewer tokens than asked (its budget caps them): a step of R rows
+    is priced on steps of R rows alone, not on every step's mean (which put 8 rows at about 6's cost)."""
+    costs = measure_row_costs(StepModel(), "hi", rows=8, rounds=2)
+    assert costs == {r: pytest.approx(r / 1e3) for r in range(1, 9)}
+    m = StepModel()
+    assert m.fill  # restored after the probe turned the engine's fill guess off
+
+
+def test_row_probe_on_a_real_decoder(tiny_llama):
+    """On a real (tiny) decoder: every kept step verified exactly k drafted tokens, at least the
+    PROBE_TOKENS - 1 steps a request of PROBE_TOKENS + k tokens gives before its budget shrinks them,
+    and the engine reported the shorter drafts of its last steps too."""
+    model = load(str(tiny_llama), threads=1)
+    probe = RowProbe(4)
+    from dejavuu_build.runtime.settings import DecodeSettings
+
+    model.fill = False
+    model.generate("The cat sat", DecodeSettings(method=probe, max_new_tokens=PROBE_TOKENS + 4, max_depth=4))
+    kept = probe.seconds()
+    assert len(kept) >= PROBE_TOKENS - 1 and all(t > 0 for t in kept)
+    assert len(kept) == sum(1 for d, _ in probe.steps if d == 4)
+    assert any(d < 4 for d, _ in probe.steps)  # the last steps: what the old mean priced in
+    assert set(measure_row_costs(model, "The cat sat", rows=3, rounds=1)) == {1, 2, 3}
 
 
 def _rec(qid, method, decode_s, oracle_runs=None, cat="qa"):
