@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import numpy as np
 
 from ..log import logger, progress
+from ..machine import run_facts
 from ..runtime.drafters import Draft, DraftBudget, Drafter, Feedback
 from .config import BenchConfig, BenchError, Prompt, as_prompt, read_prompts, resolve_data, select
 from .oracle import MAX_DRAFT, measure_row_costs, plan, relative_costs, runs
@@ -122,34 +122,6 @@ class _TopkRecorder(Drafter):
             self.rows.extend(np.asarray(fb.topk_ids)[:1].tolist())
 
 
-def machine() -> dict:
-    """What the numbers depend on: CPU flags, load, onnxruntime."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags |= {f for f in line.split() if f.startswith(("avx512", "amx", "avx_vnni"))}
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = (0.0, 0.0, 0.0)
-    try:
-        import onnxruntime
-
-        ort = onnxruntime.__version__
-    except ImportError:
-        ort = None
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cpu_flags": sorted(flags),
-        "loadavg": [round(x, 2) for x in load],
-        "onnxruntime": ort,
-        "machine": platform.machine(),
-    }
-
-
 def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
     """Decode the bench's prompts (``cfg``'s categories and count) plainly, each turn on the previous
     turns' answers as the bench sends them, and save the recording to ``path``."""
@@ -181,7 +153,7 @@ def record(cfg: BenchConfig, path: str | os.PathLike) -> Recording:
         cfg.max_new_tokens,
         costs,
         [],
-        {**machine(), "data": str(data), "model_folder": str(model.folder), "skip": cfg.skip},
+        {**run_facts(), "data": str(data), "model_folder": str(model.folder), "skip": cfg.skip},
     )
     fill, model.fill = model.fill, False  # one token per step: a top-k row for every answer position
     try:

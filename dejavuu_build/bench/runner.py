@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..log import logger, progress
+from ..machine import describe, run_facts
 from ..runtime.settings import DecodeSettings
 from .config import (
     NGRAM_OFF,
@@ -467,8 +468,9 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         raise BenchError("no prompt fits the model: lower --max-new-tokens")
     store = RecordStore(out, cfg, resume)
     todo = [p for p in prompts if not store.done(p, cfg.timed)]
+    facts = run_facts()  # where and when the timings are taken, named in results.json
     logger.info(
-        "bench %s (%s): %d prompts × %d methods%s into %s%s",
+        "bench %s (%s): %d prompts × %d methods%s into %s%s, on %s, %d threads",
         cfg.model,
         model.variant,
         len(prompts),
@@ -476,6 +478,8 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
         f" + {', '.join(cfg.peer_methods)}" if cfg.compare else "",
         out,
         f" ({len(prompts) - len(todo)} already done)" if resume else "",
+        describe(facts),
+        cfg.threads,
     )
     if not cfg.greedy:
         logger.info(
@@ -505,6 +509,7 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike, *, resume: bool = False)
     report = aggregate(records, cfg.timed, cfg.categories, row_costs)
     meta: dict[str, Any] = {
         "config": cfg.to_json(),
+        "machine": facts,
         "model_folder": str(model.folder),
         "model_variant": model.variant,
         "data": str(data),

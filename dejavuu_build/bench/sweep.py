@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..log import logger, progress
+from ..machine import describe, run_facts
 from ..runtime.settings import DecodeSettings
 from .anatomy import Anatomy
 from .config import SWEEP_PEERS, BenchConfig, BenchError, read_prompts, resolve_data
@@ -314,8 +315,9 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     prompts = {c: sweep_prompt(encode, texts, c) for c in contexts}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    facts = run_facts()
     logger.info(
-        "context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s%s, into %s",
+        "context sweep %s (%s): contexts %s × %d run(s), %d new tokens%s%s, into %s, on %s",
         cfg.model,
         model.variant,
         ",".join(map(str, contexts)),
@@ -324,6 +326,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
         f", verify steps of {','.join(map(str, cfg.verify_rows))} rows" if cfg.verify_rows else "",
         f" vs {', '.join(p.name for p, _ in peers)}" if peers else "",
         out,
+        describe(facts),
     )
     records: list[dict] = []
     eos = model.eos_ids
@@ -382,6 +385,7 @@ def run_sweep(cfg: BenchConfig, out) -> SweepReport:
     report = SweepReport(summarize(records), {}, anatomy)
     meta = {
         "config": cfg.to_json(),
+        "machine": facts,
         "model_folder": str(model.folder),
         "model_variant": model.variant,
         "data": str(data),

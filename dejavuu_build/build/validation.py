@@ -37,7 +37,7 @@ class Gating:
 
 
 def open_gating(folder: Path, manifest: Manifest, threads: int) -> Gating:
-    from ..export.exactness import machine
+    from ..machine import machine
     from .references import Reference
 
     contract = read_contract(folder)

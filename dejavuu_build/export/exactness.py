@@ -20,13 +20,13 @@ before it) or rowwise (query rows folded into heads over one bound buffer).
 
 from __future__ import annotations
 
-import platform
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from .. import schema as S
+from ..machine import describe, machine
 
 # what _compare takes for one op: run(feeds), make_rows(m, full=None), split_row(feeds, r), pad_row(feeds)
 ProbeFns = tuple[Callable, Callable, Callable, Callable]
@@ -95,25 +95,6 @@ class ExactnessReport:
             "first_break": fb.signature if fb else None,
             "probes": [p.to_json() for p in self.probes],
         }
-
-
-def machine() -> dict:
-    """The facts a row-invariance result depends on: CPU model and vector flags, onnxruntime."""
-    import onnxruntime
-
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for ln in open("/proc/cpuinfo"):
-            if ln.startswith("model name") and model in ("", platform.machine()):
-                model = ln.split(":", 1)[1].strip()
-            if ln.startswith("flags"):
-                flags = set(ln.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    vec = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    isa = "avx512" if any(f.startswith("avx512") for f in vec) else "avx2" if "avx2" in vec else platform.machine()
-    return {"cpu": model, "isa": isa, "flags": vec, "onnxruntime": onnxruntime.__version__}
 
 
 def _session(model, threads: int):
@@ -395,8 +376,7 @@ def probe(
 def format_report(rep: ExactnessReport, title: str) -> list[str]:
     m = rep.machine
     lines = [
-        f"{title}: row invariance per op, {m['cpu']} ({m['isa']}: {' '.join(m['flags'])}), "
-        f"onnxruntime {m['onnxruntime']}",
+        f"{title}: row invariance per op, {describe(m)}",
         f"  {'op':<58} {'nodes':>5} {'alone':>9} {'padded':>9}  verdict",
     ]
     for p in rep.probes:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from dejavuu_build.bench import BenchConfig, BenchError, ExactnessError, run_bench
 from dejavuu_build.bench.config import default_data_path, read_prompts, select
 from dejavuu_build.bench.runner import RECORDS_FILE
+from dejavuu_build.machine import machine
 from dejavuu_build.runtime.model import Model
 
 # Two task prompts and two MT-Bench ones (categories writing/coding -> mt_bench, two turns each).
@@ -89,6 +90,9 @@ def test_end_to_end_writes_results_and_passes_gate(tiny_llama, data, tmp_path, c
     assert qa.oracle_tokens_per_step >= 1.0 and qa.oracle_speedup > 0 and qa.ttft_ms > 0
     assert qa.slower is not None and report.row("qa", "baseline").slower is None
     assert res["never_slower"]["methods"] == []
+    # where the timings were taken: this CPU's model and vector flags, the run's date and load
+    assert {k: res["machine"][k] for k in machine()} == machine()
+    assert {"date", "loadavg", "cpus", "arch"} <= set(res["machine"])
 
 
 def test_gate_catches_a_changed_output(tiny_llama, data, tmp_path, monkeypatch):

@@ -14,17 +14,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dejavuu_build import kernels
 from dejavuu_build.kernels import attn, q41
+from dejavuu_build.machine import cpu
 
 H, KV = 6, 2  # 3 query heads per kv head
 
-FLAGS: set[str] = set()
-try:
-    for _line in open("/proc/cpuinfo").read().splitlines():
-        if _line.startswith("flags"):
-            FLAGS = set(_line.split(":", 1)[1].split())
-            break
-except OSError:
-    pass
+FLAGS = set(cpu()[1])  # this CPU's vector flags
 RUNNABLE: list[str | None] = [None, *(["avx2"] if {"avx2", "fma"} <= FLAGS else []), "scalar"]
 
 

@@ -22,22 +22,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dejavuu_build.errors import KernelUnavailable
 from dejavuu_build.kernels import q41
+from dejavuu_build.machine import cpu
 
 K, N = 96, 40  # 3 blocks; N not a multiple of 16 (3 tiles, the last one 8 columns wide)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-FLAGS = cpu_flags()
+FLAGS = set(cpu()[1])  # this CPU's vector flags
 BEST = (
     "avx512vnni"
     if {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS
