@@ -500,6 +500,21 @@ def test_auto_re_decides_when_drafts_start_to_pay(monkeypatch):
     assert sum(n == 3 for n in late) > 80, late
 
 
+def test_auto_members_price_rows_from_every_step():
+    """A self-sizing member (suffix_vote) inside ``auto`` learns the verify time of every step auto
+    asked it about, its own draft's or not, one-row steps included (fed only its own drafts'
+    steps, it never timed a one-row step, extrapolated one far too cheap and cut every draft to a
+    token: Gemma-3 qa, 2026-12-07)."""
+    model = MarkovModel(vocab=6, seed=5)
+    d = make("auto")
+    member = d.members[0]
+    run(d, model, [1, 2, 3, 4, 1, 2, 3, 4], 300, DraftBudget(8, 8))
+    # the simulator's step takes 1 ms + 0.1 ms per drafted token, whoever drafted
+    assert 1 in member.costs.mean and len(member.costs.mean) >= 3
+    for rows, seconds in member.costs.mean.items():
+        assert seconds == pytest.approx(1e-3 + 1e-4 * (rows - 1)), rows
+
+
 def test_auto_plain_stretch_leaves_members_alone_then_catches_them_up():
     """Steps decoded plainly cost the members nothing (no draft, no feedback, no top-k); they
     catch up with the context when next asked, and at the end of the request (suffix_decoding's
