@@ -328,7 +328,8 @@ def _head_norm(v, heads: int):
     norm = flat.inputs[0].producer()
     if norm is None or norm.op_type != "RMSNormalization" or len(norm.inputs) != 2:
         return None
-    if int(norm.attributes["axis"].value) != -1 if "axis" in norm.attributes else True:
+    axis = norm.attributes.get("axis")
+    if axis is None or int(axis.value) != -1:  # the exporter writes axis -1; a norm without one stays
         return None
     if "stash_type" in norm.attributes and int(norm.attributes["stash_type"].value) != 1:
         return None
