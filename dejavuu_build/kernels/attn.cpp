@@ -267,15 +267,21 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
       if (kbeg >= kend) continue;
       const float* e = w.sc.data() + i * stride;
       float* ap = w.acc.data() + i * D;
-      __m256 acc[DC];
-      for (int c = 0; c < DC; c++) acc[c] = _mm256_loadu_ps(ap + 8 * c);
-      for (int64_t k = kbeg; k < kend; k++) {
-        if (e[k] == 0.f) continue;
-        const __m256 ev = _mm256_set1_ps(e[k]);
-        const float* vr = vb + k * D;
-        for (int c = 0; c < DC; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      // 64 outputs at a time over the tile's keys: their sums stay in registers (all D of them
+      // spilled at D = 128 and 256: a load and a store per fused multiply-add); each output's
+      // order over the keys is the same
+      constexpr int CB = DC < 8 ? DC : 8;
+      for (int c0 = 0; c0 < DC; c0 += CB) {
+        __m256 acc[CB];
+        for (int c = 0; c < CB; c++) acc[c] = _mm256_loadu_ps(ap + 8 * (c0 + c));
+        for (int64_t k = kbeg; k < kend; k++) {
+          if (e[k] == 0.f) continue;
+          const __m256 ev = _mm256_set1_ps(e[k]);
+          const float* vr = vb + k * D + 8 * c0;
+          for (int c = 0; c < CB; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < CB; c++) _mm256_storeu_ps(ap + 8 * (c0 + c), acc[c]);
       }
-      for (int c = 0; c < DC; c++) _mm256_storeu_ps(ap + 8 * c, acc[c]);
     }
   }
   for (int64_t i = 0; i < nq; i++) {
