@@ -82,12 +82,17 @@ class RowProbe(Drafter):
     def __init__(self, k: int):
         self.k = k
         self.steps: list[tuple[int, float]] = []  # (drafted, verify seconds) per verify step
+        self._ids: list[int] = []
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        # the prompt's first k + 1 distinct ids, once (k of them differ from any last token)
+        self._ids = list(dict.fromkeys(int(x) for x in prompt_ids))[: self.k + 1]
 
     def propose(self, context: Sequence[int], budget: DraftBudget) -> Draft:
-        # the context's ids other than its last, in order of first sight: a model repeating its last
-        # token (tiny random ones do) accepts none of them, and a real one rarely
+        # the prompt's ids other than the context's last, in order of first sight: a model repeating
+        # its last token (tiny random ones do) accepts none of them, and a real one rarely
         last = int(context[-1])
-        ids = [t for t in dict.fromkeys(int(x) for x in context) if t != last] or [last]
+        ids = [t for t in self._ids if t != last] or [last]
         return Draft.chain([ids[i % len(ids)] for i in range(min(self.k, budget.max_nodes, budget.max_depth))])
 
     def feedback(self, fb: Feedback) -> None:

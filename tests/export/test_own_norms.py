@@ -19,9 +19,10 @@ from dejavuu_build.kernels import attn
 H, KV, D, CAP = 2, 1, 64, 32
 
 
-def norm_model(q_eps: float = 1e-6, k_eps: float = 1e-6, k_axis: int = -1) -> onnx.ModelProto:
+def norm_model(q_eps: float = 1e-6, k_eps: float = 1e-6, k_axis: int | None = -1) -> onnx.ModelProto:
     """A fused q/k/v projection's output split, q and k normed per head, packed by a Concat into
-    our operator, as own_operators leaves Gemma 3's attention before this pass."""
+    our operator, as own_operators leaves Gemma 3's attention before this pass (``k_axis`` None:
+    k's norm without an axis attribute, ONNX's default -1)."""
     rng = np.random.default_rng(0)
     c = lambda name, v: numpy_helper.from_array(np.asarray(v), name)  # noqa: E731
     inits = [
@@ -38,7 +39,14 @@ def norm_model(q_eps: float = 1e-6, k_eps: float = 1e-6, k_axis: int = -1) -> on
         helper.make_node("RMSNormalization", ["qh", "q_scale"], ["qn"], axis=-1, epsilon=q_eps, name="/q_norm"),
         helper.make_node("Reshape", ["qn", "flat"], ["qf"], name="/q_flat"),
         helper.make_node("Reshape", ["k", "k_heads"], ["kh"], name="/k_view"),
-        helper.make_node("RMSNormalization", ["kh", "k_scale"], ["kn"], axis=k_axis, epsilon=k_eps, name="/k_norm"),
+        helper.make_node(
+            "RMSNormalization",
+            ["kh", "k_scale"],
+            ["kn"],
+            epsilon=k_eps,
+            name="/k_norm",
+            **({} if k_axis is None else {"axis": k_axis}),
+        ),
         helper.make_node("Reshape", ["kn", "flat"], ["kf"], name="/k_flat"),
         helper.make_node("Concat", ["qf", "kf", "v"], ["qkv"], axis=-1, name="/own_attn/pack_qkv"),
         helper.make_node(
@@ -103,8 +111,9 @@ def run(model: onnx.ModelProto, f: dict) -> list[np.ndarray]:
     return sess.run(None, f)
 
 
-def test_the_norms_go_into_the_operator_which_reads_the_projection_itself():
-    before = norm_model()
+@pytest.mark.parametrize("k_axis", [-1, None], ids=["axis-1", "no-axis"])
+def test_the_norms_go_into_the_operator_which_reads_the_projection_itself(k_axis):
+    before = norm_model(k_axis=k_axis)
     after, n = passed(before)
     assert n == 1
     ops = [nd.op_type for nd in after.graph.node]

@@ -328,8 +328,8 @@ def _head_norm(v, heads: int):
     norm = flat.inputs[0].producer()
     if norm is None or norm.op_type != "RMSNormalization" or len(norm.inputs) != 2:
         return None
-    axis = norm.attributes.get("axis")
-    if axis is None or int(axis.value) != -1:  # the exporter writes axis -1; a norm without one stays
+    axis = norm.attributes.get("axis")  # absent: ONNX's default, -1
+    if axis is not None and int(axis.value) != -1:
         return None
     if "stash_type" in norm.attributes and int(norm.attributes["stash_type"].value) != 1:
         return None
