@@ -354,12 +354,14 @@ inline void prefetch(const Job& j, const uint8_t* p, int64_t tb) {
 }
 
 // Group g's 64 bytes (16 columns x 4) as the low and high nibbles of each 8-column half.
+inline void nibbles(const uint8_t* p, __m256i lo4, __m256i& lo, __m256i& hi) {  // one half's 32 bytes
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+  lo = _mm256_and_si256(raw, lo4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+}
 inline void nibbles(const uint8_t* p, __m256i lo4, __m256i& lo0, __m256i& hi0, __m256i& lo1, __m256i& hi1) {
-  const __m256i raw0 = _mm256_loadu_si256((const __m256i*)p), raw1 = _mm256_loadu_si256((const __m256i*)(p + 32));
-  lo0 = _mm256_and_si256(raw0, lo4);
-  hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), lo4);
-  lo1 = _mm256_and_si256(raw1, lo4);
-  hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), lo4);
+  nibbles(p, lo4, lo0, hi0);
+  nibbles(p + 32, lo4, lo1, hi1);
 }
 
 // One or two rows: both 8-column halves of the tile in one pass over its bytes (each row's
@@ -481,11 +483,7 @@ void tile_halves(const Job& j, int64_t t, int64_t r0) {
       const uint8_t* p = j.q + (t * j.nb + b) * TB + 32 * h;  // columns 8h..8h+7
       if (h == 0 && ahead) prefetch<BITS, CENTRED, S>(j, p + kPrefetch * j.nb * TB, (t + kPrefetch) * j.nb + b);
       __m256i wv[8];  // [g]: k = 4g..4g+3 ([4+g]: k = 16+4g..)
-      for (int g = 0; g < 4; g++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-        wv[g] = _mm256_and_si256(raw, lo4);
-        wv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
-      }
+      for (int g = 0; g < 4; g++) nibbles(p + 64 * g, lo4, wv[g], wv[g + 4]);
       const __m256i plane = _mm256_loadu_si256((const __m256i*)(j.q + (t * j.nb + b) * TB + kPlane + 32 * h));
       for (int g = 0; g < 8; g++) wv[g] = with_fifth(wv[g], plane, g);
       const int64_t o = (t * j.nb + b) * TN + 8 * h;
@@ -541,8 +539,8 @@ inline void chunk_dots(const uint8_t* p, const int8_t* const* qa, __m256i* dot) 
     __m256i s16[C], s16h[C];  // set at g = 0
 #pragma GCC unroll 2
     for (int g = 0; g < 8; g++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-      const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      __m256i lo, hi;
+      nibbles(p + 64 * g, lo4, lo, hi);
 #pragma GCC unroll 8
       for (int r = 0; r < C; r++) {
         const __m256i av = _mm256_set1_epi32(load_i32(qa[r] + 4 * g));
@@ -560,8 +558,8 @@ inline void chunk_dots(const uint8_t* p, const int8_t* const* qa, __m256i* dot) 
     for (int r = 0; r < C; r++) s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int g = 0; g < 4; g++) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + 64 * g));
-      const __m256i lo = _mm256_and_si256(raw, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+      __m256i lo, hi;
+      nibbles(p + 64 * g, lo4, lo, hi);
 #pragma GCC unroll 8
       for (int r = 0; r < C; r++) {
         const __m256i al = _mm256_set1_epi32(load_i32(qa[r] + 4 * g));
