@@ -130,6 +130,8 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+constexpr int64_t kSplitSlices = 2;  // see split_scores
+
 struct Job {
   const float* q;        // [R][H][D] rotated queries, one per output row
   const int64_t* qslot;  // [R] the slot (bias row) of each output row
@@ -143,6 +145,10 @@ struct Job {
   std::atomic<bool>* failed;  // a work item ran out of memory
   int64_t hb, rb;     // heads and rows per work item (a block of one kv group's queries)
   int64_t hblocks, rblocks;
+  int phase = 0;       // run_jobs: 0 whole blocks (attend); 1 and 2 a split request's passes (AVX2)
+  float* sc = nullptr;  // a split request's scores [H*R][stride] and slice maxima [H*R][kSlices]
+  float* mx = nullptr;
+  int64_t stride = 0;
 };
 
 // The keys output row r sees: 0..n-1, n - 1 its last key whose bias (its slot's row) is above
@@ -335,12 +341,192 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
 #endif
 }
 
+#if defined(ATTN_AVX2)
+// ------------------------------------------------------------------ a split request (two passes)
+// One request of one to four rows (one row block), AVX2, in two passes: each kv group's queries
+// score a slice of its keys (work item: group x key slice), then each computes its weights over
+// all keys and a slice of its output dimensions (group x dimension slice). A query's arithmetic is
+// attend's, op for op (a key's score is its own; the maximum is the same in any order; the
+// weights, their lane sums and each output's sum over the keys run as attend runs them), so its
+// bits are too (tests/kernels: every path, a row alone and among others). Why: attend's blocks
+// hold all of a group's keys and values, so a lone row had one block per group -- Gemma-3 (one kv
+// group of four heads) a head per block, each block reading the whole past again (its one-row
+// step spent ~130 us a layer there, 2 threads, where one thread ran all four heads in 85 us
+// outside the decoder), SmolLM2 (three groups) three blocks on two threads. Here every group's
+// keys and values are read once, by both threads. Measured in the decoders (AVX2 Zen 3, 2
+// threads, old and new alternating in one process): Gemma-3 steps of 1 / 2 / 4 rows -10 / -6 /
+// -11%, SmolLM2 1 / 4 rows -2.5 / -6%; at 8 rows (two row blocks) the split measured no better
+// (SmolLM2 +6%), so it stops at one row block.
+constexpr int64_t kSlices = kSplitSlices;  // key and dimension slices per group: one per thread of a 2-core CPU
+
+struct Shared {  // the passes' common state: [query][stride] scores, [query][slice] maxima
+  float* sc;
+  float* mx;
+  int64_t stride;
+};
+
+// Query i of group g (all its heads, all rows): its row, head, keys [lo, n).
+struct Queries {
+  int64_t nh, nq, nmax, lomin;
+  std::vector<int64_t>& n;
+  std::vector<int64_t>& lo;
+};
+
+inline Queries group_queries(const Job& j, Scratch& w) {
+  const int64_t nh = j.H / j.KV, nq = nh * j.R;
+  w.n.assign((size_t)nq, 0);
+  w.lo.assign((size_t)nq, 0);
+  int64_t nmax = 0, lomin = j.T;
+  for (int64_t r = 0; r < j.R; r++) {
+    const int64_t n = visible(j, r), lo = first_seen(j, r, n);
+    for (int64_t h = 0; h < nh; h++) {
+      w.n[(size_t)(r * nh + h)] = n;
+      w.lo[(size_t)(r * nh + h)] = lo;
+    }
+    nmax = std::max(nmax, n);
+    lomin = std::min(lomin, lo);
+  }
+  return {nh, nq, nmax, lomin, w.n, w.lo};
+}
+
+// The scores of group g's queries over key slice s (whole groups of 8 keys), as attend computes
+// them, and each query's maximum over the slice.
+template <int DC>
+void split_scores(const Job& j, const Shared& sh, int64_t g, int64_t s, Scratch& w) {
+  constexpr int D = 8 * DC;
+  const Queries qs = group_queries(j, w);
+  const float* kb = j.kbuf + g * j.CAP * D;
+  const int64_t groups = (qs.nmax - qs.lomin + 7) / 8;
+  const int64_t k_from = qs.lomin + 8 * (groups * s / kSlices), k_to = qs.lomin + 8 * (groups * (s + 1) / kSlices);
+  std::vector<float>& m = w.m;
+  m.assign((size_t)qs.nq, -INFINITY);
+  alignas(32) float tail[8 * D];
+  const __m256 scale = _mm256_set1_ps(j.scale);
+  for (int64_t k0 = k_from; k0 < k_to && k0 < qs.nmax; k0 += 8) {
+    const float* kr = kb + k0 * D;
+    if (k0 + 8 > j.CAP) {  // the buffer ends inside this group: its last rows from a zeroed copy
+      std::fill(tail, tail + 8 * D, 0.f);
+      std::memcpy(tail, kr, sizeof(float) * (size_t)((j.CAP - k0) * D));
+      kr = tail;
+    }
+    for (int64_t i = 0; i < qs.nq; i++) {
+      const int64_t n = qs.n[(size_t)i];
+      if (k0 >= n || k0 < qs.lo[(size_t)i]) continue;
+      const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
+      const float* q = j.q + (r * j.H + h) * D;
+      __m256 a[8];
+      const __m256 q0 = _mm256_loadu_ps(q);
+      for (int k = 0; k < 8; k++) a[k] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr + k * D));
+      for (int c = 1; c < DC; c++) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+        for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + k * D + 8 * c), a[k]);
+      }
+      __m256 bb[4];
+      for (int k = 0; k < 4; k++)
+        bb[k] = _mm256_permute_ps(_mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20),
+                                                _mm256_permute2f128_ps(a[k], a[k + 4], 0x31)),
+                                  0xD8);
+      const __m256 dots = _mm256_hadd_ps(_mm256_hadd_ps(bb[0], bb[1]), _mm256_hadd_ps(bb[2], bb[3]));
+      alignas(32) float x[8];
+      _mm256_store_ps(x, _mm256_mul_ps(dots, scale));
+      const float* bias = j.bias + j.qslot[r] * j.T;
+      float* sc = sh.sc + (r * j.H + h) * sh.stride;
+      float mi = m[(size_t)i];
+      for (int k = 0; k < 8; k++) {
+        const int64_t key = k0 + k;
+        if (key < n) {
+          const float v = x[k] + bias[key];
+          sc[key] = v;
+          mi = std::max(mi, v);
+        } else {
+          sc[key] = -INFINITY;
+        }
+      }
+      m[(size_t)i] = mi;
+    }
+  }
+  for (int64_t i = 0; i < qs.nq; i++) {
+    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
+    sh.mx[(r * j.H + h) * kSlices + s] = m[(size_t)i];
+  }
+}
+
+// Group g's queries' weights (attend's: the maximum over the slices' maxima, the exponentials and
+// their lane sums over all keys) and output dimensions of slice s (chunks of 8), each a sum over
+// the keys in attend's order.
+template <int DC>
+void split_values(const Job& j, const Shared& sh, int64_t g, int64_t s, Scratch& w) {
+  constexpr int D = 8 * DC;
+  const Queries qs = group_queries(j, w);
+  const float* vb = j.vbuf + g * j.CAP * D;
+  constexpr int CS = DC / kSlices, CB = CS < 8 ? CS : 8;  // a slice's chunks of 8 dimensions, in blocks of CB
+  static_assert(DC % kSlices == 0 && CS % CB == 0, "whole blocks per slice");
+  const int c_from = (int)(CS * s), c_to = c_from + CS, width = 8 * CS;
+  w.sc.resize((size_t)(qs.nq * sh.stride));  // this item's weights (the scores stay for the other slices)
+  w.acc.assign((size_t)(qs.nq * width), 0.f);
+  std::vector<float> sums((size_t)qs.nq);
+  for (int64_t i = 0; i < qs.nq; i++) {
+    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < kSlices; t++) m = std::max(m, sh.mx[(r * j.H + h) * kSlices + t]);
+    const float* sc = sh.sc + (r * j.H + h) * sh.stride;
+    float* e = w.sc.data() + i * sh.stride;
+    const int64_t n8 = (qs.n[(size_t)i] + 7) / 8 * 8;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (int64_t k = qs.lo[(size_t)i]; k < n8; k += 8) {
+      const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
+      _mm256_storeu_ps(e + k, ev);
+      sum8 = _mm256_add_ps(sum8, ev);
+    }
+    sums[(size_t)i] = hsum8(sum8);
+  }
+  constexpr int64_t VT = 32;  // keys per V tile, as attend
+  for (int64_t k0 = qs.lomin / VT * VT; k0 < qs.nmax; k0 += VT) {
+    for (int64_t i = 0; i < qs.nq; i++) {
+      const int64_t kbeg = std::max(k0, qs.lo[(size_t)i]), kend = std::min(k0 + VT, qs.n[(size_t)i]);
+      if (kbeg >= kend) continue;
+      const float* e = w.sc.data() + i * sh.stride;
+      float* ap = w.acc.data() + i * width;
+      for (int c0 = c_from; c0 < c_to; c0 += CB) {
+        __m256 acc[CB];
+        for (int c = 0; c < CB; c++) acc[c] = _mm256_loadu_ps(ap + 8 * (c0 - c_from + c));
+        for (int64_t k = kbeg; k < kend; k++) {
+          if (e[k] == 0.f) continue;
+          const __m256 ev = _mm256_set1_ps(e[k]);
+          const float* vr = vb + k * D + 8 * c0;
+          for (int c = 0; c < CB; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < CB; c++) _mm256_storeu_ps(ap + 8 * (c0 - c_from + c), acc[c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < qs.nq; i++) {
+    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
+    float* out = j.out + r * j.H * D + h * D + 8 * c_from;
+    const int64_t n = qs.n[(size_t)i];
+    const __m256 sv = _mm256_set1_ps(sums[(size_t)i]);
+    for (int c = 0; c < c_to - c_from; c++)
+      _mm256_storeu_ps(out + 8 * c, n == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(w.acc.data() + i * width + 8 * c), sv));
+  }
+}
+#endif
+
 // Work item -> (kv group, head block, row block).
 template <int DC>
 void run_item(void* data, size_t item) {
   thread_local Scratch w;
   const Job& j = *static_cast<const Job*>(data);
   try {
+#if defined(ATTN_AVX2)
+  if (j.phase != 0) {  // a split request's pass: item -> (kv group, slice)
+    const Shared sh{j.sc, j.mx, j.stride};
+    const int64_t g = (int64_t)item / kSlices, s = (int64_t)item % kSlices;
+    if (j.phase == 1) split_scores<DC>(j, sh, g, s, w);
+    else split_values<DC>(j, sh, g, s, w);
+    return;
+  }
+#endif
   const int64_t per_group = j.hblocks * j.rblocks, G = j.H / j.KV;
   const int64_t g = (int64_t)item / per_group, rest = (int64_t)item % per_group;
   const int64_t hb = rest / j.rblocks, rbk = rest % j.rblocks;
@@ -351,10 +537,11 @@ void run_item(void* data, size_t item) {
   }
 }
 
-// How the queries are blocked: rows in blocks of up to 4 and a kv group's heads together, so that
-// a block reads its keys and values once (on a 2-core AMD EPYC, AVX2, a lone row at a past of
-// 1024: 67 us a layer against 89-95 with a head per block); one head per block where a single
-// block would leave every thread but one idle (one kv group and one row block).
+// How the queries are blocked where run_jobs does not split the request (a batch, more than one
+// row block, or no AVX2): rows in blocks of up to 4 and a kv group's heads together, so that a
+// block reads its keys and values once (on a 2-core AMD EPYC, AVX2, a lone row at a past of 1024:
+// 67 us a layer against 89-95 with a head per block); one head per block where a single block
+// would leave every thread but one idle (one kv group and one row block).
 void plan(Job& j) {
   const int64_t G = j.H / j.KV;
   j.rb = std::max<int64_t>(1, std::min<int64_t>(4, j.R));
@@ -363,7 +550,7 @@ void plan(Job& j) {
   j.hblocks = (G + j.hb - 1) / j.hb;
 }
 
-inline size_t items(const Job& j) { return (size_t)(j.KV * j.hblocks * j.rblocks); }
+inline size_t items(const Job& j) { return (size_t)(j.phase == 0 ? j.KV * j.hblocks * j.rblocks : j.KV * kSplitSlices); }
 
 using RunItem = void (*)(void*, size_t);
 
@@ -543,15 +730,38 @@ void run_batch(void* data, size_t item) {
 template <typename ParallelFor>
 bool run_jobs(std::vector<Job>& jobs, RunItem run, ParallelFor&& parallel_for) {
   std::atomic<bool> failed{false};
-  Batch bt{&jobs, {}, run};
-  size_t total = 0;
-  for (Job& j : jobs) {
-    j.failed = &failed;
+  auto pass = [&]() {
+    Batch bt{&jobs, {}, run};
+    size_t total = 0;
+    for (Job& j : jobs) {
+      j.failed = &failed;
+      bt.first.push_back(total);
+      total += items(j);
+    }
     bt.first.push_back(total);
-    total += items(j);
+    parallel_for(run_batch, total, &bt);
+  };
+#if defined(ATTN_AVX2)
+  // one request of one to four rows (one row block): two passes, keys then dimensions split
+  if (jobs.size() == 1 && jobs[0].rblocks == 1) {
+    Job& j = jobs[0];
+    thread_local std::vector<float> sc, mx;
+    j.stride = (j.T + 7) / 8 * 8;
+    sc.resize((size_t)(j.H * j.R * j.stride));
+    mx.resize((size_t)(j.H * j.R * kSplitSlices));
+    j.sc = sc.data();
+    j.mx = mx.data();
+    j.phase = 1;
+    pass();
+    if (!failed.load()) {
+      j.phase = 2;
+      pass();
+    }
+    j.phase = 0;
+    return !failed.load();
   }
-  bt.first.push_back(total);
-  parallel_for(run_batch, total, &bt);
+#endif
+  pass();
   return !failed.load();
 }
 
