@@ -56,6 +56,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "onnxruntime_c_api.h"
@@ -146,7 +147,7 @@ struct Job {
   int64_t hb, rb;     // heads and rows per work item (a block of one kv group's queries)
   int64_t hblocks, rblocks;
   int phase = 0;       // run_jobs: 0 whole blocks (attend); 1 and 2 a split request's passes (AVX2)
-  float* sc = nullptr;  // a split request's scores [H*R][stride] and slice maxima [H*R][kSlices]
+  float* sc = nullptr;  // a split request's scores [H*R][stride] and slice maxima [H*R][kSlices] (split_scores)
   float* mx = nullptr;
   int64_t stride = 0;
 };
@@ -178,50 +179,54 @@ struct Scratch {
   std::vector<float> m;
 };
 
-// A block of queries -- heads h0..h1-1 (one kv group's) of rows r0..r1-1 -- in the contract's
-// order for each query; the block shares each 8 keys' K rows and each 32 keys' V rows among its
-// queries (read once from memory), which changes no query's arithmetic: a row's bits are the
-// same in any block, alone or not.
-template <int DC>
-void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t r1, Scratch& w) {
-  constexpr int D = 8 * DC;
-  const int64_t nh = h1 - h0, nq = nh * (r1 - r0);
-  const float* kb = j.kbuf + g * j.CAP * D;
-  const float* vb = j.vbuf + g * j.CAP * D;
-  w.n.assign((size_t)nq, 0);
-  w.lo.assign((size_t)nq, 0);
-  w.m.assign((size_t)nq, -INFINITY);
+// A block of queries: heads h0..h0+nh-1 (one kv group's) of rows r0.., query i being row
+// r0 + i / nh's head h0 + i % nh.
+struct Block {
+  int64_t h0, r0, nh, nq;
+  const float* query(const Job& j, int64_t i) const { return j.q + ((r0 + i / nh) * j.H + h0 + i % nh) * j.D; }
+  const float* bias(const Job& j, int64_t i) const { return j.bias + j.qslot[r0 + i / nh] * j.T; }
+  float* out(const Job& j, int64_t i) const { return j.out + (r0 + i / nh) * j.H * j.D + (h0 + i % nh) * j.D; }
+};
+
+// Each query's keys lo..n-1 into w.n and w.lo (its row's); returns {the largest n, the smallest lo}.
+inline std::pair<int64_t, int64_t> block_keys(const Job& j, const Block& b, Scratch& w) {
+  w.n.assign((size_t)b.nq, 0);
+  w.lo.assign((size_t)b.nq, 0);
   int64_t nmax = 0, lomin = j.T;
-  for (int64_t r = r0; r < r1; r++) {
+  for (int64_t r = b.r0; r < b.r0 + b.nq / b.nh; r++) {
     const int64_t n = visible(j, r), lo = first_seen(j, r, n);
-    for (int64_t h = 0; h < nh; h++) {
-      w.n[(size_t)((r - r0) * nh + h)] = n;
-      w.lo[(size_t)((r - r0) * nh + h)] = lo;
+    for (int64_t h = 0; h < b.nh; h++) {
+      w.n[(size_t)((r - b.r0) * b.nh + h)] = n;
+      w.lo[(size_t)((r - b.r0) * b.nh + h)] = lo;
     }
     nmax = std::max(nmax, n);
     lomin = std::min(lomin, lo);
   }
-  const int64_t stride = (nmax + 7) / 8 * 8;  // a query's scores, then its weights
-  w.sc.resize((size_t)(nq * stride));
-  w.acc.assign((size_t)(nq * D), 0.f);
-  auto query = [&](int64_t i) { return j.q + ((r0 + i / nh) * j.H + h0 + i % nh) * D; };
-  auto bias_of = [&](int64_t i) { return j.bias + j.qslot[r0 + i / nh] * j.T; };
+  return {nmax, lomin};
+}
+
 #if defined(ATTN_AVX2)
-  // scores: 8 keys at a time (8 independent chains), their lane sums reduced together in
-  // hsum8's order
+// The block's scores over keys k_from..k_to-1 (whole groups of 8 from a multiple of 8 off lo):
+// 8 keys at a time (8 independent chains), their lane sums reduced together in hsum8's order;
+// query i's into sc + i * stride (-inf past its n inside its last group), its running maximum in
+// m[i].
+template <int DC>
+void score_keys(const Job& j, const Block& b, const Scratch& w, const float* kb, int64_t k_from, int64_t k_to,
+                float* sc0, int64_t stride, float* m) {
+  constexpr int D = 8 * DC;
   alignas(32) float tail[8 * D];
   const __m256 scale = _mm256_set1_ps(j.scale);
-  for (int64_t k0 = lomin; k0 < nmax; k0 += 8) {
+  for (int64_t k0 = k_from; k0 < k_to; k0 += 8) {
     const float* kr = kb + k0 * D;
     if (k0 + 8 > j.CAP) {  // the buffer ends inside this group: its last rows from a zeroed copy
       std::fill(tail, tail + 8 * D, 0.f);
       std::memcpy(tail, kr, sizeof(float) * (size_t)((j.CAP - k0) * D));
       kr = tail;
     }
-    for (int64_t i = 0; i < nq; i++) {
+    for (int64_t i = 0; i < b.nq; i++) {
       const int64_t n = w.n[(size_t)i];
       if (k0 >= n || k0 < w.lo[(size_t)i]) continue;
-      const float* q = query(i);
+      const float* q = b.query(j, i);
       __m256 a[8];
       const __m256 q0 = _mm256_loadu_ps(q);
       for (int r = 0; r < 8; r++) a[r] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr + r * D));
@@ -237,71 +242,107 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
       const __m256 dots = _mm256_hadd_ps(_mm256_hadd_ps(bb[0], bb[1]), _mm256_hadd_ps(bb[2], bb[3]));
       alignas(32) float x[8];
       _mm256_store_ps(x, _mm256_mul_ps(dots, scale));
-      const float* bias = bias_of(i);
-      float* sc = w.sc.data() + i * stride;
-      float m = w.m[(size_t)i];
+      const float* bias = b.bias(j, i);
+      float* sc = sc0 + i * stride;
+      float mi = m[i];
       for (int r = 0; r < 8; r++) {
         const int64_t k = k0 + r;
         if (k < n) {
           const float v = x[r] + bias[k];
           sc[k] = v;
-          m = std::max(m, v);
+          mi = std::max(mi, v);
         } else {
           sc[k] = -INFINITY;
         }
       }
-      w.m[(size_t)i] = m;
+      m[i] = mi;
     }
   }
-  std::vector<float> sums((size_t)nq);
-  for (int64_t i = 0; i < nq; i++) {
-    const int64_t n8 = (w.n[(size_t)i] + 7) / 8 * 8;
-    float* sc = w.sc.data() + i * stride;
-    const __m256 mv = _mm256_set1_ps(w.m[(size_t)i]);
-    __m256 sum8 = _mm256_setzero_ps();
-    for (int64_t k = w.lo[(size_t)i]; k < n8; k += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
-      _mm256_storeu_ps(sc + k, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    sums[(size_t)i] = hsum8(sum8);
+}
+
+// A query's weights exp(sc - m) over keys lo..n8-1 into e (may be sc itself); returns their sum,
+// lane l adding the keys l mod 8 in order, reduced in hsum8's order.
+inline float weights(const float* sc, float* e, float m, int64_t lo, int64_t n8) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t k = lo; k < n8; k += 8) {
+    const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
+    _mm256_storeu_ps(e + k, ev);
+    sum8 = _mm256_add_ps(sum8, ev);
   }
-  constexpr int64_t VT = 32;  // keys per V tile: 8 KB at D = 64, kept in L1 across the block's queries
+  return hsum8(sum8);
+}
+
+// Output chunks c_from..c_from+CN-1 (8 dimensions each) of the block's queries: each the sum over
+// its keys in order of e_k * v_k (a zero weight skipped), in acc + i * 8 * CN (zeroed by the
+// caller), then divided by the query's sum into its output (zeros where it sees no key). V tiles
+// of 32 keys (8 KB at D = 64) stay in L1 across the block's queries; up to 64 outputs at a time
+// keep their sums in registers (all D of them spilled at D = 128 and 256: a load and a store per
+// fused multiply-add).
+template <int DC, int CN>
+void value_sums(const Job& j, const Block& b, const Scratch& w, const float* vb, int64_t lomin, int64_t nmax,
+                const float* e0, int64_t stride, const float* sums, float* acc0, int c_from) {
+  constexpr int D = 8 * DC, CB = CN < 8 ? CN : 8;
+  static_assert(CN % CB == 0, "whole blocks of outputs");
+  constexpr int64_t VT = 32;
   for (int64_t k0 = lomin / VT * VT; k0 < nmax; k0 += VT) {
-    for (int64_t i = 0; i < nq; i++) {
+    for (int64_t i = 0; i < b.nq; i++) {
       const int64_t kbeg = std::max(k0, w.lo[(size_t)i]), kend = std::min(k0 + VT, w.n[(size_t)i]);
       if (kbeg >= kend) continue;
-      const float* e = w.sc.data() + i * stride;
-      float* ap = w.acc.data() + i * D;
-      // 64 outputs at a time over the tile's keys: their sums stay in registers (all D of them
-      // spilled at D = 128 and 256: a load and a store per fused multiply-add); each output's
-      // order over the keys is the same
-      constexpr int CB = DC < 8 ? DC : 8;
-      for (int c0 = 0; c0 < DC; c0 += CB) {
+      const float* e = e0 + i * stride;
+      float* ap = acc0 + i * 8 * CN;
+      for (int c0 = 0; c0 < CN; c0 += CB) {
         __m256 acc[CB];
         for (int c = 0; c < CB; c++) acc[c] = _mm256_loadu_ps(ap + 8 * (c0 + c));
         for (int64_t k = kbeg; k < kend; k++) {
           if (e[k] == 0.f) continue;
           const __m256 ev = _mm256_set1_ps(e[k]);
-          const float* vr = vb + k * D + 8 * c0;
+          const float* vr = vb + k * D + 8 * (c_from + c0);
           for (int c = 0; c < CB; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
         }
         for (int c = 0; c < CB; c++) _mm256_storeu_ps(ap + 8 * (c0 + c), acc[c]);
       }
     }
   }
-  for (int64_t i = 0; i < nq; i++) {
-    float* out = j.out + (r0 + i / nh) * j.H * D + (h0 + i % nh) * D;
-    const int64_t n = w.n[(size_t)i];
-    const __m256 sv = _mm256_set1_ps(sums[(size_t)i]);
-    for (int c = 0; c < DC; c++)
-      _mm256_storeu_ps(out + 8 * c, n == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(w.acc.data() + i * D + 8 * c), sv));
+  for (int64_t i = 0; i < b.nq; i++) {
+    float* out = b.out(j, i) + 8 * c_from;
+    const __m256 sv = _mm256_set1_ps(sums[i]);
+    for (int c = 0; c < CN; c++)
+      _mm256_storeu_ps(out + 8 * c, w.n[(size_t)i] == 0 ? _mm256_setzero_ps()
+                                                        : _mm256_div_ps(_mm256_loadu_ps(acc0 + i * 8 * CN + 8 * c), sv));
   }
+}
+#endif
+
+// A block of queries -- heads h0..h1-1 (one kv group's) of rows r0..r1-1 -- in the contract's
+// order for each query; the block shares each 8 keys' K rows and each 32 keys' V rows among its
+// queries (read once from memory), which changes no query's arithmetic: a row's bits are the
+// same in any block, alone or not.
+template <int DC>
+void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t r1, Scratch& w) {
+  constexpr int D = 8 * DC;
+  const Block b{h0, r0, h1 - h0, (h1 - h0) * (r1 - r0)};
+  const int64_t nq = b.nq;
+  const float* kb = j.kbuf + g * j.CAP * D;
+  const float* vb = j.vbuf + g * j.CAP * D;
+  const auto [nmax, lomin] = block_keys(j, b, w);
+  w.m.assign((size_t)nq, -INFINITY);
+  const int64_t stride = (nmax + 7) / 8 * 8;  // a query's scores, then its weights
+  w.sc.resize((size_t)(nq * stride));
+  w.acc.assign((size_t)(nq * D), 0.f);
+#if defined(ATTN_AVX2)
+  score_keys<DC>(j, b, w, kb, lomin, nmax, w.sc.data(), stride, w.m.data());
+  std::vector<float> sums((size_t)nq);
+  for (int64_t i = 0; i < nq; i++) {
+    float* sc = w.sc.data() + i * stride;
+    sums[(size_t)i] = weights(sc, sc, w.m[(size_t)i], w.lo[(size_t)i], (w.n[(size_t)i] + 7) / 8 * 8);
+  }
+  value_sums<DC, DC>(j, b, w, vb, lomin, nmax, w.sc.data(), stride, sums.data(), w.acc.data(), 0);
 #else
   for (int64_t i = 0; i < nq; i++) {
-    const float* q = query(i);
-    const float* bias = bias_of(i);
-    float* out = j.out + (r0 + i / nh) * j.H * D + (h0 + i % nh) * D;
+    const float* q = b.query(j, i);
+    const float* bias = b.bias(j, i);
+    float* out = b.out(j, i);
     const int64_t n = w.n[(size_t)i], n8 = (n + 7) / 8 * 8, lo = w.lo[(size_t)i];
     if (n == 0) {  // a row that sees nothing (a pad slot's): zeros
       std::fill(out, out + D, 0.f);
@@ -359,34 +400,16 @@ void attend(const Job& j, int64_t g, int64_t h0, int64_t h1, int64_t r0, int64_t
 // (SmolLM2 +6%), so it stops at one row block.
 constexpr int64_t kSlices = kSplitSlices;  // key and dimension slices per group: one per thread of a 2-core CPU
 
-struct Shared {  // the passes' common state: [query][stride] scores, [query][slice] maxima
+struct Shared {  // the passes' common state: [kv group][query][stride] scores, [..][query][slice] maxima
   float* sc;
   float* mx;
   int64_t stride;
 };
 
-// Query i of group g (all its heads, all rows): its row, head, keys [lo, n).
-struct Queries {
-  int64_t nh, nq, nmax, lomin;
-  std::vector<int64_t>& n;
-  std::vector<int64_t>& lo;
-};
-
-inline Queries group_queries(const Job& j, Scratch& w) {
-  const int64_t nh = j.H / j.KV, nq = nh * j.R;
-  w.n.assign((size_t)nq, 0);
-  w.lo.assign((size_t)nq, 0);
-  int64_t nmax = 0, lomin = j.T;
-  for (int64_t r = 0; r < j.R; r++) {
-    const int64_t n = visible(j, r), lo = first_seen(j, r, n);
-    for (int64_t h = 0; h < nh; h++) {
-      w.n[(size_t)(r * nh + h)] = n;
-      w.lo[(size_t)(r * nh + h)] = lo;
-    }
-    nmax = std::max(nmax, n);
-    lomin = std::min(lomin, lo);
-  }
-  return {nh, nq, nmax, lomin, w.n, w.lo};
+// Group g's queries (all its heads, every row) as one block.
+inline Block group_block(const Job& j, int64_t g) {
+  const int64_t nh = j.H / j.KV;
+  return {g * nh, 0, nh, nh * j.R};
 }
 
 // The scores of group g's queries over key slice s (whole groups of 8 keys), as attend computes
@@ -394,121 +417,36 @@ inline Queries group_queries(const Job& j, Scratch& w) {
 template <int DC>
 void split_scores(const Job& j, const Shared& sh, int64_t g, int64_t s, Scratch& w) {
   constexpr int D = 8 * DC;
-  const Queries qs = group_queries(j, w);
-  const float* kb = j.kbuf + g * j.CAP * D;
-  const int64_t groups = (qs.nmax - qs.lomin + 7) / 8;
-  const int64_t k_from = qs.lomin + 8 * (groups * s / kSlices), k_to = qs.lomin + 8 * (groups * (s + 1) / kSlices);
-  std::vector<float>& m = w.m;
-  m.assign((size_t)qs.nq, -INFINITY);
-  alignas(32) float tail[8 * D];
-  const __m256 scale = _mm256_set1_ps(j.scale);
-  for (int64_t k0 = k_from; k0 < k_to && k0 < qs.nmax; k0 += 8) {
-    const float* kr = kb + k0 * D;
-    if (k0 + 8 > j.CAP) {  // the buffer ends inside this group: its last rows from a zeroed copy
-      std::fill(tail, tail + 8 * D, 0.f);
-      std::memcpy(tail, kr, sizeof(float) * (size_t)((j.CAP - k0) * D));
-      kr = tail;
-    }
-    for (int64_t i = 0; i < qs.nq; i++) {
-      const int64_t n = qs.n[(size_t)i];
-      if (k0 >= n || k0 < qs.lo[(size_t)i]) continue;
-      const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
-      const float* q = j.q + (r * j.H + h) * D;
-      __m256 a[8];
-      const __m256 q0 = _mm256_loadu_ps(q);
-      for (int k = 0; k < 8; k++) a[k] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr + k * D));
-      for (int c = 1; c < DC; c++) {
-        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-        for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr + k * D + 8 * c), a[k]);
-      }
-      __m256 bb[4];
-      for (int k = 0; k < 4; k++)
-        bb[k] = _mm256_permute_ps(_mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20),
-                                                _mm256_permute2f128_ps(a[k], a[k + 4], 0x31)),
-                                  0xD8);
-      const __m256 dots = _mm256_hadd_ps(_mm256_hadd_ps(bb[0], bb[1]), _mm256_hadd_ps(bb[2], bb[3]));
-      alignas(32) float x[8];
-      _mm256_store_ps(x, _mm256_mul_ps(dots, scale));
-      const float* bias = j.bias + j.qslot[r] * j.T;
-      float* sc = sh.sc + (r * j.H + h) * sh.stride;
-      float mi = m[(size_t)i];
-      for (int k = 0; k < 8; k++) {
-        const int64_t key = k0 + k;
-        if (key < n) {
-          const float v = x[k] + bias[key];
-          sc[key] = v;
-          mi = std::max(mi, v);
-        } else {
-          sc[key] = -INFINITY;
-        }
-      }
-      m[(size_t)i] = mi;
-    }
-  }
-  for (int64_t i = 0; i < qs.nq; i++) {
-    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
-    sh.mx[(r * j.H + h) * kSlices + s] = m[(size_t)i];
-  }
+  const Block b = group_block(j, g);
+  const auto [nmax, lomin] = block_keys(j, b, w);
+  const int64_t groups = (nmax - lomin + 7) / 8;
+  const int64_t k_from = lomin + 8 * (groups * s / kSlices);
+  const int64_t k_to = std::min(nmax, lomin + 8 * (groups * (s + 1) / kSlices));
+  w.m.assign((size_t)b.nq, -INFINITY);
+  score_keys<DC>(j, b, w, j.kbuf + g * j.CAP * D, k_from, k_to, sh.sc + g * b.nq * sh.stride, sh.stride, w.m.data());
+  for (int64_t i = 0; i < b.nq; i++) sh.mx[(g * b.nq + i) * kSlices + s] = w.m[(size_t)i];
 }
 
 // Group g's queries' weights (attend's: the maximum over the slices' maxima, the exponentials and
-// their lane sums over all keys) and output dimensions of slice s (chunks of 8), each a sum over
-// the keys in attend's order.
+// their lane sums over all keys) and output dimensions of slice s, each a sum over the keys in
+// attend's order.
 template <int DC>
 void split_values(const Job& j, const Shared& sh, int64_t g, int64_t s, Scratch& w) {
-  constexpr int D = 8 * DC;
-  const Queries qs = group_queries(j, w);
-  const float* vb = j.vbuf + g * j.CAP * D;
-  constexpr int CS = DC / kSlices, CB = CS < 8 ? CS : 8;  // a slice's chunks of 8 dimensions, in blocks of CB
-  static_assert(DC % kSlices == 0 && CS % CB == 0, "whole blocks per slice");
-  const int c_from = (int)(CS * s), c_to = c_from + CS, width = 8 * CS;
-  w.sc.resize((size_t)(qs.nq * sh.stride));  // this item's weights (the scores stay for the other slices)
-  w.acc.assign((size_t)(qs.nq * width), 0.f);
-  std::vector<float> sums((size_t)qs.nq);
-  for (int64_t i = 0; i < qs.nq; i++) {
-    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
+  constexpr int D = 8 * DC, CS = DC / kSlices;  // a slice's chunks of 8 dimensions
+  static_assert(DC % kSlices == 0, "whole chunks per slice");
+  const Block b = group_block(j, g);
+  const auto [nmax, lomin] = block_keys(j, b, w);
+  w.sc.resize((size_t)(b.nq * sh.stride));  // this item's weights (the scores stay for the other slices)
+  w.acc.assign((size_t)(b.nq * 8 * CS), 0.f);
+  std::vector<float> sums((size_t)b.nq);
+  for (int64_t i = 0; i < b.nq; i++) {
     float m = -INFINITY;
-    for (int64_t t = 0; t < kSlices; t++) m = std::max(m, sh.mx[(r * j.H + h) * kSlices + t]);
-    const float* sc = sh.sc + (r * j.H + h) * sh.stride;
-    float* e = w.sc.data() + i * sh.stride;
-    const int64_t n8 = (qs.n[(size_t)i] + 7) / 8 * 8;
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum8 = _mm256_setzero_ps();
-    for (int64_t k = qs.lo[(size_t)i]; k < n8; k += 8) {
-      const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), mv));
-      _mm256_storeu_ps(e + k, ev);
-      sum8 = _mm256_add_ps(sum8, ev);
-    }
-    sums[(size_t)i] = hsum8(sum8);
+    for (int64_t t = 0; t < kSlices; t++) m = std::max(m, sh.mx[(g * b.nq + i) * kSlices + t]);
+    sums[(size_t)i] = weights(sh.sc + (g * b.nq + i) * sh.stride, w.sc.data() + i * sh.stride, m, w.lo[(size_t)i],
+                              (w.n[(size_t)i] + 7) / 8 * 8);
   }
-  constexpr int64_t VT = 32;  // keys per V tile, as attend
-  for (int64_t k0 = qs.lomin / VT * VT; k0 < qs.nmax; k0 += VT) {
-    for (int64_t i = 0; i < qs.nq; i++) {
-      const int64_t kbeg = std::max(k0, qs.lo[(size_t)i]), kend = std::min(k0 + VT, qs.n[(size_t)i]);
-      if (kbeg >= kend) continue;
-      const float* e = w.sc.data() + i * sh.stride;
-      float* ap = w.acc.data() + i * width;
-      for (int c0 = c_from; c0 < c_to; c0 += CB) {
-        __m256 acc[CB];
-        for (int c = 0; c < CB; c++) acc[c] = _mm256_loadu_ps(ap + 8 * (c0 - c_from + c));
-        for (int64_t k = kbeg; k < kend; k++) {
-          if (e[k] == 0.f) continue;
-          const __m256 ev = _mm256_set1_ps(e[k]);
-          const float* vr = vb + k * D + 8 * c0;
-          for (int c = 0; c < CB; c++) acc[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < CB; c++) _mm256_storeu_ps(ap + 8 * (c0 - c_from + c), acc[c]);
-      }
-    }
-  }
-  for (int64_t i = 0; i < qs.nq; i++) {
-    const int64_t r = i / qs.nh, h = g * qs.nh + i % qs.nh;
-    float* out = j.out + r * j.H * D + h * D + 8 * c_from;
-    const int64_t n = qs.n[(size_t)i];
-    const __m256 sv = _mm256_set1_ps(sums[(size_t)i]);
-    for (int c = 0; c < c_to - c_from; c++)
-      _mm256_storeu_ps(out + 8 * c, n == 0 ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(w.acc.data() + i * width + 8 * c), sv));
-  }
+  value_sums<DC, CS>(j, b, w, j.vbuf + g * j.CAP * D, lomin, nmax, w.sc.data(), sh.stride, sums.data(), w.acc.data(),
+                     (int)(CS * s));
 }
 #endif
 
